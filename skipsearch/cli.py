@@ -1,0 +1,199 @@
+"""`python -m skipsearch <command>`: generate, optimize, export, plot, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from . import models
+from .decoding import DraftPolicy, Sampling, generate
+from .skipping import SkipSet
+
+
+class UsageError(ValueError):
+    """Bad input from the command line: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + message
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer ids such as 3,7,12, got {text!r}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _unit_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model", default=None,
+        help=f"Hugging Face name or local folder (default: the embedded {models.DEFAULT_MODEL})",
+    )
+    group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    group.add_argument(
+        "--dtype", default=None, choices=sorted(models.DTYPES), help="(default: bfloat16 on CUDA, float32 on CPU)"
+    )
+
+
+def _add_draft_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("drafting (defaults: the config's values, else the ones shown)")
+    d = DraftPolicy()
+    group.add_argument("--max-draft-tokens", type=_non_negative_int, default=None,
+                       help=f"most tokens drafted per round (default: {d.max_draft_tokens})")
+    group.add_argument("--fixed-draft", action="store_true",
+                       help="always draft --max-draft-tokens tokens (default: adaptive by confidence)")
+    group.add_argument("--confidence-threshold", type=_unit_float, default=None,
+                       help=f"adaptive: stop drafting below this top-1 probability (default: {d.confidence_threshold})")
+    group.add_argument("--target-acceptance", type=_unit_float, default=None,
+                       help=f"adaptive: acceptance rate the threshold steers toward (default: {d.target_acceptance})")
+    group.add_argument("--threshold-step", type=_unit_float, default=None,
+                       help=f"adaptive: threshold change per round (default: {d.threshold_step})")
+
+
+def _draft_policy(args: argparse.Namespace, base: DraftPolicy) -> DraftPolicy:
+    return DraftPolicy(
+        max_draft_tokens=base.max_draft_tokens if args.max_draft_tokens is None else args.max_draft_tokens,
+        adaptive=base.adaptive and not args.fixed_draft,
+        confidence_threshold=base.confidence_threshold if args.confidence_threshold is None else args.confidence_threshold,
+        target_acceptance=base.target_acceptance if args.target_acceptance is None else args.target_acceptance,
+        threshold_step=base.threshold_step if args.threshold_step is None else args.threshold_step,
+    )
+
+
+def _load(args: argparse.Namespace) -> models.LoadedModel:
+    return models.load_model(args.model, device=args.device, dtype=args.dtype)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .config import load_skip_config
+
+    if args.config and (args.skip_attn or args.skip_mlp):
+        raise UsageError("give either --config or --skip-attn/--skip-mlp, not both")
+    loaded = _load(args)
+    num_layers = loaded.model.config.num_hidden_layers
+    base_policy = DraftPolicy()
+    skip: SkipSet | None = SkipSet.of(args.skip_attn or (), args.skip_mlp or (), num_layers)
+    if args.config:
+        config = load_skip_config(args.config, loaded.model)
+        skip, base_policy = config.skip, config.draft
+    policy = _draft_policy(args, base_policy)
+    if args.autoregressive:
+        skip = None
+    sampling = Sampling(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    prompt_ids = models.encode_prompt(loaded.tokenizer, args.prompt, raw=args.raw)
+    models.check_context(loaded.model, len(prompt_ids), args.max_new_tokens, policy.max_draft_tokens)
+    generator = torch.Generator(loaded.device).manual_seed(args.seed) if args.do_sample else None
+    output = generate(
+        loaded.model, prompt_ids, skip=skip, max_new_tokens=args.max_new_tokens, policy=policy,
+        sampling=sampling, eos_token_id=loaded.model.generation_config.eos_token_id, generator=generator,
+    )
+    text = loaded.tokenizer.decode(output.tokens, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps({
+            "text": text,
+            "token_ids": output.tokens,
+            "skip": skip.as_dict() if skip is not None else None,
+            "stats": output.stats.as_dict(),
+        }))
+    else:
+        print(text)
+        s = output.stats
+        print(
+            f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, {s.rounds} rounds, "
+            f"acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted}), skip {skip if skip else 'none'}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="python -m skipsearch", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    formatter = argparse.ArgumentDefaultsHelpFormatter
+
+    gen = commands.add_parser(
+        "generate", help="decode one prompt with self-speculative decoding", formatter_class=formatter,
+        description="Decode one prompt with self-speculative decoding (greedy output equals plain greedy decoding).",
+    )
+    gen.add_argument("--prompt", required=True, help="the user message")
+    gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
+    gen.add_argument("--config", help="skip config JSON exported by `optimize` / `export`")
+    gen.add_argument("--skip-attn", type=_int_list, default=None, help="attention layers to skip, e.g. 3,7")
+    gen.add_argument("--skip-mlp", type=_int_list, default=None, help="MLP layers to skip, e.g. 12")
+    gen.add_argument("--autoregressive", action="store_true", help="decode plainly through the same loop")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens to generate at most")
+    gen.add_argument("--do-sample", action="store_true", help="sample (speculative rejection sampling) instead of greedy")
+    gen.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature")
+    gen.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
+    gen.add_argument("--top-p", type=_unit_float, default=None, help="nucleus sampling mass")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument("--json", action="store_true", help="print text, token ids and statistics as JSON")
+    _add_draft_flags(gen)
+    _add_model_flags(gen)
+    gen.set_defaults(run=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # The CLI prints its own progress; transformers' weight-loading bars would bury the one-line errors.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        return args.run(args)
+    except ValueError as error:
+        print(f"skipsearch {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"skipsearch {args.command}: interrupted", file=sys.stderr)
+        return 130

