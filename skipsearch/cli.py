@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -154,6 +155,96 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _study_name(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", text):
+        raise argparse.ArgumentTypeError(
+            f"study names are 1-100 letters, digits, '.', '_' or '-', starting with a letter or digit; got {text!r}"
+        )
+    return text
+
+
+def _add_study_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("study")
+    group.add_argument("--study-name", type=_study_name, default="default", help="name of the Optuna study")
+    group.add_argument("--studies-dir", type=Path, default=Path("studies"),
+                       help="where studies, exported configs and plots live")
+    group.add_argument("--storage", default=None,
+                       help="any Optuna storage URL (default: sqlite:///<studies-dir>/<study-name>.db)")
+
+
+def _storage(args: argparse.Namespace, must_exist: bool) -> str:
+    from .search import default_storage
+
+    if args.storage:
+        return args.storage
+    database = args.studies_dir / f"{args.study_name}.db"
+    if must_exist and not database.is_file():
+        raise UsageError(f"no study database at {database}: run `python -m skipsearch optimize` first, "
+                         "or give --storage / --studies-dir")
+    return default_storage(args.study_name, args.studies_dir)
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from .config import ModelInfo
+    from .data import load_prompts
+    from .plots import write_plots
+    from .search import SearchSpace, StudySettings, export_trial, run_study, verdict
+
+    prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
+                           seed=args.seed)
+    policy = _draft_policy(args, DraftPolicy())
+    loaded = _load(args)
+    num_layers = loaded.model.config.num_hidden_layers
+    space = SearchSpace(num_layers=num_layers, keep_first_last=not args.allow_first_last,
+                        max_skip_fraction=args.max_skip_fraction, skip_prior=args.skip_prior)
+    encoded = [models.encode_prompt(loaded.tokenizer, p, raw=args.raw) for p in prompts]
+    for ids in encoded:
+        models.check_context(loaded.model, len(ids), args.max_new_tokens, policy.max_draft_tokens)
+    args.studies_dir.mkdir(parents=True, exist_ok=True)
+    settings = StudySettings(
+        study_name=args.study_name, storage=_storage(args, must_exist=False), objective=args.objective,
+        sampler=args.sampler, seed=args.seed, n_trials=args.n_trials, timeout=args.timeout, min_match=args.min_match,
+        dataset=args.dataset, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
+        show_progress_bar=not args.no_progress,
+    )
+    study = run_study(loaded.model, ModelInfo.of(loaded.model, loaded.name_or_path), loaded.dtype_name, encoded,
+                      settings, space, policy, loaded.model.generation_config.eos_token_id)
+    folder = args.studies_dir / args.study_name
+    config = export_trial(study, folder / "best.json")
+    print(f"study {args.study_name}: {len(study.trials)} trials in {settings.storage}")
+    print(verdict(study)[1])
+    print(f"exported {folder / 'best.json'}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
+    if not args.no_plots:
+        written = write_plots(study, folder / "plots")
+        print(f"plots: {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .search import export_trial, load_study, verdict
+
+    study = load_study(args.study_name, _storage(args, must_exist=True))
+    output = args.output or args.studies_dir / args.study_name / "best.json"
+    config = export_trial(study, output, args.trial)
+    if args.trial is None:
+        print(verdict(study)[1])
+    print(f"exported {output}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from .plots import write_plots
+    from .search import load_study
+
+    study = load_study(args.study_name, _storage(args, must_exist=True))
+    if not any(t.state.name == "COMPLETE" for t in study.trials):
+        raise UsageError(f"study {args.study_name!r} has no completed trial to plot yet")
+    output = args.output or args.studies_dir / args.study_name / "plots"
+    for path in write_plots(study, output):
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m skipsearch", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -179,6 +270,59 @@ def build_parser() -> argparse.ArgumentParser:
     _add_draft_flags(gen)
     _add_model_flags(gen)
     gen.set_defaults(run=cmd_generate)
+
+    from .data import BUILTIN
+    from .search import OBJECTIVES, SAMPLERS
+
+    opt = commands.add_parser(
+        "optimize", help="search for the skip set that decodes fastest", formatter_class=formatter,
+        description="Run (or resume) an Optuna study over attention/MLP skip sets, export the best as JSON and "
+                    "plot the study. Re-running the same command resumes the study up to --n-trials.",
+    )
+    data = opt.add_argument_group("calibration prompts")
+    data.add_argument("--dataset", default=BUILTIN,
+                      help="'builtin' (32 prompts shipped), a local .json/.jsonl file, or a Hub dataset name")
+    data.add_argument("--field", default="prompt", help="the dataset field holding the prompt text")
+    data.add_argument("--split", default="train", help="the split of a Hub dataset")
+    data.add_argument("--num-prompts", type=_positive_int, default=4, help="prompts decoded per trial")
+    data.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens decoded per prompt")
+    data.add_argument("--raw", action="store_true", help="tokenize prompts as is, without the chat template")
+    search = opt.add_argument_group("search")
+    search.add_argument("--objective", choices=OBJECTIVES, default="speed_x_acceptance",
+                        help="speedup x acceptance rate, speedup alone, or both as a Pareto front")
+    search.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="Optuna sampler")
+    search.add_argument("--n-trials", type=_positive_int, default=20,
+                        help="finished trials the study should hold (a re-run resumes up to this)")
+    search.add_argument("--timeout", type=_positive_float, default=None, help="stop after this many seconds")
+    search.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the prompt selection")
+    search.add_argument("--skip-prior", type=_unit_float, default=0.15,
+                        help="share of sublayers a uniform draw skips (0.5: the plain 2L-switch space)")
+    search.add_argument("--max-skip-fraction", type=_unit_float, default=0.5, help="never skip more than this share")
+    search.add_argument("--allow-first-last", action="store_true",
+                        help="let the search skip sublayers of the first and last layers (kept by default)")
+    search.add_argument("--min-match", type=_unit_float, default=0.5,
+                        help="prune a skip set whose teacher-forced draft/full agreement is below this (0: never)")
+    out = opt.add_argument_group("output")
+    out.add_argument("--no-plots", action="store_true", help="do not write plots")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_study_flags(opt)
+    _add_draft_flags(opt)
+    _add_model_flags(opt)
+    opt.set_defaults(run=cmd_optimize)
+
+    exp = commands.add_parser("export", help="write a trial's skip config as JSON", formatter_class=formatter,
+                              description="Write the best trial (or --trial N) of a study as a skip-config JSON.")
+    exp.add_argument("--trial", type=_non_negative_int, default=None, help="trial number (default: the best)")
+    exp.add_argument("--output", type=Path, default=None, help="(default: <studies-dir>/<study-name>/best.json)")
+    _add_study_flags(exp)
+    exp.set_defaults(run=cmd_export)
+
+    plot = commands.add_parser("plot", help="write the study's plots as PNG files", formatter_class=formatter,
+                               description="Write optimization history, parameter importances, skip map, "
+                                           "speedup vs skipped fraction (and the Pareto front) as PNG files.")
+    plot.add_argument("--output", type=Path, default=None, help="(default: <studies-dir>/<study-name>/plots)")
+    _add_study_flags(plot)
+    plot.set_defaults(run=cmd_plot)
     return parser
 
 

@@ -189,8 +189,8 @@ def generate(
 ) -> GenerationOutput:
     """Decode `max_new_tokens` (or up to EOS) for one prompt with self-speculative decoding.
 
-    `skip=None` or `policy.max_draft_tokens == 0` decodes autoregressively through the same
-    loop. `generator` seeds sampling; it must live on the model's device.
+    `skip=None`, an empty skip set or `policy.max_draft_tokens == 0` decodes autoregressively
+    through the same loop. `generator` seeds sampling; it must live on the model's device.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -198,7 +198,8 @@ def generate(
     prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).view(1, -1)
     if prompt.shape[1] == 0:
         raise ValueError("the prompt is empty: at least one token is needed")
-    max_draft = policy.max_draft_tokens if skip is not None else 0
+    # Drafting with nothing skipped is the full model twice over: an empty set means plain decoding.
+    max_draft = policy.max_draft_tokens if skip is not None and skip.size else 0
     eos = _eos_set(eos_token_id)
     threshold = policy.confidence_threshold
     smoothed_acceptance = policy.target_acceptance

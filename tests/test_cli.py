@@ -58,3 +58,59 @@ def test_generate_bad_input_is_one_line_and_exit_2(capsys, tiny_model_dir, argv,
     _, err = capsys.readouterr()
     assert exit_info.value.code == 2
     assert len(err.strip().splitlines()) == 1 and re.search(message, err)
+
+
+def optimize_args(model_dir, studies, *extra, n_trials=4):
+    return ["optimize", "--model", model_dir, "--studies-dir", studies, "--study-name", "cli", "--n-trials", n_trials,
+            "--num-prompts", 2, "--max-new-tokens", 6, "--no-progress", "--min-match", 0, *extra]
+
+
+def test_optimize_exports_plots_and_resumes(capsys, tmp_path, tiny_model_dir):
+    from skipsearch.config import load_skip_config
+
+    code, out, _ = run(capsys, *optimize_args(tiny_model_dir, tmp_path))
+    assert code == 0
+    assert (tmp_path / "cli.db").is_file() and "exported" in out and "plain decoding" in out
+    best = load_skip_config(tmp_path / "cli" / "best.json")
+    assert best.search["study_name"] == "cli" and best.model.num_hidden_layers == 4
+    assert {p.name for p in (tmp_path / "cli" / "plots").iterdir()} >= {"history.png", "skip_map.png"}
+    code, out, _ = run(capsys, *optimize_args(tiny_model_dir, tmp_path, "--no-plots", n_trials=6))
+    assert code == 0 and "study cli:" in out
+    import optuna
+
+    study = optuna.load_study(study_name="cli", storage=f"sqlite:///{tmp_path}/cli.db")
+    assert len([t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]) == 6
+
+    code, out, _ = run(capsys, "export", "--studies-dir", tmp_path, "--study-name", "cli", "--trial", 1,
+                       "--output", tmp_path / "t1.json")
+    assert code == 0 and load_skip_config(tmp_path / "t1.json").search["trial_number"] == 1
+    code, out, _ = run(capsys, "plot", "--studies-dir", tmp_path, "--study-name", "cli", "--output", tmp_path / "p")
+    assert code == 0 and len(out.split()) == 4
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["export", "--study-name", "nope"], "no study database"),
+        (["plot", "--study-name", "nope"], "no study database"),
+        (["export", "--study-name", "../x"], "study names are"),
+        (["optimize", "--sampler", "bayes"], "invalid choice"),
+        (["optimize", "--skip-prior", "2"], r"number in \[0, 1\]"),
+        (["optimize", "--n-trials", "-3"], "integer >= 1"),
+        (["optimize", "--dataset", "/nonexistent/prompts.jsonl"], "does not exist"),
+    ],
+)
+def test_search_commands_bad_input(capsys, tmp_path, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main([*argv, "--studies-dir", str(tmp_path)]))
+    _, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_every_command_has_help(capsys):
+    for command in ["generate", "optimize", "export", "plot"]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--help"])
+        assert exit_info.value.code == 0
+        assert "--" in capsys.readouterr().out

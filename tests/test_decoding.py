@@ -48,10 +48,17 @@ def test_autoregressive_path_drafts_nothing_and_matches_generate():
     assert out.stats.drafted == 0 and out.stats.rounds == len(out.tokens) - 1
 
 
-def test_empty_skip_set_accepts_every_draft():
+def test_empty_skip_set_decodes_plainly():
     out = generate(MODELS["qwen2"], [5, 9, 14], skip=SkipSet(), max_new_tokens=20,
                    policy=DraftPolicy(max_draft_tokens=4, adaptive=False), eos_token_id=None)
-    assert out.stats.drafted > 0 and out.stats.acceptance_rate == 1.0
+    assert out.stats.drafted == 0 and out.stats.rounds == 19
+    assert out.tokens == generate(MODELS["qwen2"], [5, 9, 14], skip=None, max_new_tokens=20, eos_token_id=None).tokens
+
+
+def test_mean_accepted_tokens_counts_per_round():
+    out = generate(MODELS["qwen2"], [5, 9, 14], skip=SkipSet.of([3], [], NUM_LAYERS), max_new_tokens=20,
+                   policy=DraftPolicy(max_draft_tokens=4, adaptive=False), eos_token_id=None)
+    assert out.stats.drafted > 0 and out.stats.accepted > 0
     assert out.stats.mean_accepted_tokens == out.stats.accepted / out.stats.rounds
 
 

@@ -1,0 +1,41 @@
+import json
+
+import pytest
+
+from skipsearch.data import load_prompts
+
+
+def test_builtin_prompts_are_selected_deterministically_by_seed():
+    everything = load_prompts(num_prompts=None)
+    assert len(everything) == 32 and all(isinstance(p, str) and p for p in everything)
+    assert load_prompts(num_prompts=5, seed=3) == load_prompts(num_prompts=5, seed=3)
+    assert load_prompts(num_prompts=5, seed=3) != load_prompts(num_prompts=5, seed=4)
+    assert set(load_prompts(num_prompts=5, seed=3)) <= set(everything)
+
+
+def test_local_jsonl_and_json_with_a_field(tmp_path):
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"text": f"prompt {i}"}) for i in range(4)))
+    assert sorted(load_prompts(str(tmp_path / "p.jsonl"), field="text", num_prompts=4)) == [
+        f"prompt {i}" for i in range(4)]
+    (tmp_path / "p.json").write_text(json.dumps([{"q": "a"}, {"q": "b"}]))
+    assert sorted(load_prompts(str(tmp_path / "p.json"), field="q", num_prompts=None)) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    "content, kwargs, message",
+    [
+        ('{"prompt": "a"}', dict(field="text"), "has no field 'text'"),
+        ('{"prompt": ""}', {}, "no non-empty text"),
+        ('{"prompt": "a"}', dict(num_prompts=3), "asked for 3 prompts"),
+        ("not json at all", {}, "cannot read dataset"),
+    ],
+)
+def test_bad_datasets_are_clear_errors(tmp_path, content, kwargs, message):
+    (tmp_path / "d.jsonl").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        load_prompts(str(tmp_path / "d.jsonl"), **{"num_prompts": 1, **kwargs})
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_prompts(str(tmp_path / "nope.jsonl"))

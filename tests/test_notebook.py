@@ -1,0 +1,25 @@
+import nbformat
+from nbclient import NotebookClient
+
+from conftest import tiny_model
+from skipsearch.config import ModelInfo
+from skipsearch.decoding import DraftPolicy
+from skipsearch.search import SearchSpace, StudySettings, run_study
+
+NOTEBOOK = "notebooks/view_study.ipynb"
+
+
+def test_view_study_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
+    model = tiny_model()
+    settings = StudySettings(study_name="nb", storage=f"sqlite:///{tmp_path}/nb.db", n_trials=5, num_prompts=1,
+                             max_new_tokens=6, min_match=0.0, show_progress_bar=False)
+    run_study(model, ModelInfo.of(model, "tiny"), "float32", [[5, 9, 14]], settings,
+              SearchSpace(num_layers=4, skip_prior=0.4), DraftPolicy(max_draft_tokens=3), None)
+    monkeypatch.setenv("SKIPSEARCH_STUDY", "nb")
+    monkeypatch.setenv("SKIPSEARCH_STORAGE", settings.storage)
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
+    assert any("nb: " in o.get("text", "") for o in outputs)

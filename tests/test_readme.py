@@ -1,0 +1,19 @@
+"""The README's inference example runs as written."""
+
+import re
+from pathlib import Path
+
+from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
+from skipsearch.skipping import SkipSet
+
+
+def test_readme_inference_example_runs(tmp_path, monkeypatch, default_model, capsys):
+    readme = Path(__file__).parent.parent / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
+    example = next(b for b in blocks if "load_skip_config" in b)
+    config = SkipConfig(model=ModelInfo.of(default_model.model, "smollm2-135m-instruct"), skip=SkipSet.of([20], [], 30))
+    save_skip_config(config, tmp_path / "studies" / "default" / "best.json")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "README.md", "exec"), {})
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) >= 2 and "tok/s, acceptance" in out[-1] and out[0]

@@ -1,0 +1,190 @@
+import json
+
+import optuna
+import pytest
+import torch
+from optuna.trial import FixedTrial, TrialState
+
+from conftest import tiny_model
+from skipsearch.config import ModelInfo, load_skip_config
+from skipsearch.decoding import DraftPolicy
+from skipsearch.plots import write_plots
+from skipsearch.search import (
+    Evaluator, SearchSpace, StudySettings, export_trial, load_study, make_sampler, run_study, verdict,
+)
+from skipsearch.skipping import SkipSet
+
+PROMPTS = [[5, 9, 14, 3], [7, 2, 30, 31, 8]]
+
+
+def test_space_skips_draws_below_the_prior_within_the_cap():
+    space = SearchSpace(num_layers=6, keep_first_last=True, max_skip_fraction=0.35, skip_prior=0.2)  # cap: 4
+    assert [name for name in (space.param_name(k, i) for k, i in space.sublayers())][:2] == ["attn_001", "mlp_001"]
+    params = {space.param_name(k, i): 0.9 for k, i in space.sublayers()}
+    params.update(attn_002=0.05, mlp_003=0.1, attn_004=0.01, mlp_001=0.19)
+    assert space.suggest(FixedTrial(params)) == SkipSet.of([2, 4], [1, 3], 6)
+    params.update(attn_003=0.0)  # 5 below the prior, cap is 4: the lowest draws win
+    assert space.suggest(FixedTrial(params)) == SkipSet.of([2, 3, 4], [3], 6)
+
+
+def test_space_round_trips_warm_starts():
+    space = SearchSpace(num_layers=8)
+    starts = space.warm_starts()
+    assert starts[0] == SkipSet() and len(set(starts)) == len(starts)
+    for skip in starts:
+        assert 0 not in skip.attn + skip.mlp and 7 not in skip.attn + skip.mlp
+        assert space.from_params(space.params_for(skip)) == skip
+
+
+def test_space_validates_settings():
+    with pytest.raises(ValueError, match="max_skip_fraction"):
+        SearchSpace(num_layers=4, max_skip_fraction=1.5)
+    with pytest.raises(ValueError, match="skip_prior"):
+        SearchSpace(num_layers=4, skip_prior=0.0)
+
+
+def make_evaluator(model=None):
+    return Evaluator(model=model or tiny_model(), prompts=PROMPTS, max_new_tokens=8,
+                     policy=DraftPolicy(max_draft_tokens=3), eos_token_id=None)
+
+
+def test_evaluator_measures_speedup_acceptance_and_identity():
+    evaluator = make_evaluator()
+    baseline = evaluator.measure_baseline()
+    assert [len(t) for t in baseline.tokens] == [8, 8] and baseline.tokens_per_second > 0
+    steps = []
+    result = evaluator.evaluate(SkipSet.of([1], [2], 4), report=lambda step, value: steps.append(step))
+    assert steps == [0, 1]
+    assert result.identical and result.speedup > 0 and 0 <= result.acceptance_rate <= 1
+    assert result.score("speed_x_acceptance") == pytest.approx(result.speedup * result.acceptance_rate)
+    assert result.score("pareto") == (result.speedup, result.acceptance_rate)
+    plain = evaluator.evaluate(SkipSet())
+    assert plain.acceptance_rate == 1.0 and plain.mean_accepted_tokens == 0.0
+
+
+def test_match_rate_is_one_without_skipping_and_lower_with_it():
+    evaluator = make_evaluator()
+    assert evaluator.match_rate(SkipSet()) == 1.0
+    assert evaluator.match_rate(SkipSet.of(range(4), range(4), 4)) < 1.0
+
+
+def settings(tmp_path, **kw):
+    base = dict(study_name="s", storage=f"sqlite:///{tmp_path}/s.db", n_trials=6, num_prompts=2, max_new_tokens=8,
+                min_match=0.0, show_progress_bar=False)
+    base.update(kw)
+    return StudySettings(**base)
+
+
+def run(model, tmp_path, **kw):
+    return run_study(model, ModelInfo.of(model, "tiny"), "float32", PROMPTS, settings(tmp_path, **kw),
+                     SearchSpace(num_layers=4, skip_prior=0.4), DraftPolicy(max_draft_tokens=3), None)
+
+
+def test_study_runs_resumes_exports_and_plots(tmp_path):
+    model = tiny_model()
+    study = run(model, tmp_path, n_trials=6)
+    first = [(t.number, t.params) for t in study.trials]
+    assert len(first) >= 6 and study.trials[0].user_attrs.get("warm_start")
+    resumed = run(model, tmp_path, n_trials=9)
+    assert [(t.number, t.params) for t in resumed.trials][: len(first)] == first
+    finished = [t for t in resumed.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == 9
+    for trial in resumed.get_trials(states=(TrialState.COMPLETE,)):
+        assert {"speedup", "acceptance_rate", "tokens_per_second", "mean_accepted_tokens", "skipped"} <= set(
+            trial.user_attrs)
+    config = export_trial(resumed, tmp_path / "best.json")
+    assert load_skip_config(tmp_path / "best.json", model) == config
+    assert "verdict" in config.metrics
+    written = write_plots(resumed, tmp_path / "plots")
+    assert {p.name for p in written} == {"history.png", "importances.png", "skip_map.png", "speedup_vs_skipped.png"}
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
+
+
+def test_resuming_with_another_model_is_refused(tmp_path):
+    run(tiny_model(), tmp_path, n_trials=1)
+    with pytest.raises(ValueError, match="another model"):
+        run(tiny_model(num_layers=6), tmp_path, n_trials=2)
+
+
+def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    original = Evaluator.evaluate
+
+    def sometimes_fails(self, skip, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated out of memory")
+        return original(self, skip, **kwargs)
+
+    monkeypatch.setattr(Evaluator, "evaluate", sometimes_fails)
+    study = run(tiny_model(), tmp_path, n_trials=4)
+    failed = study.get_trials(states=(TrialState.FAIL,))
+    assert len(failed) == 1 and "simulated out of memory" in failed[0].user_attrs["fail_reason"]
+    assert len(study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))) == 4
+
+
+def test_pareto_study_exports_the_fastest_front_trial_and_plots_the_front(tmp_path):
+    study = run(tiny_model(), tmp_path, n_trials=5, objective="pareto", sampler="nsga2")
+    assert len(study.directions) == 2
+    export_trial(study, tmp_path / "best.json")
+    assert "pareto.png" in {p.name for p in write_plots(study, tmp_path / "plots")}
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "gp", "cmaes", "random", "nsga2"])
+def test_every_sampler_is_available(sampler):
+    assert isinstance(make_sampler(sampler, 0, multi_objective=False), optuna.samplers.BaseSampler)
+
+
+def test_bad_sampler_choices_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown sampler"):
+        make_sampler("bayes", 0, False)
+    with pytest.raises(ValueError, match="one objective"):
+        make_sampler("cmaes", 0, True)
+
+
+def fake_study(tmp_path, speedups):
+    """A study whose trials carry the given measured speedups (first one: no skip)."""
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path}/fake.db", study_name="fake", direction="maximize")
+    study.set_user_attr("skipsearch", {
+        "model": {"name_or_path": "tiny", "architecture": "LlamaForCausalLM", "num_hidden_layers": 4,
+                  "hidden_size": 32},
+        "objective": "speedup", "sampler": "tpe", "dataset": "builtin", "num_prompts": 2, "max_new_tokens": 8,
+        "seed": 0, "device": "cpu", "dtype": "float32", "draft": vars(DraftPolicy()),
+    })
+    for i, speedup in enumerate(speedups):
+        attn = [] if i == 0 else [i % 4]
+        study.add_trial(optuna.trial.create_trial(
+            params={}, distributions={}, value=speedup,
+            user_attrs={"skip_attn": attn, "skip_mlp": [], "skipped": len(attn), "speedup": speedup,
+                        "acceptance_rate": 0.8, "tokens_per_second": 10 * speedup, "baseline_tokens_per_second": 10.0,
+                        "mean_accepted_tokens": 1.0},
+        ))
+    return study
+
+
+def test_verdict_says_when_nothing_pays_and_the_export_decodes_plainly(tmp_path):
+    study = fake_study(tmp_path, [1.01, 0.97, 0.9])
+    pays, text = verdict(study)
+    assert not pays and text == "no skip set beats plain decoding on this model and device: best 0.97x (trial 1)"
+    config = export_trial(study, tmp_path / "best.json")
+    assert config.skip == SkipSet() and config.metrics["speedup"] == 1.0
+    assert config.metrics["best_measured_speedup"] == 0.97
+    assert json.loads((tmp_path / "best.json").read_text())["metrics"]["verdict"] == text
+
+
+def test_verdict_exports_a_skip_set_that_pays(tmp_path):
+    study = fake_study(tmp_path, [1.0, 1.3, 0.9])
+    pays, text = verdict(study)
+    assert pays and "1.30x" in text
+    config = export_trial(study, tmp_path / "best.json")
+    assert config.skip == SkipSet.of([1], [], 4) and config.metrics["speedup"] == 1.3
+    assert export_trial(study, tmp_path / "t2.json", trial_number=2).skip == SkipSet.of([2], [], 4)
+    with pytest.raises(ValueError, match="no trial 7"):
+        export_trial(study, tmp_path / "t7.json", trial_number=7)
+
+
+def test_load_study_names_the_studies_that_exist(tmp_path):
+    fake_study(tmp_path, [1.0])
+    with pytest.raises(ValueError, match="studies there are fake"):
+        load_study("other", f"sqlite:///{tmp_path}/fake.db")
