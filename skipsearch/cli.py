@@ -1,4 +1,4 @@
-"""`python -m skipsearch <command>`: generate, optimize, export, plot, bench."""
+"""`python -m skipsearch <command>`: generate, optimize, export, plot, bench, profile."""
 
 from __future__ import annotations
 
@@ -186,6 +186,7 @@ def _storage(args: argparse.Namespace, must_exist: bool) -> str:
 
 def cmd_optimize(args: argparse.Namespace) -> int:
     from .config import ModelInfo
+    from .costs import CostProfile
     from .data import load_prompts
     from .plots import write_plots
     from .search import SearchSpace, StudySettings, export_trial, run_study, verdict
@@ -207,8 +208,14 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         dataset=args.dataset, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
         show_progress_bar=not args.no_progress,
     )
+    profile = None
+    if args.cost_profile is not None:
+        if args.objective != "modeled":
+            raise UsageError("--cost-profile is for --objective modeled")
+        profile = CostProfile.load(args.cost_profile)
+        profile.check_model(loaded.model)
     study = run_study(loaded.model, ModelInfo.of(loaded.model, loaded.name_or_path), loaded.dtype_name, encoded,
-                      settings, space, policy, loaded.model.generation_config.eos_token_id)
+                      settings, space, policy, loaded.model.generation_config.eos_token_id, profile=profile)
     folder = args.studies_dir / args.study_name
     config = export_trial(study, folder / "best.json")
     print(f"study {args.study_name}: {len(study.trials)} trials in {settings.storage}")
@@ -245,6 +252,72 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import bench_verdict, format_table, run_bench, write_outputs
+    from .config import load_skip_config
+    from .costs import CostProfile, profile_costs
+    from .data import load_prompts
+
+    prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
+                           seed=args.seed)
+    loaded = _load(args)
+    config = load_skip_config(args.config, loaded.model) if args.config else None
+    num_layers = loaded.model.config.num_hidden_layers
+    if args.early_exit_layer is not None and not 1 <= args.early_exit_layer < num_layers:
+        raise UsageError(f"--early-exit-layer must be in 1..{num_layers - 1} for this model, got {args.early_exit_layer}")
+    encoded = [models.encode_prompt(loaded.tokenizer, p, raw=args.raw) for p in prompts]
+    for ids in encoded:
+        models.check_context(loaded.model, len(ids), args.max_new_tokens, 16)
+    profile = None
+    if config is not None and config.skip.size:
+        if args.cost_profile:
+            profile = CostProfile.load(args.cost_profile)
+            profile.check_model(loaded.model)
+        else:
+            profile = profile_costs(loaded.model)
+    rows = run_bench(loaded.model, encoded, args.max_new_tokens, loaded.model.generation_config.eos_token_id,
+                     config=config, early_exit_layer=args.early_exit_layer,
+                     prompt_lookup_tokens=args.prompt_lookup_tokens, repeats=args.repeats, profile=profile,
+                     show_progress=not args.no_progress)
+    print(format_table(rows))
+    verdict = bench_verdict(rows)
+    if verdict:
+        print(verdict)
+    settings = {"model": loaded.name_or_path, "device": str(loaded.device), "dtype": loaded.dtype_name,
+                "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+                "repeats": args.repeats, "config": str(args.config) if args.config else None,
+                "torch_threads": torch.get_num_threads()}
+    json_path, png_path = write_outputs(rows, args.output_dir, settings)
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .costs import profile_costs
+
+    loaded = _load(args)
+    profile = profile_costs(loaded.model, context_tokens=args.context_tokens, repeats=args.repeats)
+    profile.save(args.output)
+    print(f"one forward {profile.forward_s * 1e3:.2f} ms = rest {profile.rest_s * 1e3:.2f} ms + "
+          f"{profile.num_hidden_layers} x (attention {profile.attn_s * 1e3:.3f} ms + MLP {profile.mlp_s * 1e3:.3f} ms); "
+          f"verifying {len(profile.verify_s)} tokens {profile.verify_s[-1] * 1e3:.2f} ms")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_tokens: int) -> None:
+    from .data import BUILTIN
+
+    data = parser.add_argument_group("prompts")
+    data.add_argument("--dataset", default=BUILTIN,
+                      help="'builtin' (32 prompts shipped), a local .json/.jsonl file, or a Hub dataset name")
+    data.add_argument("--field", default="prompt", help="the dataset field holding the prompt text")
+    data.add_argument("--split", default="train", help="the split of a Hub dataset")
+    data.add_argument("--num-prompts", type=_positive_int, default=num_prompts, help="prompts to decode")
+    data.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens, help="tokens decoded per prompt")
+    data.add_argument("--raw", action="store_true", help="tokenize prompts as is, without the chat template")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m skipsearch", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -279,17 +352,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run (or resume) an Optuna study over attention/MLP skip sets, export the best as JSON and "
                     "plot the study. Re-running the same command resumes the study up to --n-trials.",
     )
-    data = opt.add_argument_group("calibration prompts")
-    data.add_argument("--dataset", default=BUILTIN,
-                      help="'builtin' (32 prompts shipped), a local .json/.jsonl file, or a Hub dataset name")
-    data.add_argument("--field", default="prompt", help="the dataset field holding the prompt text")
-    data.add_argument("--split", default="train", help="the split of a Hub dataset")
-    data.add_argument("--num-prompts", type=_positive_int, default=4, help="prompts decoded per trial")
-    data.add_argument("--max-new-tokens", type=_positive_int, default=32, help="tokens decoded per prompt")
-    data.add_argument("--raw", action="store_true", help="tokenize prompts as is, without the chat template")
+    _add_prompt_flags(opt, num_prompts=4, max_new_tokens=32)
     search = opt.add_argument_group("search")
     search.add_argument("--objective", choices=OBJECTIVES, default="speed_x_acceptance",
-                        help="speedup x acceptance rate, speedup alone, or both as a Pareto front")
+                        help="speedup x acceptance rate, speedup alone, both as a Pareto front, or the speedup "
+                             "the cost model predicts from measured acceptance (deterministic)")
+    search.add_argument("--cost-profile", type=Path, default=None,
+                        help="with --objective modeled: a profile from `python -m skipsearch profile`, e.g. of a "
+                             "GPU (default: profile this device when the study starts)")
     search.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="Optuna sampler")
     search.add_argument("--n-trials", type=_positive_int, default=20,
                         help="finished trials the study should hold (a re-run resumes up to this)")
@@ -309,6 +379,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_draft_flags(opt)
     _add_model_flags(opt)
     opt.set_defaults(run=cmd_optimize)
+
+    bench = commands.add_parser(
+        "bench", help="compare skipsearch with HF greedy and its training-free peers", formatter_class=formatter,
+        description="Decode the same prompts with HF greedy (the baseline), HF prompt lookup, HF early exit, "
+                    "skipsearch plain and skipsearch with --config; print a table, write JSON and a bar chart.",
+    )
+    bench.add_argument("--config", type=Path, default=None, help="skip config JSON to benchmark")
+    bench.add_argument("--early-exit-layer", type=_positive_int, default=None,
+                       help="also run HF assistant_early_exit at this layer (LayerSkip-style)")
+    bench.add_argument("--prompt-lookup-tokens", type=_non_negative_int, default=10,
+                       help="HF prompt lookup decoding's n-gram draft length (0: leave it out)")
+    bench.add_argument("--repeats", type=_positive_int, default=3, help="timed passes; the median is reported")
+    bench.add_argument("--cost-profile", type=Path, default=None,
+                       help="cost profile for the predicted speedup (default: profile this device)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the prompt selection")
+    bench.add_argument("--output-dir", type=Path, default=Path("studies/bench"), help="where bench.json/.png go")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_prompt_flags(bench, num_prompts=4, max_new_tokens=48)
+    _add_model_flags(bench)
+    bench.set_defaults(run=cmd_bench)
+
+    prof = commands.add_parser(
+        "profile", help="measure the cost model of this device and save it as JSON", formatter_class=formatter,
+        description="Time attention, MLP, the rest of a forward and verification of 1..9 tokens on this device "
+                    "and dtype; `optimize --objective modeled --cost-profile` and `bench` read the file.",
+    )
+    prof.add_argument("--output", type=Path, default=Path("studies/cost-profile.json"), help="profile JSON to write")
+    prof.add_argument("--context-tokens", type=_positive_int, default=128, help="cached tokens while timing")
+    prof.add_argument("--repeats", type=_positive_int, default=20, help="timed runs per measurement (median)")
+    _add_model_flags(prof)
+    prof.set_defaults(run=cmd_profile)
 
     exp = commands.add_parser("export", help="write a trial's skip config as JSON", formatter_class=formatter,
                               description="Write the best trial (or --trial N) of a study as a skip-config JSON.")

@@ -25,10 +25,11 @@ import torch
 from optuna.trial import FrozenTrial, TrialState
 
 from .config import ModelInfo, SkipConfig, save_skip_config
+from .costs import CostProfile, profile_costs
 from .decoding import DecodeStats, DraftPolicy, generate
 from .skipping import SkipSet, draft_mode
 
-OBJECTIVES = ("speed_x_acceptance", "speedup", "pareto")
+OBJECTIVES = ("speed_x_acceptance", "speedup", "pareto", "modeled")
 SAMPLERS = ("tpe", "gp", "cmaes", "random", "nsga2")
 STUDY_ATTR = "skipsearch"
 
@@ -127,8 +128,13 @@ class Evaluation:
     mean_accepted_tokens: float
     identical: bool
     skipped_fraction: float
+    predicted_speedup: float | None = None  # from a cost profile, when the evaluator has one
 
     def score(self, objective: str) -> float | tuple[float, float]:
+        if objective == "modeled":
+            if self.predicted_speedup is None:
+                raise ValueError("the modeled objective needs a cost profile")
+            return self.predicted_speedup
         if objective == "speedup":
             return self.speedup
         if objective == "pareto":
@@ -152,6 +158,7 @@ class Evaluator:
     eos_token_id: int | list[int] | None
     baseline_refresh_s: float = 600.0
     baseline: Baseline | None = None
+    profile: CostProfile | None = None
 
     def _decode(self, prompt: list[int], skip: SkipSet | None) -> tuple[list[int], DecodeStats]:
         out = generate(self.model, prompt, skip=skip, max_new_tokens=self.max_new_tokens, policy=self.policy,
@@ -208,6 +215,7 @@ class Evaluator:
             tokens_per_second=total.tokens_per_second, baseline_tokens_per_second=base_tps,
             mean_accepted_tokens=total.mean_accepted_tokens, identical=identical,
             skipped_fraction=skip.skipped_fraction(num_layers),
+            predicted_speedup=self.profile.predict_speedup(skip, total) if self.profile else None,
         )
 
 
@@ -364,6 +372,8 @@ def config_from_trial(study: optuna.Study, trial: FrozenTrial) -> SkipConfig:
         "baseline_tokens_per_second": attrs["baseline_tokens_per_second"],
         "mean_accepted_tokens": attrs["mean_accepted_tokens"],
     }
+    if attrs.get("predicted_speedup") is not None:
+        metrics["predicted_speedup"] = attrs["predicted_speedup"]
     search = {
         "study_name": study.study_name, "trial_number": trial.number, "sampler": info["sampler"],
         "dataset": info["dataset"], "num_prompts": info["num_prompts"], "max_new_tokens": info["max_new_tokens"],
@@ -372,11 +382,17 @@ def config_from_trial(study: optuna.Study, trial: FrozenTrial) -> SkipConfig:
     return SkipConfig(model=model, skip=skip, draft=DraftPolicy(**info["draft"]), metrics=metrics, search=search)
 
 
+def speedup_key(study: optuna.Study) -> str:
+    """The user attribute that holds a trial's speedup: predicted for modeled studies, else measured."""
+    return "predicted_speedup" if study.user_attrs.get(STUDY_ATTR, {}).get("objective") == "modeled" else "speedup"
+
+
 def fastest_skip_trial(study: optuna.Study) -> FrozenTrial | None:
-    """The completed trial with the highest measured speedup among those that skip something."""
+    """The completed trial with the highest speedup among those that skip something."""
+    key = speedup_key(study)
     trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-              if t.user_attrs.get("skipped", 0) > 0 and "speedup" in t.user_attrs]
-    return max(trials, key=lambda t: t.user_attrs["speedup"], default=None)
+              if t.user_attrs.get("skipped", 0) > 0 and t.user_attrs.get(key) is not None]
+    return max(trials, key=lambda t: t.user_attrs[key], default=None)
 
 
 def verdict(study: optuna.Study) -> tuple[bool, str]:
@@ -385,15 +401,17 @@ def verdict(study: optuna.Study) -> tuple[bool, str]:
     if best is None:
         return False, "no trial has completed yet"
     fastest = fastest_skip_trial(study)
-    if best.user_attrs.get("skipped", 0) > 0 and best.user_attrs["speedup"] > 1.0:
+    key = speedup_key(study)
+    kind = "predicted" if key == "predicted_speedup" else "measured"
+    if best.user_attrs.get("skipped", 0) > 0 and best.user_attrs[key] > 1.0:
         a = best.user_attrs
-        return True, (f"skip set of trial {best.number} decodes {a['speedup']:.2f}x as fast as plain decoding "
-                      f"(acceptance {a['acceptance_rate']:.2f}, {a['skipped']} sublayers skipped)")
+        return True, (f"skip set of trial {best.number} decodes {a[key]:.2f}x as fast as plain decoding ({kind}; "
+                      f"acceptance {a['acceptance_rate']:.2f}, {a['skipped']} sublayers skipped)")
     if fastest is None:
         return False, "no skip set beats plain decoding on this model and device: no skipping trial completed"
-    text = (f"no skip set beats plain decoding on this model and device: best {fastest.user_attrs['speedup']:.2f}x "
-            f"(trial {fastest.number})")
-    if fastest.user_attrs["speedup"] > 1.0:
+    text = (f"no skip set beats plain decoding on this model and device: best {fastest.user_attrs[key]:.2f}x "
+            f"({kind}, trial {fastest.number})")
+    if fastest.user_attrs[key] > 1.0:
         text += "; that trial loses on the objective through its acceptance rate, --objective speedup would keep it"
     return False, text
 
@@ -406,7 +424,7 @@ def plain_decoding_config(study: optuna.Study, reason: str) -> SkipConfig:
     metrics = {
         "objective": info["objective"], "score": 1.0, "speedup": 1.0, "acceptance_rate": 1.0,
         "tokens_per_second": baseline, "baseline_tokens_per_second": baseline, "mean_accepted_tokens": 0.0,
-        "verdict": reason, "best_measured_speedup": fastest.user_attrs["speedup"] if fastest else None,
+        "verdict": reason, "best_skipping_speedup": fastest.user_attrs[speedup_key(study)] if fastest else None,
     }
     search = {
         "study_name": study.study_name, "trial_number": None, "sampler": info["sampler"], "dataset": info["dataset"],
@@ -454,6 +472,7 @@ class StudySettings:
 def run_study(
     model: torch.nn.Module, model_info: ModelInfo, dtype: str, prompts: list[list[int]], settings: StudySettings,
     space: SearchSpace, policy: DraftPolicy, eos_token_id: int | list[int] | None,
+    profile: CostProfile | None = None,
 ) -> optuna.Study:
     """Run (or resume) the study until it holds `settings.n_trials` finished trials, or until timeout / Ctrl-C."""
     multi = settings.objective == "pareto"
@@ -467,6 +486,14 @@ def run_study(
         "space": asdict(space),
     }
     existing = study.user_attrs.get(STUDY_ATTR)
+    if settings.objective == "modeled":
+        # The study keeps its profile, so a resumed study scores with the same costs.
+        if existing is not None and "cost_profile" in existing and profile is None:
+            profile = CostProfile(**existing["cost_profile"])
+        elif profile is None:
+            profile = profile_costs(model)
+        profile.check_model(model)
+        info["cost_profile"] = asdict(profile)
     if existing is None:
         study.set_user_attr(STUDY_ATTR, info)
         for skip in space.warm_starts():
@@ -477,7 +504,7 @@ def run_study(
     if remaining <= 0:
         return study
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
-                          eos_token_id=eos_token_id)
+                          eos_token_id=eos_token_id, profile=profile)
     evaluator.measure_baseline()
     objective = make_objective(space, evaluator, settings.objective, settings.min_match)
     # Counts finished trials of every worker sharing the storage, so the study stops at n_trials in all;
@@ -517,7 +544,8 @@ def _progress(study: optuna.Study, total: int, enabled: bool) -> Iterator[Callab
 
 def _best_label(trial: FrozenTrial) -> str:
     attrs = trial.user_attrs
-    return f"{attrs.get('speedup', float('nan')):.2f}x at acceptance {attrs.get('acceptance_rate', float('nan')):.2f}"
+    speedup = attrs.get("predicted_speedup") or attrs.get("speedup", float("nan"))
+    return f"{speedup:.2f}x at acceptance {attrs.get('acceptance_rate', float('nan')):.2f}"
 
 
 def _stop_after_failures(limit: int) -> Callable[[optuna.Study, FrozenTrial], None]:

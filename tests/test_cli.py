@@ -109,8 +109,49 @@ def test_search_commands_bad_input(capsys, tmp_path, argv, message):
 
 
 def test_every_command_has_help(capsys):
-    for command in ["generate", "optimize", "export", "plot"]:
+    for command in ["generate", "optimize", "export", "plot", "bench", "profile"]:
         with pytest.raises(SystemExit) as exit_info:
             main([command, "--help"])
         assert exit_info.value.code == 0
         assert "--" in capsys.readouterr().out
+
+
+def test_profile_then_bench_with_a_config(capsys, tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
+    from skipsearch.skipping import SkipSet
+
+    code, out, _ = run(capsys, "profile", "--model", tiny_model_dir, "--output", tmp_path / "p.json", "--repeats", 2,
+                       "--context-tokens", 8)
+    assert code == 0 and (tmp_path / "p.json").is_file() and "one forward" in out
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    save_skip_config(SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [2], 4)), tmp_path / "c.json")
+    code, out, _ = run(capsys, "bench", "--model", tiny_model_dir, "--dtype", "float64", "--config", tmp_path / "c.json",
+                       "--cost-profile", tmp_path / "p.json", "--num-prompts", 2, "--max-new-tokens", 6, "--repeats", 1,
+                       "--output-dir", tmp_path / "bench", "--no-progress")
+    assert code == 0 and out.splitlines()[0].startswith("method")
+    assert "skipsearch attn=[1] mlp=[2]" in out and "NO" not in out
+    rows = json.loads((tmp_path / "bench" / "bench.json").read_text())["rows"]
+    assert rows[-1]["predicted_speedup"] > 0 and (tmp_path / "bench" / "bench.png").is_file()
+
+    code, out, _ = run(capsys, *optimize_args(tiny_model_dir, tmp_path, "--objective", "modeled", "--cost-profile",
+                                              tmp_path / "p.json", "--no-plots"))
+    assert code == 0 and "predicted" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--early-exit-layer", "9"], r"must be in 1\.\.3"),
+        (["bench", "--cost-profile", "/nonexistent.json", "--config", "/nonexistent/c.json"], "does not exist"),
+        (["optimize", "--cost-profile", "/nonexistent.json"], "for --objective modeled"),
+    ],
+)
+def test_bench_and_profile_bad_input(capsys, tmp_path, tiny_model_dir, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main([*argv, "--model", str(tiny_model_dir), *(
+            ["--studies-dir", str(tmp_path)] if argv[0] == "optimize" else ["--output-dir", str(tmp_path / "b")])]))
+    _, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err)
+    assert list(tmp_path.iterdir()) == []

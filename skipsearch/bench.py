@@ -1,0 +1,157 @@
+"""Side-by-side decoding benchmark: HF greedy (the baseline), HF's training-free peers, and skipsearch.
+
+One process, the same prompts for every method, a warm-up before timing, `repeats` timed
+passes over all prompts and the median pass reported. Every output is compared with HF
+greedy's, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+from tqdm.auto import tqdm
+
+from .config import SkipConfig, write_atomic
+from .costs import CostProfile
+from .decoding import DecodeStats, DraftPolicy, _synchronize, generate
+from .skipping import SkipSet
+
+Decoder = Callable[[list[int]], tuple[list[int], DecodeStats | None]]
+
+
+@dataclass
+class BenchRow:
+    method: str
+    tokens_per_second: float
+    speedup: float  # over HF greedy
+    identical: bool  # every output equals HF greedy's
+    acceptance_rate: float | None = None
+    mean_accepted_tokens: float | None = None
+    speedup_over_plain_loop: float | None = None  # over skipsearch's own plain decoding
+    predicted_speedup: float | None = None  # cost model, over skipsearch's own plain decoding
+
+
+def _hf_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, **extra) -> Decoder:
+    def decode(prompt: list[int]) -> tuple[list[int], None]:
+        ids = torch.tensor([prompt], device=model.device)
+        # An explicit mask: HF would otherwise infer one from pad tokens, which chat prompts may contain.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos, pad_token_id=eos if isinstance(eos, int) else None, **extra)
+        return out[0, len(prompt):].tolist(), None
+
+    return decode
+
+
+def _our_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, skip: SkipSet | None,
+                 policy: DraftPolicy) -> Decoder:
+    def decode(prompt: list[int]) -> tuple[list[int], DecodeStats]:
+        out = generate(model, prompt, skip=skip, max_new_tokens=max_new_tokens, policy=policy, eos_token_id=eos)
+        return out.tokens, out.stats
+
+    return decode
+
+
+def _timed_passes(decode: Decoder, prompts: list[list[int]], repeats: int, device: torch.device):
+    decode(prompts[0])  # warm-up
+    passes = []
+    for _ in range(repeats):
+        outputs, stats = [], DecodeStats()
+        _synchronize(device)
+        start = time.perf_counter()
+        for prompt in prompts:
+            tokens, one = decode(prompt)
+            outputs.append(tokens)
+            if one is not None:
+                stats.add(one)
+        _synchronize(device)
+        passes.append((time.perf_counter() - start, outputs, stats))
+    median_time = statistics.median(seconds for seconds, _, _ in passes)
+    return median_time, passes[0][1], passes[0][2]
+
+
+def run_bench(
+    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, eos: int | list[int] | None,
+    config: SkipConfig | None = None, early_exit_layer: int | None = None, prompt_lookup_tokens: int = 10,
+    repeats: int = 3, profile: CostProfile | None = None, show_progress: bool = True,
+) -> list[BenchRow]:
+    methods: dict[str, Decoder] = {"hf greedy": _hf_decoder(model, max_new_tokens, eos)}
+    if prompt_lookup_tokens:
+        methods[f"hf prompt lookup ({prompt_lookup_tokens})"] = _hf_decoder(
+            model, max_new_tokens, eos, prompt_lookup_num_tokens=prompt_lookup_tokens)
+    if early_exit_layer:
+        methods[f"hf early exit (layer {early_exit_layer})"] = _hf_decoder(
+            model, max_new_tokens, eos, assistant_early_exit=early_exit_layer)
+    methods["skipsearch plain"] = _our_decoder(model, max_new_tokens, eos, None, DraftPolicy())
+    if config is not None:
+        label = f"skipsearch {config.skip}" if config.skip.size else "skipsearch config (skips nothing)"
+        methods[label] = _our_decoder(model, max_new_tokens, eos, config.skip, config.draft)
+
+    results = {}
+    for name, decode in tqdm(methods.items(), desc="bench", unit="method", disable=not show_progress):
+        results[name] = _timed_passes(decode, prompts, repeats, model.device)
+    total_tokens = {name: sum(map(len, outputs)) for name, (_, outputs, _) in results.items()}
+    baseline_tps = total_tokens["hf greedy"] / results["hf greedy"][0]
+    reference = results["hf greedy"][1]
+    plain_seconds = results["skipsearch plain"][0]
+    rows = []
+    for name, (seconds, outputs, stats) in results.items():
+        row = BenchRow(method=name, tokens_per_second=total_tokens[name] / seconds,
+                       speedup=total_tokens[name] / seconds / baseline_tps, identical=outputs == reference)
+        if name.startswith("skipsearch"):
+            row.speedup_over_plain_loop = plain_seconds / seconds
+            if stats.drafted:
+                row.acceptance_rate = stats.acceptance_rate
+                row.mean_accepted_tokens = stats.mean_accepted_tokens
+            if profile is not None and config is not None and name != "skipsearch plain":
+                row.predicted_speedup = profile.predict_speedup(config.skip, stats)
+        rows.append(row)
+    return rows
+
+
+def bench_verdict(rows: list[BenchRow]) -> str | None:
+    """A sentence when the skip config does not beat plain decoding; None when it does (or there is none)."""
+    ours = [r for r in rows if r.method.startswith("skipsearch") and r.method != "skipsearch plain"]
+    if not ours:
+        return None
+    row = ours[0]
+    if row.acceptance_rate is None:
+        return "the config skips nothing: it decodes plainly (no skip set paid off when it was searched)"
+    if row.speedup <= 1.0:
+        return f"no skip set beats plain decoding on this model and device: best {row.speedup:.2f}x"
+    return None
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    header = ["method", "tok/s", "speedup", "acceptance", "mean acc.", "identical", "vs plain loop", "predicted"]
+    lines = [[r.method, fmt(r.tokens_per_second, ".1f"), fmt(r.speedup, ".2f") + "x", fmt(r.acceptance_rate, ".2f"),
+              fmt(r.mean_accepted_tokens, ".2f"), "yes" if r.identical else "NO",
+              fmt(r.speedup_over_plain_loop, ".2f"), fmt(r.predicted_speedup, ".2f")] for r in rows]
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *lines)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in [header, *lines])
+
+
+def write_outputs(rows: list[BenchRow], folder: Path, settings: dict) -> tuple[Path, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = folder / "bench.json", folder / "bench.png"
+    write_atomic(json_path, json.dumps({"settings": settings, "rows": [asdict(r) for r in rows],
+                                        "verdict": bench_verdict(rows)}, indent=2) + "\n")
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(rows) + 1.5), constrained_layout=True)
+    ax.barh([r.method for r in rows][::-1], [r.speedup for r in rows][::-1], color="tab:blue")
+    ax.axvline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_xlabel("speedup over HF greedy (median of timed passes)")
+    ax.set_title(f"{settings.get('model', '')} on {settings.get('device', '')}", fontsize=9)
+    tmp = png_path.with_name(".bench.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(png_path)
+    return json_path, png_path
