@@ -206,7 +206,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         study_name=args.study_name, storage=_storage(args, must_exist=False), objective=args.objective,
         sampler=args.sampler, seed=args.seed, n_trials=args.n_trials, timeout=args.timeout, min_match=args.min_match,
         dataset=args.dataset, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
-        show_progress_bar=not args.no_progress,
+        show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
     )
     profile = None
     if args.cost_profile is not None:
@@ -372,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="let the search skip sublayers of the first and last layers (kept by default)")
     search.add_argument("--min-match", type=_unit_float, default=0.5,
                         help="prune a skip set whose teacher-forced draft/full agreement is below this (0: never)")
+    search.add_argument("--no-pruning", action="store_true", help="never stop a trial early (median pruner off)")
+    search.add_argument("--no-warm-starts", action="store_true", help="do not enqueue the structured first trials")
     out = opt.add_argument_group("output")
     out.add_argument("--no-plots", action="store_true", help="do not write plots")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")

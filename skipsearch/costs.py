@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from .config import write_atomic
-from .decoding import DecodeStats, SkipAwareCache, _synchronize
+from .decoding import DecodeStats, SkipAwareCache, synchronize
 from .skipping import SkipSet, draft_mode
 
 PROFILE_FORMAT = "skipsearch/cost-profile"
@@ -115,7 +115,7 @@ def profile_costs(
         times = []
         for _ in range(repeats + 2):  # two warm-ups
             cache.truncate(context_tokens)
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             if skip is None:
                 model(input_ids=ids, position_ids=positions[:, context_tokens : context_tokens + n_tokens],
@@ -124,7 +124,7 @@ def profile_costs(
                 with draft_mode(model, skip):
                     model(input_ids=ids, position_ids=positions[:, context_tokens : context_tokens + 1],
                           past_key_values=cache, use_cache=True, logits_to_keep=1)
-            _synchronize(device)
+            synchronize(device)
             times.append(time.perf_counter() - start)
         return statistics.median(times[2:])
 

@@ -87,6 +87,7 @@ class DecodeStats:
     drafted: int = 0
     accepted: int = 0
     wall_time_s: float = 0.0
+    prefill_time_s: float = 0.0  # the prompt's forward and the first token, inside wall_time_s
     # Time spent in draft forwards alone, for cost accounting; measured only when asked (it syncs).
     draft_time_s: float = 0.0
 
@@ -105,7 +106,7 @@ class DecodeStats:
         return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
     def add(self, other: DecodeStats) -> None:
-        for name in ("new_tokens", "rounds", "drafted", "accepted", "wall_time_s", "draft_time_s"):
+        for name in ("new_tokens", "rounds", "drafted", "accepted", "wall_time_s", "prefill_time_s", "draft_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict[str, float]:
@@ -117,6 +118,7 @@ class DecodeStats:
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_tokens": self.mean_accepted_tokens,
             "wall_time_s": self.wall_time_s,
+            "prefill_time_s": self.prefill_time_s,
             "tokens_per_second": self.tokens_per_second,
         }
 
@@ -161,7 +163,7 @@ class SkipAwareCache(DynamicCache):
                 layer.crop(-excess)
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -223,11 +225,12 @@ def generate(
             return torch.multinomial(probs_or_logits, 1, generator=generator).view(-1)
         return probs_or_logits.argmax(-1).view(-1)
 
-    _synchronize(device)
+    synchronize(device)
     start_time = time.perf_counter()
     logits = forward(prompt, 0, last_only=True)
     last = pick(sampling.probabilities(logits) if sampling.do_sample else logits)
-    tokens: list[int] = [int(last)]
+    tokens: list[int] = [int(last)]  # a host sync: the prefill time below is exact on CUDA too
+    stats.prefill_time_s = time.perf_counter() - start_time
     cached = prompt.shape[1]  # positions in the cache; `last` sits at position `cached`
 
     while len(tokens) < max_new_tokens and tokens[-1] not in eos:
@@ -237,7 +240,7 @@ def generate(
         cache.truncate(cached)  # the last verify may have written past the accepted tokens
         if budget > 0:
             if time_drafts:
-                _synchronize(device)
+                synchronize(device)
                 draft_start = time.perf_counter()
             with draft_mode(model, skip):
                 token = last
@@ -255,7 +258,7 @@ def generate(
                         if float(confidence) < threshold:
                             break
             if time_drafts:
-                _synchronize(device)
+                synchronize(device)
                 stats.draft_time_s += time.perf_counter() - draft_start
             cache.truncate(cached)
 
@@ -295,7 +298,7 @@ def generate(
         cached += accepted + 1
         last = next_last
 
-    _synchronize(device)
+    synchronize(device)
     stats.wall_time_s = time.perf_counter() - start_time
     stats.new_tokens = len(tokens)
     return GenerationOutput(tokens=tokens, stats=stats, final_threshold=threshold if policy.adaptive else None)

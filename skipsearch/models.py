@@ -82,10 +82,17 @@ def default_gguf_path() -> Path:
 
 def converted_default_model() -> Path:
     """A folder with the default model as plain safetensors, converted from the GGUF once and cached."""
-    gguf = default_gguf_path()
-    target = cache_dir() / "models" / f"{DEFAULT_MODEL}-{gguf.stat().st_size}"
+    return converted_gguf(default_gguf_path(), name=DEFAULT_MODEL)
+
+
+def converted_gguf(gguf: Path, name: str | None = None) -> Path:
+    """A plain Hugging Face folder converted from a GGUF file once and cached (keyed by name and size)."""
+    target = cache_dir() / "models" / f"{name or gguf.stem}-{gguf.stat().st_size}"
     if (target / "model.safetensors").is_file():
         return target
+    with gguf.open("rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise ValueError(f"{gguf} is not a GGUF file (its first bytes are not the GGUF magic)")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -121,11 +128,14 @@ def _save_plain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fold
 
 
 def load_model(name_or_path: str | None = None, device: str | None = None, dtype: str | None = None) -> LoadedModel:
-    """Load a causal LM for decoding: the default model when `name_or_path` is None."""
+    """Load a causal LM for decoding: the default model when `name_or_path` is None; a Hub name, a local
+    folder, or a local .gguf file (converted once and cached)."""
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if name_or_path in (None, DEFAULT_MODEL):
         folder, label = str(converted_default_model()), DEFAULT_MODEL
+    elif name_or_path.endswith(".gguf") and Path(name_or_path).is_file():
+        folder, label = str(converted_gguf(Path(name_or_path))), name_or_path
     else:
         folder, label = name_or_path, name_or_path
         if Path(name_or_path).exists() and not (Path(name_or_path) / "config.json").is_file():

@@ -467,6 +467,8 @@ class StudySettings:
     max_new_tokens: int = 32
     show_progress_bar: bool = True
     max_failures: int = 5
+    warm_starts: bool = True
+    pruning: bool = True
 
 
 def run_study(
@@ -476,7 +478,8 @@ def run_study(
 ) -> optuna.Study:
     """Run (or resume) the study until it holds `settings.n_trials` finished trials, or until timeout / Ctrl-C."""
     multi = settings.objective == "pareto"
-    pruner = optuna.pruners.NopPruner() if multi else optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=1)
+    prune = settings.pruning and not multi
+    pruner = optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=1) if prune else optuna.pruners.NopPruner()
     study = open_study(settings.study_name, settings.storage, settings.objective,
                        sampler=make_sampler(settings.sampler, settings.seed, multi), pruner=pruner)
     info = {
@@ -496,7 +499,7 @@ def run_study(
         info["cost_profile"] = asdict(profile)
     if existing is None:
         study.set_user_attr(STUDY_ATTR, info)
-        for skip in space.warm_starts():
+        for skip in space.warm_starts() if settings.warm_starts else ():
             study.enqueue_trial(space.params_for(skip), user_attrs={"warm_start": True}, skip_if_exists=True)
     else:
         _check_resumable(settings.study_name, existing, info)

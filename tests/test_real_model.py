@@ -28,3 +28,15 @@ def test_default_model_loads_from_the_converted_cache(default_model):
     assert type(default_model.model).__name__ == "LlamaForCausalLM"
     assert default_model.model.config.num_hidden_layers == 30
     assert default_model.tokenizer.chat_template
+
+
+def test_a_gguf_path_is_converted_once_and_loads(tmp_path, monkeypatch):
+    from skipsearch.models import default_gguf_path, load_model
+
+    monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path))
+    (tmp_path / "not.gguf").write_bytes(b"NOPE" + bytes(16))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_model(str(tmp_path / "not.gguf"))
+    loaded = load_model(str(default_gguf_path()))
+    assert loaded.model.config.num_hidden_layers == 30
+    assert len(list((tmp_path / "models").iterdir())) == 1

@@ -1,0 +1,125 @@
+"""Decode speed on one model, all ratios from one run (a benchmark script, not a test).
+
+Prints HF `generate` greedy tokens/s, skipsearch's plain (autoregressive) loop tokens/s, and
+self-speculative decoding with a few skip sets: tokens/s, speedup over HF greedy, acceptance,
+mean accepted tokens per round, the draft cost (one draft forward / one full forward) measured
+in the loop and from the cost profile, and the decode-time speedup over the plain loop measured
+and predicted by the cost model (prefill, the same work in both, left out of both). Passes
+are interleaved across methods; each figure is the median of --repeats passes.
+
+    python benchmarks/decode_speed.py                       # default model, 4 prompts x 48 tokens
+    python benchmarks/decode_speed.py --model PATH --num-prompts 2 --max-new-tokens 24 --skip-sets "a20;a16,20,24"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from skipsearch import load_model
+from skipsearch.bench import hf_decoder, skipsearch_decoder, timed_passes
+from skipsearch.costs import profile_costs
+from skipsearch.data import load_prompts
+from skipsearch.decoding import DecodeStats, DraftPolicy, generate
+from skipsearch.models import encode_prompt
+from skipsearch.skipping import SkipSet
+
+
+def parse_skip_sets(text: str, num_layers: int) -> list[SkipSet]:
+    """'a20;a16,20,24|m22' -> attention 20; attention 16, 20, 24 and MLP 22."""
+    sets = []
+    for spec in text.split(";"):
+        attn, mlp = [], []
+        for part in spec.split("|"):
+            ids = [int(i) for i in part[1:].split(",") if i]
+            (attn if part.startswith("a") else mlp).extend(ids)
+        sets.append(SkipSet.of(attn, mlp, num_layers))
+    return sets
+
+
+def measured_draft_cost(model, prompts, skip, max_new_tokens, policy, eos, forward_seconds) -> float:
+    """Seconds per draft forward, timed in the decode loop (draft-mode switch and roll-back included),
+    over the profiled seconds of one full one-token forward."""
+    total = DecodeStats()
+    for prompt in prompts:
+        total.add(generate(model, prompt, skip=skip, max_new_tokens=max_new_tokens, policy=policy, eos_token_id=eos,
+                           time_drafts=True).stats)
+    return (total.draft_time_s / total.drafted) / forward_seconds if total.drafted else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-sets", default="a20;a16,20,24;a15,17,19,21,23,25,27")
+    parser.add_argument("--max-draft-tokens", type=int, default=4)
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args()
+
+    loaded = load_model(args.model, dtype=args.dtype)
+    model, eos = loaded.model, loaded.model.generation_config.eos_token_id
+    prompts = [encode_prompt(loaded.tokenizer, p) for p in load_prompts(num_prompts=args.num_prompts, seed=0)]
+    n = args.max_new_tokens
+    print(f"model {loaded.name_or_path} on {loaded.device} ({loaded.dtype_name}), torch threads "
+          f"{torch.get_num_threads()}, {len(prompts)} prompts x {n} new tokens, median of {args.repeats} passes")
+    profile = profile_costs(model)
+
+    skip_sets = parse_skip_sets(args.skip_sets, model.config.num_hidden_layers)
+    policies = {"fixed k": DraftPolicy(max_draft_tokens=args.max_draft_tokens, adaptive=False),
+                "adaptive": DraftPolicy(max_draft_tokens=8)}
+    decoders = {"HF generate greedy": hf_decoder(model, n, eos),
+                "skipsearch plain loop": skipsearch_decoder(model, n, eos, None, DraftPolicy())}
+    runs = {}
+    for skip in skip_sets:
+        for label, policy in policies.items():
+            name = f"self-spec {skip} ({label}{' ' + str(args.max_draft_tokens) if label == 'fixed k' else ''})"
+            decoders[name] = skipsearch_decoder(model, n, eos, skip, policy)
+            runs[name] = (skip, policy)
+    results = timed_passes(decoders, prompts, args.repeats, model.device, show_progress=True)
+    hf_seconds, hf_outputs, _ = results["HF generate greedy"]
+    plain_seconds, _, plain_stats = results["skipsearch plain loop"]
+    plain_decode = plain_seconds - plain_stats.prefill_time_s
+    rows = []
+    for name, (seconds, outputs, stats) in results.items():
+        row = {"method": name, "tok/s": sum(map(len, outputs)) / seconds, "speedup": hf_seconds / seconds,
+               "identical": outputs == hf_outputs}
+        if name in runs:
+            skip, policy = runs[name]
+            row.update({
+                "acceptance": stats.acceptance_rate, "mean accepted": stats.mean_accepted_tokens,
+                "draft cost": measured_draft_cost(model, prompts, skip, n, policy, eos, profile.forward_s),
+                "draft cost (profile)": profile.draft_s(skip) / profile.forward_s,
+                "decode vs plain": plain_decode / (seconds - stats.prefill_time_s),
+                "predicted": profile.predict_speedup(skip, stats),
+            })
+        rows.append(row)
+    columns = ["method", "tok/s", "speedup", "acceptance", "mean accepted", "draft cost", "draft cost (profile)",
+               "decode vs plain", "predicted", "identical"]
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(_fmt(row.get(c)).ljust(widths[c]) for c in columns))
+    print(f"verify cost (profile): 1 token {profile.verify_s[0] * 1e3:.1f} ms, 5 tokens "
+          f"{profile.verify_s[4] * 1e3:.1f} ms, 9 tokens {profile.verify_s[8] * 1e3:.1f} ms")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"rows": rows, "profile": vars(profile)}, handle, indent=2)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+if __name__ == "__main__":
+    main()
