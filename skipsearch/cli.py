@@ -169,11 +169,13 @@ def _add_study_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--studies-dir", type=Path, default=Path("studies"),
                        help="where studies, exported configs and plots live")
     group.add_argument("--storage", default=None,
-                       help="any Optuna storage URL (default: sqlite:///<studies-dir>/<study-name>.db)")
+                       help="an Optuna storage: a SQLAlchemy URL such as postgresql+psycopg2://user:pw@host/db "
+                            "(many machines) or journal:<file> (many processes, one machine) "
+                            "(default: sqlite:///<studies-dir>/<study-name>.db)")
 
 
 def _storage(args: argparse.Namespace, must_exist: bool) -> str:
-    from .search import default_storage
+    from .storage import default_storage
 
     if args.storage:
         return args.storage
@@ -189,7 +191,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from .costs import CostProfile
     from .data import load_prompts
     from .plots import write_plots
-    from .search import SearchSpace, StudySettings, export_trial, run_study, verdict
+    from .export import export_trial, verdict
+    from .search import SearchSpace, StudySettings, run_study
+    from .storage import Heartbeat, make_storage
 
     prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
                            seed=args.seed)
@@ -201,24 +205,29 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     encoded = [models.encode_prompt(loaded.tokenizer, p, raw=args.raw) for p in prompts]
     for ids in encoded:
         models.check_context(loaded.model, len(ids), args.max_new_tokens, policy.max_draft_tokens)
-    args.studies_dir.mkdir(parents=True, exist_ok=True)
-    settings = StudySettings(
-        study_name=args.study_name, storage=_storage(args, must_exist=False), objective=args.objective,
-        sampler=args.sampler, seed=args.seed, n_trials=args.n_trials, timeout=args.timeout, min_match=args.min_match,
-        dataset=args.dataset, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
-        show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
-    )
+    if args.heartbeat_grace <= args.heartbeat_interval:
+        raise UsageError("--heartbeat-grace must be longer than --heartbeat-interval")
+    heartbeat = Heartbeat(args.heartbeat_interval, args.heartbeat_grace, args.max_retries)
     profile = None
     if args.cost_profile is not None:
         if args.objective != "modeled":
             raise UsageError("--cost-profile is for --objective modeled")
         profile = CostProfile.load(args.cost_profile)
         profile.check_model(loaded.model)
+    if args.storage is None:
+        args.studies_dir.mkdir(parents=True, exist_ok=True)  # the default SQLite file lives there
+    storage = make_storage(_storage(args, must_exist=False), heartbeat)
+    settings = StudySettings(
+        study_name=args.study_name, storage=storage, objective=args.objective,
+        sampler=args.sampler, seed=args.seed, n_trials=args.n_trials, timeout=args.timeout, min_match=args.min_match,
+        dataset=args.dataset, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
+        show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
+    )
     study = run_study(loaded.model, ModelInfo.of(loaded.model, loaded.name_or_path), loaded.dtype_name, encoded,
                       settings, space, policy, loaded.model.generation_config.eos_token_id, profile=profile)
     folder = args.studies_dir / args.study_name
     config = export_trial(study, folder / "best.json")
-    print(f"study {args.study_name}: {len(study.trials)} trials in {settings.storage}")
+    print(f"study {args.study_name}: {len(study.trials)} trials in {_storage(args, must_exist=False)}")
     print(verdict(study)[1])
     print(f"exported {folder / 'best.json'}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
     if not args.no_plots:
@@ -228,7 +237,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .search import export_trial, load_study, verdict
+    from .export import export_trial, verdict
+    from .storage import load_study
 
     study = load_study(args.study_name, _storage(args, must_exist=True))
     output = args.output or args.studies_dir / args.study_name / "best.json"
@@ -241,7 +251,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from .plots import write_plots
-    from .search import load_study
+    from .storage import load_study
 
     study = load_study(args.study_name, _storage(args, must_exist=True))
     if not any(t.state.name == "COMPLETE" for t in study.trials):
@@ -344,7 +354,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(gen)
     gen.set_defaults(run=cmd_generate)
 
-    from .data import BUILTIN
     from .search import OBJECTIVES, SAMPLERS
 
     opt = commands.add_parser(
@@ -374,6 +383,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prune a skip set whose teacher-forced draft/full agreement is below this (0: never)")
     search.add_argument("--no-pruning", action="store_true", help="never stop a trial early (median pruner off)")
     search.add_argument("--no-warm-starts", action="store_true", help="do not enqueue the structured first trials")
+    workers = opt.add_argument_group("workers and crash recovery (SQLite / PostgreSQL storages)")
+    workers.add_argument("--heartbeat-interval", type=_positive_int, default=60,
+                         help="seconds between a running trial's heartbeats")
+    workers.add_argument("--heartbeat-grace", type=_positive_int, default=180,
+                         help="seconds without a heartbeat after which a trial's worker is taken for dead, "
+                              "its trial failed and retried")
+    workers.add_argument("--max-retries", type=_non_negative_int, default=2,
+                         help="times a dead worker's trial is retried")
     out = opt.add_argument_group("output")
     out.add_argument("--no-plots", action="store_true", help="do not write plots")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -60,13 +60,13 @@ class CostProfile:
     def predict_speedup(self, skip: SkipSet, stats: DecodeStats) -> float:
         """Plain-decoding time over self-speculative time for the decoding that `stats` describes.
 
-        Every round drafts `drafted / rounds` tokens on average (one draft forward each) and
-        verifies one more token than it drafted; plain decoding spends one forward per token.
+        Each drafted token costs one draft forward; each round costs one verification of the
+        size it had (`stats.verify_sizes`); plain decoding spends one forward per token.
         """
         if stats.rounds == 0 or not skip.size:
             return 1.0
-        mean_verified = stats.drafted / stats.rounds + 1
-        speculative = stats.drafted * self.draft_s(skip) + stats.rounds * self.verify_time(mean_verified)
+        verifying = sum(count * self.verify_time(size) for size, count in stats.verify_sizes.items())
+        speculative = stats.drafted * self.draft_s(skip) + verifying
         # The first token comes from the prefill in both, so neither side counts it.
         return (stats.new_tokens - 1) * self.forward_s / speculative
 

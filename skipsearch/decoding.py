@@ -11,6 +11,8 @@ which keeps the full model's distribution.
 
 from __future__ import annotations
 
+import collections
+import functools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -64,7 +66,9 @@ class Sampling:
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
+    @functools.cached_property
     def warpers(self) -> LogitsProcessorList:
+        """Built once per Sampling (a cached property works on frozen dataclasses): the loop calls it per token."""
         warpers = LogitsProcessorList()
         if self.temperature != 1.0:
             warpers.append(TemperatureLogitsWarper(self.temperature))
@@ -77,7 +81,7 @@ class Sampling:
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """Next-token distributions, one per row of `logits` (rows, vocab); fp32 for sampling."""
         # The warpers read no input ids for temperature / top-k / top-p.
-        return torch.softmax(self.warpers()(None, logits.float()), dim=-1)
+        return torch.softmax(self.warpers(None, logits.float()), dim=-1)
 
 
 @dataclass
@@ -90,6 +94,8 @@ class DecodeStats:
     prefill_time_s: float = 0.0  # the prompt's forward and the first token, inside wall_time_s
     # Time spent in draft forwards alone, for cost accounting; measured only when asked (it syncs).
     draft_time_s: float = 0.0
+    # Verification rounds by the number of tokens they verified: the cost model needs the sizes, not the mean.
+    verify_sizes: collections.Counter = field(default_factory=collections.Counter)
 
     @property
     def acceptance_rate(self) -> float:
@@ -108,6 +114,7 @@ class DecodeStats:
     def add(self, other: DecodeStats) -> None:
         for name in ("new_tokens", "rounds", "drafted", "accepted", "wall_time_s", "prefill_time_s", "draft_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.verify_sizes.update(other.verify_sizes)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -282,6 +289,7 @@ def generate(
             next_last = targets[accepted : accepted + 1]
 
         stats.rounds += 1
+        stats.verify_sizes[n_drafted + 1] += 1
         stats.drafted += n_drafted
         stats.accepted += accepted
         if policy.adaptive and n_drafted:

@@ -12,7 +12,8 @@ import numpy as np
 import optuna
 from optuna.trial import TrialState
 
-from .search import STUDY_ATTR, best_trial, fastest_skip_trial
+from .export import fastest_skip_trial
+from .search import STUDY_ATTR, best_trial
 
 
 def _save(fig: plt.Figure, path: Path) -> None:

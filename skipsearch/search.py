@@ -11,21 +11,22 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
+import socket
 import signal
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import optuna
 import torch
 from optuna.trial import FrozenTrial, TrialState
 
-from .config import ModelInfo, SkipConfig, save_skip_config
+from .config import ModelInfo
 from .costs import CostProfile, profile_costs
+from .storage import Heartbeat, load_study, make_storage
 from .decoding import DecodeStats, DraftPolicy, generate
 from .skipping import SkipSet, draft_mode
 
@@ -238,12 +239,8 @@ def make_sampler(name: str, seed: int | None, multi_objective: bool) -> optuna.s
         return optuna.samplers.RandomSampler(seed=seed)
 
 
-def default_storage(study_name: str, studies_dir: Path) -> str:
-    return f"sqlite:///{(studies_dir / f'{study_name}.db').as_posix()}"
-
-
 def open_study(
-    study_name: str, storage: str, objective: str, sampler: optuna.samplers.BaseSampler | None = None,
+    study_name: str, storage: str | optuna.storages.BaseStorage, objective: str, sampler: optuna.samplers.BaseSampler | None = None,
     pruner: optuna.pruners.BasePruner | None = None, create: bool = True,
 ) -> optuna.Study:
     """Create the study or load it to resume; an existing study must have been made for this objective."""
@@ -262,24 +259,36 @@ def open_study(
         raise ValueError(f"study {study_name!r} cannot be resumed with --objective {objective}: {error}") from None
 
 
-def load_study(study_name: str, storage: str, **kwargs: Any) -> optuna.Study:
-    try:
-        return optuna.load_study(study_name=study_name, storage=storage, **kwargs)
-    except KeyError:
-        names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
-        known = f": studies there are {', '.join(names)}" if names else ": that storage holds no study"
-        raise ValueError(f"no study named {study_name!r} in {storage}{known}") from None
+def best_trial(study: optuna.Study) -> FrozenTrial | None:
+    """The best finished trial; for a Pareto study, the fastest trial on the front."""
+    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        return None
+    if len(study.directions) > 1:
+        return max(study.best_trials, key=lambda t: t.user_attrs.get("speedup", 0.0))
+    return study.best_trial
 
 
 def finished_trials(study: optuna.Study) -> list[FrozenTrial]:
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
 
 
+class SurplusTrial(Exception):
+    """Raised at the start of a trial that would take the study past its trial budget."""
+
+
 def make_objective(
-    space: SearchSpace, evaluator: Evaluator, objective: str, min_match: float
+    space: SearchSpace, evaluator: Evaluator, objective: str, min_match: float, n_trials: int | None = None
 ) -> Callable[[optuna.Trial], float | tuple[float, float]]:
     def run_trial(trial: optuna.Trial) -> float | tuple[float, float]:
+        if n_trials is not None:
+            # Two workers may start a trial at once when one is left; the lower number wins.
+            ahead = trial.study.get_trials(
+                deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING))
+            if sum(t.number < trial.number for t in ahead) >= n_trials:
+                trial.set_user_attr("fail_reason", f"not run: the study already had {n_trials} trials")
+                raise SurplusTrial(f"the study already had {n_trials} finished or running trials")
         skip = space.suggest(trial)
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         trial.set_user_attr("skip_attn", list(skip.attn))
         trial.set_user_attr("skip_mlp", list(skip.mlp))
         trial.set_user_attr("skipped", skip.size)
@@ -299,7 +308,7 @@ def make_objective(
                     raise optuna.TrialPruned(f"pruned after {step + 1} prompts at {value:.3f}")
 
             evaluation = evaluator.evaluate(skip, report=report, objective=objective)
-        except optuna.TrialPruned:
+        except (optuna.TrialPruned, SurplusTrial):
             raise
         except Exception as error:
             # Optuna marks the trial failed and the study goes on; keep the reason on the trial.
@@ -320,142 +329,34 @@ def _free_memory(model: torch.nn.Module) -> None:
         torch.cuda.empty_cache()
 
 
+@dataclass
+class StopRequest:
+    """Why this worker should stop starting trials (Ctrl-C, too many failures); empty while it should go on."""
+
+    reason: str = ""
+
+
 @contextlib.contextmanager
-def stop_after_trial_on_interrupt(study: optuna.Study) -> Iterator[Callable[[optuna.Study, FrozenTrial], None]]:
+def stop_after_trial_on_interrupt(stop: StopRequest) -> Iterator[None]:
     """First Ctrl-C: finish the running trial, then stop (the caller still exports). Second: stop now."""
-    requested = False
 
     def on_sigint(signum: int, frame: Any) -> None:
-        nonlocal requested
-        if requested:
+        if stop.reason == "interrupted":
             raise KeyboardInterrupt
-        requested = True
+        stop.reason = "interrupted"
         print("\nstopping after the running trial (Ctrl-C again to stop now)", flush=True)
-
-    def callback(study: optuna.Study, trial: FrozenTrial) -> None:
-        if requested:
-            study.stop()
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        yield callback
+        yield
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-def best_trial(study: optuna.Study) -> FrozenTrial | None:
-    """The best finished trial; for a Pareto study, the fastest trial on the front."""
-    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        return None
-    if len(study.directions) > 1:
-        return max(study.best_trials, key=lambda t: t.user_attrs.get("speedup", 0.0))
-    return study.best_trial
-
-
-def config_from_trial(study: optuna.Study, trial: FrozenTrial) -> SkipConfig:
-    """The skip config of a finished trial, with its metrics and the study's search settings."""
-    info = study.user_attrs.get(STUDY_ATTR)
-    if info is None:
-        raise ValueError(f"study {study.study_name!r} was not made by skipsearch (no {STUDY_ATTR!r} attribute)")
-    if trial.state != TrialState.COMPLETE:
-        raise ValueError(f"trial {trial.number} of study {study.study_name!r} is {trial.state.name}, not COMPLETE")
-    model = ModelInfo(**info["model"])
-    skip = SkipSet.of(trial.user_attrs["skip_attn"], trial.user_attrs["skip_mlp"], model.num_hidden_layers)
-    attrs = trial.user_attrs
-    objective = info["objective"]
-    metrics = {
-        "objective": objective,
-        "score": trial.values[0] if objective != "pareto" else attrs["speedup"] * attrs["acceptance_rate"],
-        "speedup": attrs["speedup"],
-        "acceptance_rate": attrs["acceptance_rate"],
-        "tokens_per_second": attrs["tokens_per_second"],
-        "baseline_tokens_per_second": attrs["baseline_tokens_per_second"],
-        "mean_accepted_tokens": attrs["mean_accepted_tokens"],
-    }
-    if attrs.get("predicted_speedup") is not None:
-        metrics["predicted_speedup"] = attrs["predicted_speedup"]
-    search = {
-        "study_name": study.study_name, "trial_number": trial.number, "sampler": info["sampler"],
-        "dataset": info["dataset"], "num_prompts": info["num_prompts"], "max_new_tokens": info["max_new_tokens"],
-        "device": info["device"], "dtype": info["dtype"], "created_at": datetime.now(timezone.utc).isoformat(),
-    }
-    return SkipConfig(model=model, skip=skip, draft=DraftPolicy(**info["draft"]), metrics=metrics, search=search)
-
-
-def speedup_key(study: optuna.Study) -> str:
-    """The user attribute that holds a trial's speedup: predicted for modeled studies, else measured."""
-    return "predicted_speedup" if study.user_attrs.get(STUDY_ATTR, {}).get("objective") == "modeled" else "speedup"
-
-
-def fastest_skip_trial(study: optuna.Study) -> FrozenTrial | None:
-    """The completed trial with the highest speedup among those that skip something."""
-    key = speedup_key(study)
-    trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-              if t.user_attrs.get("skipped", 0) > 0 and t.user_attrs.get(key) is not None]
-    return max(trials, key=lambda t: t.user_attrs[key], default=None)
-
-
-def verdict(study: optuna.Study) -> tuple[bool, str]:
-    """(whether the best trial beats plain decoding, a sentence that says so with the measured numbers)."""
-    best = best_trial(study)
-    if best is None:
-        return False, "no trial has completed yet"
-    fastest = fastest_skip_trial(study)
-    key = speedup_key(study)
-    kind = "predicted" if key == "predicted_speedup" else "measured"
-    if best.user_attrs.get("skipped", 0) > 0 and best.user_attrs[key] > 1.0:
-        a = best.user_attrs
-        return True, (f"skip set of trial {best.number} decodes {a[key]:.2f}x as fast as plain decoding ({kind}; "
-                      f"acceptance {a['acceptance_rate']:.2f}, {a['skipped']} sublayers skipped)")
-    if fastest is None:
-        return False, "no skip set beats plain decoding on this model and device: no skipping trial completed"
-    text = (f"no skip set beats plain decoding on this model and device: best {fastest.user_attrs[key]:.2f}x "
-            f"({kind}, trial {fastest.number})")
-    if fastest.user_attrs[key] > 1.0:
-        text += "; that trial loses on the objective through its acceptance rate, --objective speedup would keep it"
-    return False, text
-
-
-def plain_decoding_config(study: optuna.Study, reason: str) -> SkipConfig:
-    """The config to export when nothing pays: skip nothing, so inference decodes plainly."""
-    info = study.user_attrs[STUDY_ATTR]
-    fastest = fastest_skip_trial(study)
-    baseline = max((t.user_attrs.get("baseline_tokens_per_second", 0.0) for t in finished_trials(study)), default=0.0)
-    metrics = {
-        "objective": info["objective"], "score": 1.0, "speedup": 1.0, "acceptance_rate": 1.0,
-        "tokens_per_second": baseline, "baseline_tokens_per_second": baseline, "mean_accepted_tokens": 0.0,
-        "verdict": reason, "best_skipping_speedup": fastest.user_attrs[speedup_key(study)] if fastest else None,
-    }
-    search = {
-        "study_name": study.study_name, "trial_number": None, "sampler": info["sampler"], "dataset": info["dataset"],
-        "num_prompts": info["num_prompts"], "max_new_tokens": info["max_new_tokens"], "device": info["device"],
-        "dtype": info["dtype"], "created_at": datetime.now(timezone.utc).isoformat(),
-    }
-    return SkipConfig(model=ModelInfo(**info["model"]), skip=SkipSet(), draft=DraftPolicy(**info["draft"]),
-                      metrics=metrics, search=search)
-
-
-def export_trial(study: optuna.Study, path: Path, trial_number: int | None = None) -> SkipConfig:
-    """Write trial `trial_number`'s config, or the study's best; plain decoding when the best does not pay."""
-    if trial_number is None:
-        if best_trial(study) is None:
-            raise ValueError(f"study {study.study_name!r} has no completed trial to export yet")
-        pays, reason = verdict(study)
-        config = config_from_trial(study, best_trial(study)) if pays else plain_decoding_config(study, reason)
-        config.metrics["verdict"] = reason
-    else:
-        trials = study.get_trials(deepcopy=False)
-        if not 0 <= trial_number < len(trials):
-            raise ValueError(f"study {study.study_name!r} has no trial {trial_number} (it has {len(trials)})")
-        config = config_from_trial(study, trials[trial_number])
-    save_skip_config(config, path)
-    return config
 
 
 @dataclass(frozen=True)
 class StudySettings:
     study_name: str
-    storage: str
+    storage: str | optuna.storages.BaseStorage
     objective: str = "speed_x_acceptance"
     sampler: str = "tpe"
     seed: int = 0
@@ -469,6 +370,7 @@ class StudySettings:
     max_failures: int = 5
     warm_starts: bool = True
     pruning: bool = True
+    heartbeat: Heartbeat | None = field(default_factory=Heartbeat)
 
 
 def run_study(
@@ -480,7 +382,10 @@ def run_study(
     multi = settings.objective == "pareto"
     prune = settings.pruning and not multi
     pruner = optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=1) if prune else optuna.pruners.NopPruner()
-    study = open_study(settings.study_name, settings.storage, settings.objective,
+    storage = settings.storage
+    if isinstance(storage, str):
+        storage = make_storage(storage, settings.heartbeat)
+    study = open_study(settings.study_name, storage, settings.objective,
                        sampler=make_sampler(settings.sampler, settings.seed, multi), pruner=pruner)
     info = {
         "model": asdict(model_info), "objective": settings.objective, "sampler": settings.sampler,
@@ -509,20 +414,59 @@ def run_study(
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
                           eos_token_id=eos_token_id, profile=profile)
     evaluator.measure_baseline()
-    objective = make_objective(space, evaluator, settings.objective, settings.min_match)
-    # Counts finished trials of every worker sharing the storage, so the study stops at n_trials in all;
-    # failed trials do not count, so they are retried, up to `max_failures` in a row.
-    enough = optuna.study.MaxTrialsCallback(settings.n_trials, states=(TrialState.COMPLETE, TrialState.PRUNED))
-    callbacks = [enough, _stop_after_failures(settings.max_failures)]
-    with (
-        stop_after_trial_on_interrupt(study) as stop_requested,
-        _progress(study, settings.n_trials, settings.show_progress_bar) as show_progress,
-        warnings.catch_warnings(),
-    ):
+    objective = make_objective(space, evaluator, settings.objective, settings.min_match, settings.n_trials)
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        study.optimize(objective, timeout=settings.timeout, callbacks=[*callbacks, show_progress, stop_requested],
-                       catch=(Exception,))
+        _work(study, storage, objective, settings)
     return study
+
+
+def _work(
+    study: optuna.Study, storage: optuna.storages.BaseStorage, objective: Callable, settings: StudySettings
+) -> None:
+    """Run trials one at a time until the study, shared with any other workers, holds `n_trials` finished ones.
+
+    Finished (complete or pruned) trials count; so do running ones, of this worker or another,
+    so that the workers together do not overshoot. With heartbeats, a running trial whose worker
+    died is failed after the grace period and re-enqueued, so a worker that only waits on running
+    trials checks for stale ones instead of stopping. Failed trials do not count: they are retried,
+    up to `max_failures` in a row.
+    """
+    heartbeat = isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
+    stop = StopRequest()
+    deadline = time.monotonic() + settings.timeout if settings.timeout else None
+    failures_in_a_row = 0
+
+    def after_trial(study: optuna.Study, trial: FrozenTrial) -> None:
+        nonlocal failures_in_a_row
+        if str(trial.user_attrs.get("fail_reason", "")).startswith("not run"):
+            return  # a surplus trial, not a failure
+        failures_in_a_row = failures_in_a_row + 1 if trial.state == TrialState.FAIL else 0
+        if failures_in_a_row >= settings.max_failures:
+            stop.reason = (f"{settings.max_failures} trials in a row failed, the last because "
+                           f"{trial.user_attrs.get('fail_reason')}")
+
+    with stop_after_trial_on_interrupt(stop), _progress(study, settings.n_trials, settings.show_progress_bar) as bar:
+        while not stop.reason:
+            if heartbeat:
+                optuna.storages.fail_stale_trials(study)
+            finished = len(finished_trials(study))
+            running = len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+            if finished >= settings.n_trials:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                stop.reason = "timeout"
+                break
+            if finished + running >= settings.n_trials:
+                if not heartbeat:
+                    stop.reason = (f"{running} trial(s) still marked running by other workers; without heartbeats "
+                                   "(journal storage) a killed worker's trial stays so")
+                    break
+                time.sleep(min(5.0, storage.get_heartbeat_interval()))
+                continue
+            study.optimize(objective, n_trials=1, callbacks=[after_trial, bar], catch=(Exception,))
+    if stop.reason and stop.reason != "timeout":
+        print(f"stopped: {stop.reason}")
 
 
 @contextlib.contextmanager
@@ -549,19 +493,6 @@ def _best_label(trial: FrozenTrial) -> str:
     attrs = trial.user_attrs
     speedup = attrs.get("predicted_speedup") or attrs.get("speedup", float("nan"))
     return f"{speedup:.2f}x at acceptance {attrs.get('acceptance_rate', float('nan')):.2f}"
-
-
-def _stop_after_failures(limit: int) -> Callable[[optuna.Study, FrozenTrial], None]:
-    in_a_row = 0
-
-    def callback(study: optuna.Study, trial: FrozenTrial) -> None:
-        nonlocal in_a_row
-        in_a_row = in_a_row + 1 if trial.state == TrialState.FAIL else 0
-        if in_a_row >= limit:
-            print(f"stopping: {limit} trials in a row failed, last because {trial.user_attrs.get('fail_reason')}")
-            study.stop()
-
-    return callback
 
 
 def _check_resumable(name: str, existing: dict[str, Any], wanted: dict[str, Any]) -> None:

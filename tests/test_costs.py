@@ -1,3 +1,5 @@
+from collections import Counter
+
 import pytest
 
 from conftest import tiny_model
@@ -26,9 +28,9 @@ def test_verify_time_interpolates_and_extrapolates():
 
 
 def test_predicted_speedup_by_hand():
-    stats = DecodeStats(new_tokens=14, rounds=5, drafted=10, accepted=8)
-    # 10 drafts at 8 s + 5 verifications of 3 tokens at 11 s, against 13 plain forwards at 10 s
-    assert synthetic().predict_speedup(SkipSet.of([0, 1], [], 4), stats) == pytest.approx(130 / 135)
+    stats = DecodeStats(new_tokens=14, rounds=5, drafted=10, accepted=8, verify_sizes=Counter({3: 4, 2: 1}))
+    # 10 drafts at 8 s + 4 verifications of 3 tokens at 11 s + 1 of 2 tokens at 10.5 s, against 13 forwards at 10 s
+    assert synthetic().predict_speedup(SkipSet.of([0, 1], [], 4), stats) == pytest.approx(130 / (80 + 44 + 10.5))
     assert synthetic().predict_speedup(SkipSet(), stats) == 1.0
 
 

@@ -60,6 +60,8 @@ def test_mean_accepted_tokens_counts_per_round():
                    policy=DraftPolicy(max_draft_tokens=4, adaptive=False), eos_token_id=None)
     assert out.stats.drafted > 0 and out.stats.accepted > 0
     assert out.stats.mean_accepted_tokens == out.stats.accepted / out.stats.rounds
+    sizes = out.stats.verify_sizes
+    assert sum(sizes.values()) == out.stats.rounds and sum(n * c for n, c in sizes.items()) == out.stats.drafted + out.stats.rounds
 
 
 def test_generation_stops_at_eos_like_generate():

@@ -1,0 +1,96 @@
+"""Many workers on one study: PostgreSQL (heartbeats, a worker killed mid-trial) and the journal file."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import optuna
+import pytest
+from optuna.storages import RetryHeartbeatStaleTrialCallback
+from optuna.trial import TrialState
+
+from skipsearch.storage import make_storage
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    url = os.environ.get("SKIPSEARCH_TEST_POSTGRES_URL")
+    if not url:
+        if os.environ.get("CI"):
+            pytest.fail("CI must start PostgreSQL (.ci/postgres.sh) and set SKIPSEARCH_TEST_POSTGRES_URL")
+        pytest.skip("no PostgreSQL server: start one with `.ci/postgres.sh start` and set SKIPSEARCH_TEST_POSTGRES_URL")
+    return url
+
+
+def worker(model_dir, storage, study, n_trials, tmp_path, max_new_tokens=24):
+    command = [sys.executable, "-m", "skipsearch", "optimize", "--model", str(model_dir), "--storage", storage,
+               "--study-name", study, "--n-trials", str(n_trials), "--num-prompts", "2", "--max-new-tokens",
+               str(max_new_tokens), "--min-match", "0", "--no-plots", "--no-progress", "--no-pruning",
+               "--studies-dir", str(tmp_path / "studies"), "--heartbeat-interval", "1", "--heartbeat-grace", "3",
+               "--max-retries", "2"]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process, timeout=240):
+    out, _ = process.communicate(timeout=timeout)
+    assert process.returncode == 0, out
+    return out
+
+
+def check_complete(study, n_trials):
+    trials = study.get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    finished = [t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(finished) == n_trials
+    return trials
+
+
+@pytest.mark.parametrize("backend", ["postgres", "journal"])
+def test_two_workers_share_one_study(backend, tiny_model_dir, tmp_path, request):
+    storage = (request.getfixturevalue("postgres_url") if backend == "postgres"
+               else f"journal:{tmp_path / 'study.log'}")
+    name = f"two-{uuid.uuid4().hex[:8]}"
+    workers = [worker(tiny_model_dir, storage, name, 8, tmp_path) for _ in range(2)]
+    outputs = [finish(w) for w in workers]
+    study = optuna.load_study(study_name=name, storage=make_storage(storage))
+    trials = check_complete(study, 8)
+    ran = {t.user_attrs["worker"] for t in trials if t.state == TrialState.COMPLETE}
+    assert len(ran) == 2, outputs  # both workers did trials
+    assert all("exported" in out for out in outputs)
+    # Failures are only trials that found the budget spent when they started.
+    assert all(t.user_attrs["fail_reason"].startswith("not run") for t in trials if t.state == TrialState.FAIL)
+
+
+def test_a_killed_worker_trial_is_failed_and_retried(postgres_url, tiny_model_dir, tmp_path):
+    name = f"kill-{uuid.uuid4().hex[:8]}"
+    survivor = worker(tiny_model_dir, postgres_url, name, 8, tmp_path, max_new_tokens=48)
+    victim = worker(tiny_model_dir, postgres_url, name, 8, tmp_path, max_new_tokens=48)
+    storage = make_storage(postgres_url)
+    victim_tag = f":{victim.pid}"
+    deadline = time.monotonic() + 120
+    killed_trial = None
+    while killed_trial is None and time.monotonic() < deadline:
+        try:
+            running = optuna.load_study(study_name=name, storage=storage).get_trials(states=(TrialState.RUNNING,))
+        except KeyError:  # the study is not created yet
+            running = []
+        mine = [t for t in running if str(t.user_attrs.get("worker", "")).endswith(victim_tag)]
+        if mine:
+            os.kill(victim.pid, signal.SIGKILL)
+            killed_trial = mine[0].number
+        time.sleep(0.02)
+    assert killed_trial is not None, "the victim never ran a trial"
+    victim.wait(timeout=30)
+    assert victim.returncode == -signal.SIGKILL
+    finish(survivor)
+
+    study = optuna.load_study(study_name=name, storage=make_storage(postgres_url))
+    trials = check_complete(study, 8)
+    dead = trials[killed_trial]
+    assert dead.state == TrialState.FAIL
+    retries = [t for t in trials if RetryHeartbeatStaleTrialCallback.retried_trial_number(t) == killed_trial]
+    assert len(retries) == 1 and retries[0].params == dead.params
+    assert retries[0].state in (TrialState.COMPLETE, TrialState.PRUNED)
