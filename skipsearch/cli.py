@@ -308,8 +308,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     loaded = _load(args)
     profile = profile_costs(loaded.model, context_tokens=args.context_tokens, repeats=args.repeats)
     profile.save(args.output)
-    print(f"one forward {profile.forward_s * 1e3:.2f} ms = rest {profile.rest_s * 1e3:.2f} ms + "
-          f"{profile.num_hidden_layers} x (attention {profile.attn_s * 1e3:.3f} ms + MLP {profile.mlp_s * 1e3:.3f} ms); "
+    print(f"one forward {profile.forward_s * 1e3:.2f} ms; each attention {profile.attn_s * 1e3:.3f} ms, each MLP "
+          f"{profile.mlp_s * 1e3:.3f} ms, the rest (embeddings, norm, lm_head) {profile.rest_s * 1e3:.2f} ms; "
           f"verifying {len(profile.verify_s)} tokens {profile.verify_s[-1] * 1e3:.2f} ms")
     print(f"wrote {args.output}")
     return 0

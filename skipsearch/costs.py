@@ -1,9 +1,11 @@
 """A device cost model: profile what drafting and verifying cost, and predict a skip set's speedup.
 
 Costs are measured, not assumed: one-token forwards at a fixed context length with all
-attention skipped, all MLPs skipped, and everything skipped, subtracted from the full
-forward, give the time of one attention and one MLP sublayer and of the rest (embeddings,
-final norm, lm_head, dispatch). Verifying n tokens is timed directly for each n. A profile
+attention skipped and with all MLPs skipped, subtracted from the full forward, give the
+marginal time of one attention and one MLP sublayer; the rest of the full forward
+(embeddings, final norm, lm_head, dispatch) is what remains. A draft's cost is thus the full
+forward less what it skips, exact for the empty set and closest for the sparse sets that
+matter. Verifying n tokens is timed directly for each n. A profile
 is JSON, so a study on one machine can be scored with another machine's costs.
 """
 
@@ -33,7 +35,7 @@ class CostProfile:
     context_tokens: int
     attn_s: float  # one attention sublayer, one token
     mlp_s: float  # one MLP sublayer, one token
-    rest_s: float  # embeddings, final norm, lm_head and per-forward overhead
+    rest_s: float  # the full forward less all sublayers: embeddings, final norm, lm_head, overhead
     verify_s: list[float]  # verify_s[n - 1]: one full forward of n tokens
 
     @property
@@ -134,11 +136,10 @@ def profile_costs(
     full = timed(1, SkipSet())
     no_attn = timed(1, SkipSet.of(every, (), num_layers))
     no_mlp = timed(1, SkipSet.of((), every, num_layers))
-    nothing = timed(1, SkipSet.of(every, every, num_layers))
     cache.truncate(0)
+    attn_s, mlp_s = max(0.0, full - no_attn) / num_layers, max(0.0, full - no_mlp) / num_layers
     return CostProfile(
         device=str(device), dtype=str(model.dtype).removeprefix("torch."), architecture=type(model).__name__,
-        num_hidden_layers=num_layers, context_tokens=context_tokens,
-        attn_s=max(0.0, full - no_attn) / num_layers, mlp_s=max(0.0, full - no_mlp) / num_layers,
-        rest_s=nothing, verify_s=verify,
+        num_hidden_layers=num_layers, context_tokens=context_tokens, attn_s=attn_s, mlp_s=mlp_s,
+        rest_s=max(0.0, full - num_layers * (attn_s + mlp_s)), verify_s=verify,
     )

@@ -44,7 +44,7 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
     if shown is not None:
         best_map[0, shown.user_attrs["skip_attn"]] = 1
         best_map[1, shown.user_attrs["skip_mlp"]] = 1
-    top = sorted(skipping, key=_score, reverse=True)[: max(1, round(top_fraction * len(skipping)))]
+    top = sorted(skipping, key=_score, reverse=True)[: max(5, round(top_fraction * len(skipping)))]
     frequency = np.zeros((2, num_layers))
     for trial in top:
         frequency[0, trial.user_attrs["skip_attn"]] += 1 / len(top)
@@ -59,6 +59,7 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
         ax.set_xticks(range(num_layers))
         ax.tick_params(axis="x", labelsize=7)
         ax.set_title(title, fontsize=9)
+        ax.grid(False)  # Optuna's ggplot style would draw lines through the cells
         fig.colorbar(image, ax=ax, fraction=0.02)
     axes[1].set_xlabel("layer")
     return fig

@@ -94,3 +94,26 @@ def test_a_killed_worker_trial_is_failed_and_retried(postgres_url, tiny_model_di
     retries = [t for t in trials if RetryHeartbeatStaleTrialCallback.retried_trial_number(t) == killed_trial]
     assert len(retries) == 1 and retries[0].params == dead.params
     assert retries[0].state in (TrialState.COMPLETE, TrialState.PRUNED)
+
+
+def test_ctrl_c_finishes_the_running_trial_then_exports(tiny_model_dir, tmp_path):
+    storage = f"sqlite:///{tmp_path}/study.db"
+    process = worker(tiny_model_dir, storage, "interrupted", 50, tmp_path, max_new_tokens=48)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            study = optuna.load_study(study_name="interrupted", storage=storage)
+            if len(study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))) >= 2 and study.get_trials(
+                    states=(TrialState.RUNNING,)):
+                break
+        except (KeyError, Exception):  # not created yet, or the database is busy
+            pass
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    out = finish(process, timeout=120)
+    assert "stopping after the running trial" in out and "exported" in out
+    study = optuna.load_study(study_name="interrupted", storage=storage)
+    trials = study.get_trials()
+    assert not [t for t in trials if t.state == TrialState.RUNNING]  # the running trial was finished
+    assert 2 <= len([t for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]) < 50
+    assert (tmp_path / "studies" / "interrupted" / "best.json").is_file()
