@@ -26,7 +26,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from .config import ModelInfo
 from .costs import CostProfile, profile_costs
-from .storage import Heartbeat, load_study, make_storage
+from .storage import Heartbeat, make_storage
 from .decoding import DecodeStats, DraftPolicy, generate
 from .skipping import SkipSet, draft_mode
 
@@ -240,16 +240,13 @@ def make_sampler(name: str, seed: int | None, multi_objective: bool) -> optuna.s
 
 
 def open_study(
-    study_name: str, storage: str | optuna.storages.BaseStorage, objective: str, sampler: optuna.samplers.BaseSampler | None = None,
-    pruner: optuna.pruners.BasePruner | None = None, create: bool = True,
+    study_name: str, storage: optuna.storages.BaseStorage, objective: str,
+    sampler: optuna.samplers.BaseSampler | None = None, pruner: optuna.pruners.BasePruner | None = None,
 ) -> optuna.Study:
     """Create the study or load it to resume; an existing study must have been made for this objective."""
     if objective not in OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}: choose one of {', '.join(OBJECTIVES)}")
     directions = ["maximize", "maximize"] if objective == "pareto" else ["maximize"]
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    if not create:
-        return load_study(study_name, storage, sampler=sampler, pruner=pruner)
     try:
         return optuna.create_study(
             study_name=study_name, storage=storage, sampler=sampler, pruner=pruner, directions=directions,
