@@ -36,12 +36,17 @@ def config_from_trial(study: optuna.Study, trial: FrozenTrial) -> SkipConfig:
     }
     if attrs.get("predicted_speedup") is not None:
         metrics["predicted_speedup"] = attrs["predicted_speedup"]
-    search = {
-        "study_name": study.study_name, "trial_number": trial.number, "sampler": info["sampler"],
+    return SkipConfig(model=model, skip=skip, draft=DraftPolicy(**info["draft"]), metrics=metrics,
+                      search=_search_settings(study, trial.number))
+
+
+def _search_settings(study: optuna.Study, trial_number: int | None) -> dict:
+    info = study.user_attrs[STUDY_ATTR]
+    return {
+        "study_name": study.study_name, "trial_number": trial_number, "sampler": info["sampler"],
         "dataset": info["dataset"], "num_prompts": info["num_prompts"], "max_new_tokens": info["max_new_tokens"],
         "device": info["device"], "dtype": info["dtype"], "created_at": datetime.now(timezone.utc).isoformat(),
     }
-    return SkipConfig(model=model, skip=skip, draft=DraftPolicy(**info["draft"]), metrics=metrics, search=search)
 
 
 def speedup_key(study: optuna.Study) -> str:
@@ -88,13 +93,8 @@ def plain_decoding_config(study: optuna.Study, reason: str) -> SkipConfig:
         "tokens_per_second": baseline, "baseline_tokens_per_second": baseline, "mean_accepted_tokens": 0.0,
         "verdict": reason, "best_skipping_speedup": fastest.user_attrs[speedup_key(study)] if fastest else None,
     }
-    search = {
-        "study_name": study.study_name, "trial_number": None, "sampler": info["sampler"], "dataset": info["dataset"],
-        "num_prompts": info["num_prompts"], "max_new_tokens": info["max_new_tokens"], "device": info["device"],
-        "dtype": info["dtype"], "created_at": datetime.now(timezone.utc).isoformat(),
-    }
     return SkipConfig(model=ModelInfo(**info["model"]), skip=SkipSet(), draft=DraftPolicy(**info["draft"]),
-                      metrics=metrics, search=search)
+                      metrics=metrics, search=_search_settings(study, None))
 
 
 def export_trial(study: optuna.Study, path: Path, trial_number: int | None = None) -> SkipConfig:
