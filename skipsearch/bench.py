@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from .config import SkipConfig, write_atomic
 from .costs import CostProfile
-from .decoding import DecodeStats, DraftPolicy, synchronize, generate
+from .decoding import DecodeStats, DraftPolicy, generate, synchronize
+from .plots import save_figure
 from .skipping import SkipSet
 
 Decoder = Callable[[list[int]], tuple[list[int], DecodeStats | None]]
@@ -164,8 +165,5 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict) -> tuple[P
     ax.axvline(1.0, color="gray", linestyle="--", linewidth=1)
     ax.set_xlabel("speedup over HF greedy (median of timed passes)")
     ax.set_title(f"{settings.get('model', '')} on {settings.get('device', '')}", fontsize=9)
-    tmp = png_path.with_name(".bench.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(png_path)
+    save_figure(fig, png_path)
     return json_path, png_path

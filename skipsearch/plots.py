@@ -16,7 +16,8 @@ from .export import fastest_skip_trial
 from .search import STUDY_ATTR, best_trial
 
 
-def _save(fig: plt.Figure, path: Path) -> None:
+def save_figure(fig: plt.Figure, path: Path) -> None:
+    """Write `fig` as PNG atomically (a temp file renamed over `path`) and close it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
     os.close(fd)
     try:
@@ -104,6 +105,6 @@ def write_plots(study: optuna.Study, folder: Path) -> list[Path]:
         warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
         for name, make in figures.items():
             path = folder / f"{name}.png"
-            _save(make(), path)
+            save_figure(make(), path)
             written.append(path)
     return written

@@ -488,7 +488,7 @@ def _progress(study: optuna.Study, total: int, enabled: bool) -> Iterator[Callab
 
 def _best_label(trial: FrozenTrial) -> str:
     attrs = trial.user_attrs
-    speedup = attrs.get("predicted_speedup") or attrs.get("speedup", float("nan"))
+    speedup = attrs["predicted_speedup"] if attrs.get("predicted_speedup") is not None else attrs.get("speedup", float("nan"))
     return f"{speedup:.2f}x at acceptance {attrs.get('acceptance_rate', float('nan')):.2f}"
 
 
