@@ -130,7 +130,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         s = output.stats
         print(
             f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, {s.rounds} rounds, "
-            f"acceptance {s.acceptance_rate:.2f} ({s.accepted}/{s.drafted}), skip {skip if skip else 'none'}]",
+            f"acceptance {'-' if s.acceptance_rate is None else format(s.acceptance_rate, '.2f')} "
+            f"({s.accepted}/{s.drafted}), skip {skip if skip else 'none'}]",
             file=sys.stderr,
         )
     return 0
@@ -173,7 +174,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from .data import load_prompts
     from .plots import write_plots
     from .export import export_trial, verdict
-    from .search import SearchSpace, StudySettings, run_study
+    from .search import SearchSpace, StudySettings, run_study, study_summary
     from .storage import Heartbeat, make_storage
 
     prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
@@ -203,12 +204,13 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         sampler=args.sampler, seed=args.seed, n_trials=args.n_trials, timeout=args.timeout, min_match=args.min_match,
         dataset=args.dataset, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
         show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
+        repeats=args.repeats, confirm_top=args.confirm_top, confirm_repeats=args.confirm_repeats,
     )
     study = run_study(loaded.model, ModelInfo.of(loaded.model, loaded.name_or_path), loaded.dtype_name, encoded,
                       settings, space, policy, loaded.model.generation_config.eos_token_id, profile=profile)
     folder = args.studies_dir / args.study_name
     config = export_trial(study, folder / "best.json")
-    print(f"study {args.study_name}: {len(study.trials)} trials in {_storage(args, must_exist=False)}")
+    print(f"study {args.study_name} in {_storage(args, must_exist=False)}: {study_summary(study)}")
     print(verdict(study)[1])
     print(f"exported {folder / 'best.json'}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
     if not args.no_plots:
@@ -352,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "GPU (default: profile this device when the study starts)")
     search.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="Optuna sampler")
     search.add_argument("--n-trials", type=_positive_int, default=20,
-                        help="finished trials the study should hold (a re-run resumes up to this)")
+                        help="distinct skip sets the study should evaluate (a re-run resumes up to this; repeated "
+                             "proposals are answered from earlier trials and do not count)")
     search.add_argument("--timeout", type=_positive_float, default=None, help="stop after this many seconds")
     search.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the prompt selection")
     search.add_argument("--skip-prior", type=_unit_float, default=0.15,
@@ -362,7 +365,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="let the search skip sublayers of the first and last layers (kept by default)")
     search.add_argument("--min-match", type=_unit_float, default=0.5,
                         help="prune a skip set whose teacher-forced draft/full agreement is below this (0: never)")
-    search.add_argument("--no-pruning", action="store_true", help="never stop a trial early (median pruner off)")
+    search.add_argument("--no-pruning", action="store_true",
+                        help="never stop a trial early (the Wilcoxon pruner compares it prompt by prompt with the best)")
+    search.add_argument("--repeats", type=_positive_int, default=1,
+                        help="paired runs (plain, then skip set, alternating order) per prompt in a trial")
+    search.add_argument("--confirm-top", type=_non_negative_int, default=3,
+                        help="best distinct skip sets re-measured against plain decoding before export (0: none, "
+                             "so plain decoding is exported)")
+    search.add_argument("--confirm-repeats", type=_positive_int, default=2,
+                        help="paired runs per prompt when confirming")
     search.add_argument("--no-warm-starts", action="store_true", help="do not enqueue the structured first trials")
     workers = opt.add_argument_group("workers and crash recovery (SQLite / PostgreSQL storages)")
     workers.add_argument("--heartbeat-interval", type=_positive_int, default=60,

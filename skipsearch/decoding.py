@@ -98,9 +98,9 @@ class DecodeStats:
     verify_sizes: collections.Counter = field(default_factory=collections.Counter)
 
     @property
-    def acceptance_rate(self) -> float:
-        """Accepted draft tokens / drafted tokens (0 when nothing was drafted)."""
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def acceptance_rate(self) -> float | None:
+        """Accepted draft tokens / drafted tokens; None when nothing was drafted (plain decoding has none)."""
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def mean_accepted_tokens(self) -> float:

@@ -14,6 +14,7 @@ import math
 import os
 import socket
 import signal
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -27,12 +28,14 @@ from optuna.trial import FrozenTrial, TrialState
 from .config import ModelInfo
 from .costs import CostProfile, profile_costs
 from .storage import Heartbeat, make_storage
-from .decoding import DecodeStats, DraftPolicy, generate
+from .decoding import DecodeStats, DraftPolicy, GenerationOutput, generate
+from .measure import Interval, paired_runs, ratio_interval
 from .skipping import SkipSet, draft_mode
 
 OBJECTIVES = ("speed_x_acceptance", "speedup", "pareto", "modeled")
 SAMPLERS = ("tpe", "gp", "cmaes", "random", "nsga2")
 STUDY_ATTR = "skipsearch"
+CONFIRM_ATTR = "skipsearch_confirmation"
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,12 @@ class SearchSpace:
     @property
     def max_skipped(self) -> int:
         return math.floor(self.max_skip_fraction * 2 * self.num_layers)
+
+    @property
+    def size(self) -> int:
+        """How many distinct skip sets the space holds (the empty set included)."""
+        n = len(self.sublayers())
+        return sum(math.comb(n, k) for k in range(min(n, self.max_skipped) + 1))
 
     def suggest(self, trial: optuna.Trial) -> SkipSet:
         draws = {(kind, i): trial.suggest_float(self.param_name(kind, i), 0.0, 1.0) for kind, i in self.sublayers()}
@@ -107,117 +116,147 @@ class SearchSpace:
 
 
 @dataclass
-class Baseline:
-    """Plain greedy decoding of the calibration prompts, timed, in this process."""
-
-    seconds: list[float]
-    tokens: list[list[int]]
-    measured_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return sum(map(len, self.tokens)) / sum(self.seconds)
-
-
-@dataclass
 class Evaluation:
+    """What decoding the calibration prompts with one skip set showed, each speed paired with plain decoding."""
+
     skip: SkipSet
-    speedup: float
-    acceptance_rate: float
-    tokens_per_second: float
-    baseline_tokens_per_second: float
-    mean_accepted_tokens: float
+    speedup: Interval | None  # measured, paired; None where not timed (the modeled objective)
+    acceptance_rate: float | None  # None when nothing was drafted: plain decoding has no acceptance rate
+    tokens_per_second: float | None
+    baseline_tokens_per_second: float | None
+    mean_accepted_tokens: float | None
     identical: bool
     skipped_fraction: float
-    predicted_speedup: float | None = None  # from a cost profile, when the evaluator has one
+    prompts: int  # prompts decoded: fewer than the evaluator's when the pruner stopped the trial early
+    predicted_speedup: Interval | None = None  # from a cost profile, one prediction per prompt
 
     def score(self, objective: str) -> float | tuple[float, float]:
+        """The objective's value. Speed x acceptance counts plain decoding's acceptance as 1: nothing is rejected."""
         if objective == "modeled":
             if self.predicted_speedup is None:
                 raise ValueError("the modeled objective needs a cost profile")
-            return self.predicted_speedup
+            return self.predicted_speedup.estimate
+        acceptance = 1.0 if self.acceptance_rate is None else self.acceptance_rate
         if objective == "speedup":
-            return self.speedup
+            return self.speedup.estimate
         if objective == "pareto":
-            return self.speedup, self.acceptance_rate
-        return self.speedup * self.acceptance_rate
+            return self.speedup.estimate, acceptance
+        return self.speedup.estimate * acceptance
 
     def user_attrs(self) -> dict[str, Any]:
-        attrs = {k: v for k, v in asdict(self).items() if k != "skip"}
-        attrs["skipped"] = self.skip.size
+        """JSON-friendly trial attributes (Optuna stores them as JSON)."""
+        attrs: dict[str, Any] = {
+            "acceptance_rate": self.acceptance_rate, "tokens_per_second": self.tokens_per_second,
+            "baseline_tokens_per_second": self.baseline_tokens_per_second,
+            "mean_accepted_tokens": self.mean_accepted_tokens, "identical": self.identical,
+            "skipped_fraction": self.skipped_fraction, "skipped": self.skip.size, "prompts": self.prompts,
+        }
+        for key, interval in (("speedup", self.speedup), ("predicted_speedup", self.predicted_speedup)):
+            attrs[key] = interval.estimate if interval else None
+            attrs[f"{key}_low"] = interval.low if interval else None
+            attrs[f"{key}_high"] = interval.high if interval else None
+        attrs["paired_runs"] = self.speedup.pairs if self.speedup else 0
         return attrs
 
 
 @dataclass
 class Evaluator:
-    """Runs real self-speculative decoding of calibration prompts and compares it with plain decoding."""
+    """Runs real self-speculative decoding of calibration prompts, each run paired with plain decoding.
+
+    Per prompt and repeat, plain decoding and the skip set decode the same prompt back to back, in
+    alternating order; a speedup is the geometric mean of those paired ratios with its interval.
+    With `timed=False` (the modeled objective) nothing is timed: only acceptance is measured and the
+    cost profile predicts the speedup, which makes the score deterministic.
+    """
 
     model: torch.nn.Module
     prompts: list[list[int]]
     max_new_tokens: int
     policy: DraftPolicy
     eos_token_id: int | list[int] | None
-    baseline_refresh_s: float = 600.0
-    baseline: Baseline | None = None
     profile: CostProfile | None = None
+    repeats: int = 1  # paired runs per prompt in a trial
+    timed: bool = True
+    clock: Callable[[], float] = time.perf_counter
+    _reference: list[list[int]] | None = field(default=None, repr=False)
 
-    def _decode(self, prompt: list[int], skip: SkipSet | None) -> tuple[list[int], DecodeStats]:
-        out = generate(self.model, prompt, skip=skip, max_new_tokens=self.max_new_tokens, policy=self.policy,
-                       eos_token_id=self.eos_token_id)
-        return out.tokens, out.stats
+    def _decode(self, prompt: list[int], skip: SkipSet | None) -> GenerationOutput:
+        return generate(self.model, prompt, skip=skip, max_new_tokens=self.max_new_tokens, policy=self.policy,
+                        eos_token_id=self.eos_token_id)
 
-    def measure_baseline(self) -> Baseline:
-        self._decode(self.prompts[0], None)  # warm-up: first calls pay one-time allocation costs
-        runs = [self._decode(p, None) for p in self.prompts]
-        self.baseline = Baseline(seconds=[s.wall_time_s for _, s in runs], tokens=[t for t, _ in runs])
-        return self.baseline
-
-    def current_baseline(self) -> Baseline:
-        """The baseline, re-measured when it is older than `baseline_refresh_s` (machines drift)."""
-        if self.baseline is None or time.monotonic() - self.baseline.measured_at > self.baseline_refresh_s:
-            return self.measure_baseline()
-        return self.baseline
+    def reference_tokens(self) -> list[list[int]]:
+        """Plain greedy decoding of every prompt (untimed; it also warms the process up)."""
+        if self._reference is None:
+            self._reference = [self._decode(p, None).tokens for p in self.prompts]
+        return self._reference
 
     @torch.inference_mode()
     def match_rate(self, skip: SkipSet) -> float:
         """Share of positions where the draft's argmax equals the full model's greedy token, teacher-forced:
         one parallel forward per prompt (SWIFT's "matchness")."""
-        baseline = self.current_baseline()
         matched = total = 0
         with draft_mode(self.model, skip):
-            for prompt, continuation in zip(self.prompts, baseline.tokens):
+            for prompt, continuation in zip(self.prompts, self.reference_tokens()):
                 ids = torch.tensor([prompt + continuation], device=self.model.device)
                 guesses = self.model(ids).logits[0, len(prompt) - 1 : -1].argmax(-1)
                 matched += int((guesses == ids[0, len(prompt) :]).sum())
                 total += len(continuation)
         return matched / total
 
-    def evaluate(self, skip: SkipSet, report: Callable[[int, float], None] | None = None,
-                 objective: str = "speed_x_acceptance") -> Evaluation:
-        """Decode every prompt with `skip`; `report(step, running_score)` after each (it may raise to prune)."""
-        baseline = self.current_baseline()
-        total = DecodeStats()
-        identical = True
-        for step, prompt in enumerate(self.prompts):
-            tokens, stats = self._decode(prompt, skip)
-            identical &= tokens == baseline.tokens[step]
-            total.add(stats)
-            if report is not None:
-                report(step, self._summary(skip, total, baseline, step + 1, identical).score(objective))
-        return self._summary(skip, total, baseline, len(self.prompts), identical)
+    def evaluate(self, skip: SkipSet, report: Callable[[int, float], bool] | None = None,
+                 objective: str = "speed_x_acceptance", repeats: int | None = None) -> Evaluation:
+        """Decode every prompt with `skip`, paired with plain decoding.
 
-    def _summary(self, skip: SkipSet, total: DecodeStats, baseline: Baseline, n: int, identical: bool) -> Evaluation:
-        num_layers = self.model.config.num_hidden_layers
-        base_tps = sum(map(len, baseline.tokens[:n])) / sum(baseline.seconds[:n])
-        # A draft with nothing skipped is the full model: all of it would be accepted.
-        acceptance = total.acceptance_rate if skip.size else 1.0
+        After each prompt, `report(prompt_index, that_prompt's_score)` is called; when it returns
+        True the evaluation stops there (the pruner's call) and covers the prompts done so far.
+        """
+        reference = self.reference_tokens()
+        repeats = repeats or self.repeats
+        total, ratios, plain_rates, skip_rates, predictions = DecodeStats(), [], [], [], []
+        identical, done = True, 0
+        for index, prompt in enumerate(self.prompts):
+            prompt_stats = DecodeStats()
+            if self.timed:
+                pairs = paired_runs(lambda: self._decode(prompt, None), lambda: self._decode(prompt, skip),
+                                    repeats, first_index=index, clock=self.clock)
+                outputs = [out for _, (out, _) in pairs]
+                for (plain, plain_s), (out, out_s) in pairs:
+                    plain_rates.append(len(plain.tokens) / plain_s)
+                    skip_rates.append(len(out.tokens) / out_s)
+                    ratios.append(skip_rates[-1] / plain_rates[-1])
+                prompt_ratio = ratio_interval(ratios[-repeats:]).estimate
+            else:
+                outputs, prompt_ratio = [self._decode(prompt, skip)], None
+            for out in outputs:
+                identical &= out.tokens == reference[index]
+                prompt_stats.add(out.stats)
+            total.add(prompt_stats)
+            done = index + 1
+            prediction = self._predict(skip, prompt_stats)
+            if prediction is not None:
+                predictions.append(prediction)
+            if report is not None:
+                acceptance = prompt_stats.acceptance_rate if skip.size else None
+                value = prediction if objective == "modeled" else prompt_ratio * (1.0 if acceptance is None else acceptance)
+                if report(index, value):
+                    break
         return Evaluation(
-            skip=skip, speedup=total.tokens_per_second / base_tps, acceptance_rate=acceptance,
-            tokens_per_second=total.tokens_per_second, baseline_tokens_per_second=base_tps,
-            mean_accepted_tokens=total.mean_accepted_tokens, identical=identical,
-            skipped_fraction=skip.skipped_fraction(num_layers),
-            predicted_speedup=self.profile.predict_speedup(skip, total) if self.profile else None,
+            skip=skip, speedup=ratio_interval(ratios) if ratios else None,
+            acceptance_rate=total.acceptance_rate if skip.size else None,
+            tokens_per_second=statistics.fmean(skip_rates) if skip_rates else None,
+            baseline_tokens_per_second=statistics.fmean(plain_rates) if plain_rates else None,
+            mean_accepted_tokens=total.mean_accepted_tokens if skip.size else None, identical=identical,
+            skipped_fraction=skip.skipped_fraction(self.model.config.num_hidden_layers), prompts=done,
+            predicted_speedup=_spread(predictions) if predictions else None,
         )
+
+    def _predict(self, skip: SkipSet, stats: DecodeStats) -> float | None:
+        return self.profile.predict_speedup(skip, stats) if self.profile is not None else None
+
+
+def _spread(values: list[float]) -> Interval:
+    """Deterministic per-prompt predictions summarised like measured ratios (their spread is over prompts)."""
+    return ratio_interval(values) if len(set(values)) > 1 else Interval(values[0], values[0], values[0], len(values))
 
 
 def make_sampler(name: str, seed: int | None, multi_objective: bool) -> optuna.samplers.BaseSampler:
@@ -261,12 +300,32 @@ def best_trial(study: optuna.Study) -> FrozenTrial | None:
     if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         return None
     if len(study.directions) > 1:
-        return max(study.best_trials, key=lambda t: t.user_attrs.get("speedup", 0.0))
+        return max(study.best_trials, key=lambda t: t.user_attrs.get("speedup") or 0.0)
     return study.best_trial
 
 
 def finished_trials(study: optuna.Study) -> list[FrozenTrial]:
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+
+
+def distinct_trials(study: optuna.Study) -> list[FrozenTrial]:
+    """Finished trials that evaluated a skip set for the first time: what `n_trials` counts."""
+    return [t for t in finished_trials(study) if "repeat_of" not in t.user_attrs]
+
+
+def skip_key(attrs: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    if "skip_attn" not in attrs or "skip_mlp" not in attrs:
+        return None
+    return tuple(attrs["skip_attn"]), tuple(attrs["skip_mlp"])
+
+
+def screened_score(match: float, objective: str) -> float | tuple[float, float]:
+    """The value a set stopped by the teacher-forced pre-screen gives the sampler, so that GP and TPE learn
+    from it: an estimate below any set worth decoding, still rising with the match rate (acceptance
+    follows match, and a set accepted this rarely runs at most at about half speed)."""
+    if objective == "pareto":
+        return 0.5 * match, match
+    return 0.5 * match * match if objective == "speed_x_acceptance" else 0.5 * match
 
 
 class SurplusTrial(Exception):
@@ -277,17 +336,27 @@ def make_objective(
     space: SearchSpace, evaluator: Evaluator, objective: str, min_match: float, n_trials: int | None = None
 ) -> Callable[[optuna.Trial], float | tuple[float, float]]:
     def run_trial(trial: optuna.Trial) -> float | tuple[float, float]:
-        if n_trials is not None:
-            # Two workers may start a trial at once when one is left; the lower number wins.
-            ahead = trial.study.get_trials(
-                deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING))
-            if sum(t.number < trial.number for t in ahead) >= n_trials:
-                trial.set_user_attr("fail_reason", f"not run: the study already had {n_trials} trials")
-                raise SurplusTrial(f"the study already had {n_trials} finished or running trials")
         skip = space.suggest(trial)
-        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         trial.set_user_attr("skip_attn", list(skip.attn))
         trial.set_user_attr("skip_mlp", list(skip.mlp))
+        key = skip_key({"skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp)})
+        earlier = {skip_key(t.user_attrs): t for t in reversed(distinct_trials(trial.study))}
+        if key in earlier and earlier[key].state == TrialState.COMPLETE:
+            # Decoding the same set again would only add noise: the sampler gets the value it already had.
+            first = earlier[key]
+            for name, value in first.user_attrs.items():
+                if name not in ("warm_start", "worker"):
+                    trial.set_user_attr(name, value)
+            trial.set_user_attr("repeat_of", first.number)
+            return tuple(first.values) if len(first.values) > 1 else first.values[0]
+        if n_trials is not None:
+            # Two workers may start a trial at once when one is left; the lower number wins.
+            ahead = [t for t in trial.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                     if t.number < trial.number]
+            if len(distinct_trials(trial.study)) + len(ahead) >= n_trials:
+                trial.set_user_attr("fail_reason", f"not run: the study already had {n_trials} trials")
+                raise SurplusTrial(f"the study already had {n_trials} finished or running trials")
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         trial.set_user_attr("skipped", skip.size)
         trial.set_user_attr("skipped_fraction", skip.skipped_fraction(space.num_layers))
         try:
@@ -295,17 +364,17 @@ def make_objective(
                 match = evaluator.match_rate(skip)
                 trial.set_user_attr("match", match)
                 if match < min_match:
-                    raise optuna.TrialPruned(f"teacher-forced match {match:.2f} < {min_match}")
+                    trial.set_user_attr("screened_out", f"teacher-forced match {match:.2f} < {min_match}")
+                    return screened_score(match, objective)
 
-            def report(step: int, value: float) -> None:
+            def report(step: int, value: float) -> bool:
                 if objective == "pareto":
-                    return  # Optuna prunes single-objective studies only
-                trial.report(value, step)
-                if trial.should_prune():
-                    raise optuna.TrialPruned(f"pruned after {step + 1} prompts at {value:.3f}")
+                    return False  # Optuna prunes single-objective studies only
+                trial.report(value, step)  # the step is the prompt's index: the pruner pairs prompts across trials
+                return trial.should_prune()
 
             evaluation = evaluator.evaluate(skip, report=report, objective=objective)
-        except (optuna.TrialPruned, SurplusTrial):
+        except SurplusTrial:
             raise
         except Exception as error:
             # Optuna marks the trial failed and the study goes on; keep the reason on the trial.
@@ -313,8 +382,12 @@ def make_objective(
             raise
         finally:
             _free_memory(evaluator.model)
-        for key, value in evaluation.user_attrs().items():
-            trial.set_user_attr(key, value)
+        for name, value in evaluation.user_attrs().items():
+            trial.set_user_attr(name, value)
+        if evaluation.prompts < len(evaluator.prompts):
+            # Optuna's advice for the Wilcoxon pruner: return the estimate so far instead of raising TrialPruned,
+            # so that the sampler learns from the trial.
+            trial.set_user_attr("stopped_early", f"worse than the best trial after {evaluation.prompts} prompts")
         return evaluation.score(objective)
 
     return run_trial
@@ -357,7 +430,7 @@ class StudySettings:
     objective: str = "speed_x_acceptance"
     sampler: str = "tpe"
     seed: int = 0
-    n_trials: int = 20
+    n_trials: int = 20  # distinct skip sets to evaluate
     timeout: float | None = None
     min_match: float = 0.5
     dataset: str = "builtin"
@@ -368,17 +441,25 @@ class StudySettings:
     warm_starts: bool = True
     pruning: bool = True
     heartbeat: Heartbeat | None = field(default_factory=Heartbeat)
+    repeats: int = 1  # paired runs per prompt in a trial
+    confirm_top: int = 3  # best distinct candidates re-measured before export
+    confirm_repeats: int = 2  # paired runs per prompt when confirming
+    max_repeats_in_a_row: int = 50  # proposals of already-evaluated sets before the space counts as exhausted
 
 
 def run_study(
     model: torch.nn.Module, model_info: ModelInfo, dtype: str, prompts: list[list[int]], settings: StudySettings,
     space: SearchSpace, policy: DraftPolicy, eos_token_id: int | list[int] | None,
-    profile: CostProfile | None = None,
+    profile: CostProfile | None = None, clock: Callable[[], float] = time.perf_counter,
 ) -> optuna.Study:
-    """Run (or resume) the study until it holds `settings.n_trials` finished trials, or until timeout / Ctrl-C."""
+    """Run (or resume) the study until it has evaluated `settings.n_trials` distinct skip sets (or until
+    timeout, Ctrl-C or an exhausted space), then confirm its best candidates (see `confirm_candidates`)."""
     multi = settings.objective == "pareto"
     prune = settings.pruning and not multi
-    pruner = optuna.pruners.MedianPruner(n_startup_trials=5, n_warmup_steps=1) if prune else optuna.pruners.NopPruner()
+    # Paired per-prompt comparisons with the best trial: drift moves both sides of a pair alike.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        pruner = optuna.pruners.WilcoxonPruner(p_threshold=0.1, n_startup_steps=2) if prune else optuna.pruners.NopPruner()
     storage = settings.storage
     if isinstance(storage, str):
         storage = make_storage(storage, settings.heartbeat)
@@ -401,53 +482,110 @@ def run_study(
         info["cost_profile"] = asdict(profile)
     if existing is None:
         study.set_user_attr(STUDY_ATTR, info)
-        for skip in space.warm_starts() if settings.warm_starts else ():
+        # Only as many as the budget: a queued warm start is a trial too.
+        for skip in space.warm_starts()[: settings.n_trials] if settings.warm_starts else ():
             study.enqueue_trial(space.params_for(skip), user_attrs={"warm_start": True}, skip_if_exists=True)
     else:
         _check_resumable(settings.study_name, existing, info)
-    remaining = settings.n_trials - len(finished_trials(study))
-    if remaining <= 0:
-        return study
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
-                          eos_token_id=eos_token_id, profile=profile)
-    evaluator.measure_baseline()
-    objective = make_objective(space, evaluator, settings.objective, settings.min_match, settings.n_trials)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        _work(study, storage, objective, settings)
+                          eos_token_id=eos_token_id, profile=profile, repeats=settings.repeats,
+                          timed=settings.objective != "modeled", clock=clock)
+    stopped = ""
+    if len(distinct_trials(study)) < settings.n_trials:
+        objective = make_objective(space, evaluator, settings.objective, settings.min_match, settings.n_trials)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            stopped = _work(study, storage, objective, settings, space.size)
+    if stopped == "interrupted":
+        print("not confirming after Ctrl-C: the export keeps the last confirmation, if any")
+    elif _confirmation_is_stale(study, settings.confirm_top):
+        confirm_candidates(study, evaluator, settings.objective, settings.confirm_top, settings.confirm_repeats,
+                           settings.show_progress_bar)
     return study
 
 
-def _work(
-    study: optuna.Study, storage: optuna.storages.BaseStorage, objective: Callable, settings: StudySettings
-) -> None:
-    """Run trials one at a time until the study, shared with any other workers, holds `n_trials` finished ones.
+def confirmation_candidates(study: optuna.Study, top: int) -> list[FrozenTrial]:
+    """The `top` distinct completed trials that skip something and were decoded, best score first."""
+    multi = len(study.directions) > 1
+    trials = [t for t in distinct_trials(study) if t.state == TrialState.COMPLETE and t.user_attrs.get("skipped", 0)
+              and "screened_out" not in t.user_attrs]
+    return sorted(trials, key=lambda t: _trial_score(t, multi), reverse=True)[:top]
 
-    Finished (complete or pruned) trials count; so do running ones, of this worker or another,
-    so that the workers together do not overshoot. With heartbeats, a running trial whose worker
-    died is failed after the grace period and re-enqueued, so a worker that only waits on running
-    trials checks for stale ones instead of stopping. Failed trials do not count: they are retried,
-    up to `max_failures` in a row.
+
+def _trial_score(trial: FrozenTrial, multi: bool) -> float:
+    if not multi:
+        return trial.values[0]
+    acceptance = trial.user_attrs.get("acceptance_rate")
+    return trial.user_attrs["speedup"] * (1.0 if acceptance is None else acceptance)
+
+
+def _confirmation_is_stale(study: optuna.Study, top: int) -> bool:
+    record = study.user_attrs.get(CONFIRM_ATTR)
+    wanted = [t.number for t in confirmation_candidates(study, top)]
+    return record is None or [c["trial"] for c in record["candidates"]] != wanted
+
+
+def confirm_candidates(study: optuna.Study, evaluator: Evaluator, objective: str, top: int, repeats: int,
+                       show_progress: bool = True) -> dict[str, Any]:
+    """Re-measure the best distinct candidates against plain decoding with more paired runs, and store the
+    figures on the study: the export reads them, so the verdict, best.json, the plots and the notebook
+    all quote the same confirmed numbers."""
+    from tqdm.auto import tqdm
+
+    results = []
+    for trial in tqdm(confirmation_candidates(study, top), desc="confirming the best skip sets", unit="set",
+                      disable=not show_progress, dynamic_ncols=True):
+        skip = SkipSet.of(trial.user_attrs["skip_attn"], trial.user_attrs["skip_mlp"])
+        evaluation = evaluator.evaluate(skip, objective=objective, repeats=repeats)
+        score = evaluation.score(objective)
+        results.append({"trial": trial.number, "skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp),
+                        "score": score[0] * score[1] if isinstance(score, tuple) else score,
+                        **evaluation.user_attrs()})
+    record = {"candidates": results, "top": top, "repeats": repeats if evaluator.timed else 1,
+              "prompts": len(evaluator.prompts), "distinct_trials": len(distinct_trials(study))}
+    study.set_user_attr(CONFIRM_ATTR, record)
+    return record
+
+
+def _work(
+    study: optuna.Study, storage: optuna.storages.BaseStorage, objective: Callable, settings: StudySettings,
+    space_size: int | None = None,
+) -> str:
+    """Run trials one at a time until the study, shared with any other workers, has evaluated `n_trials`
+    distinct skip sets; returns why it stopped short ("" when it did not).
+
+    Distinct finished trials count; so do running ones, of this worker or another, so that the
+    workers together do not overshoot. A repeated proposal costs no decoding and does not count.
+    With heartbeats, a running trial whose worker died is failed after the grace period and
+    re-enqueued, so a worker that only waits on running trials checks for stale ones instead of
+    stopping. Failed trials do not count: they are retried, up to `max_failures` in a row.
     """
     heartbeat = isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
     stop = StopRequest()
     deadline = time.monotonic() + settings.timeout if settings.timeout else None
-    failures_in_a_row = 0
+    failures_in_a_row = repeats_in_a_row = 0
 
     def after_trial(study: optuna.Study, trial: FrozenTrial) -> None:
-        nonlocal failures_in_a_row
+        nonlocal failures_in_a_row, repeats_in_a_row
         if str(trial.user_attrs.get("fail_reason", "")).startswith("not run"):
             return  # a surplus trial, not a failure
         failures_in_a_row = failures_in_a_row + 1 if trial.state == TrialState.FAIL else 0
         if failures_in_a_row >= settings.max_failures:
             stop.reason = (f"{settings.max_failures} trials in a row failed, the last because "
                            f"{trial.user_attrs.get('fail_reason')}")
+        repeats_in_a_row = repeats_in_a_row + 1 if "repeat_of" in trial.user_attrs else 0
+        distinct = len(distinct_trials(study))
+        if space_size is not None and distinct >= space_size:
+            stop.reason = f"the search space is exhausted: all {space_size} skip sets in it were evaluated"
+        elif repeats_in_a_row >= settings.max_repeats_in_a_row:
+            stop.reason = (f"the sampler proposed only already-evaluated skip sets {repeats_in_a_row} times in a "
+                           f"row ({distinct} distinct sets evaluated): the search space looks exhausted")
 
     with stop_after_trial_on_interrupt(stop), _progress(study, settings.n_trials, settings.show_progress_bar) as bar:
         while not stop.reason:
             if heartbeat:
                 optuna.storages.fail_stale_trials(study)
-            finished = len(finished_trials(study))
+            finished = len(distinct_trials(study))
             running = len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
             if finished >= settings.n_trials:
                 break
@@ -462,22 +600,41 @@ def _work(
                 time.sleep(min(5.0, storage.get_heartbeat_interval()))
                 continue
             study.optimize(objective, n_trials=1, callbacks=[after_trial, bar], catch=(Exception,))
-    if stop.reason and stop.reason != "timeout":
+    if stop.reason and stop.reason != "interrupted":
         print(f"stopped: {stop.reason}")
+    return stop.reason
+
+
+def study_summary(study: optuna.Study) -> str:
+    """What the study evaluated, in the units `--n-trials` counts."""
+    distinct = distinct_trials(study)
+    warm = [t.number for t in distinct if t.user_attrs.get("warm_start")]
+    screened = sum("screened_out" in t.user_attrs for t in distinct)
+    early = sum("stopped_early" in t.user_attrs for t in distinct)
+    repeats = sum("repeat_of" in t.user_attrs for t in finished_trials(study))
+    failed = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
+    parts = [f"{len(distinct)} distinct skip sets evaluated",
+             f"warm starts: trials {', '.join(map(str, warm))}" if warm else "no warm starts",
+             f"{screened} stopped by the pre-screen", f"{early} stopped early by the pruner",
+             f"{repeats} repeated proposals answered from earlier trials without decoding"]
+    if failed:
+        parts.append(f"{failed} failed")
+    return "; ".join(parts)
 
 
 @contextlib.contextmanager
 def _progress(study: optuna.Study, total: int, enabled: bool) -> Iterator[Callable[[optuna.Study, FrozenTrial], None]]:
-    """A bar of the study's finished trials (all workers), with the best score so far and elapsed time."""
+    """A bar of the distinct skip sets evaluated (all workers), with the best trial so far."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, initial=len(finished_trials(study)), unit="trial", disable=not enabled, dynamic_ncols=True)
+    bar = tqdm(total=total, initial=min(total, len(distinct_trials(study))), unit="set", disable=not enabled,
+               dynamic_ncols=True, desc="skip sets")
 
     def callback(study: optuna.Study, trial: FrozenTrial) -> None:
-        bar.n = min(total, len(finished_trials(study)))
+        bar.n = min(total, len(distinct_trials(study)))
         best = best_trial(study)
         if best is not None:
-            bar.set_postfix_str(f"best {_best_label(best)} (trial {best.number})", refresh=False)
+            bar.set_postfix_str(f"best so far {_best_label(best)} (trial {best.number}, unconfirmed)", refresh=False)
         bar.refresh()
 
     try:
@@ -488,8 +645,11 @@ def _progress(study: optuna.Study, total: int, enabled: bool) -> Iterator[Callab
 
 def _best_label(trial: FrozenTrial) -> str:
     attrs = trial.user_attrs
-    speedup = attrs["predicted_speedup"] if attrs.get("predicted_speedup") is not None else attrs.get("speedup", float("nan"))
-    return f"{speedup:.2f}x at acceptance {attrs.get('acceptance_rate', float('nan')):.2f}"
+    key = "predicted_speedup" if attrs.get("predicted_speedup") is not None else "speedup"
+    if attrs.get(key) is None:
+        return "screened out"
+    acceptance = attrs.get("acceptance_rate")
+    return f"{attrs[key]:.2f}x, acceptance {'-' if acceptance is None else format(acceptance, '.2f')}"
 
 
 def _check_resumable(name: str, existing: dict[str, Any], wanted: dict[str, Any]) -> None:

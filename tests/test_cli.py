@@ -75,11 +75,13 @@ def test_optimize_exports_plots_and_resumes(capsys, tmp_path, tiny_model_dir):
     assert best.search["study_name"] == "cli" and best.model.num_hidden_layers == 4
     assert {p.name for p in (tmp_path / "cli" / "plots").iterdir()} >= {"history.png", "skip_map.png"}
     code, out, _ = run(capsys, *optimize_args(tiny_model_dir, tmp_path, "--no-plots", n_trials=6))
-    assert code == 0 and "study cli:" in out
+    assert code == 0 and "study cli in " in out and ": 6 distinct skip sets evaluated" in out
     import optuna
 
+    from skipsearch.search import distinct_trials
+
     study = optuna.load_study(study_name="cli", storage=f"sqlite:///{tmp_path}/cli.db")
-    assert len([t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]) == 6
+    assert len(distinct_trials(study)) == 6
 
     code, out, _ = run(capsys, "export", "--studies-dir", tmp_path, "--study-name", "cli", "--trial", 1,
                        "--output", tmp_path / "t1.json")

@@ -7,7 +7,7 @@ from skipsearch.config import ModelInfo, load_skip_config
 from skipsearch.decoding import DraftPolicy
 from skipsearch.plots import write_plots
 from skipsearch.export import export_trial
-from skipsearch.search import Evaluator, SearchSpace, StudySettings, make_sampler, run_study
+from skipsearch.search import Evaluator, SearchSpace, StudySettings, distinct_trials, make_sampler, run_study
 from skipsearch.skipping import SkipSet
 
 PROMPTS = [[5, 9, 14, 3], [7, 2, 30, 31, 8]]
@@ -44,18 +44,36 @@ def make_evaluator(model=None):
                      policy=DraftPolicy(max_draft_tokens=3), eos_token_id=None)
 
 
-def test_evaluator_measures_speedup_acceptance_and_identity():
+def test_evaluator_pairs_every_skip_run_with_plain_decoding_and_reports_each_prompt():
     evaluator = make_evaluator()
-    baseline = evaluator.measure_baseline()
-    assert [len(t) for t in baseline.tokens] == [8, 8] and baseline.tokens_per_second > 0
+    assert [len(t) for t in evaluator.reference_tokens()] == [8, 8]
     steps = []
-    result = evaluator.evaluate(SkipSet.of([1], [2], 4), report=lambda step, value: steps.append(step))
-    assert steps == [0, 1]
-    assert result.identical and result.speedup > 0 and 0 <= result.acceptance_rate <= 1
-    assert result.score("speed_x_acceptance") == pytest.approx(result.speedup * result.acceptance_rate)
-    assert result.score("pareto") == (result.speedup, result.acceptance_rate)
-    plain = evaluator.evaluate(SkipSet())
-    assert plain.acceptance_rate == 1.0 and plain.mean_accepted_tokens == 0.0
+    result = evaluator.evaluate(SkipSet.of([1], [2], 4), report=lambda step, value: steps.append((step, value)) or False,
+                                repeats=2)
+    assert [step for step, _ in steps] == [0, 1] and all(value > 0 for _, value in steps)
+    assert result.identical and result.prompts == 2 and 0 <= result.acceptance_rate <= 1
+    assert result.speedup.pairs == 4 and result.speedup.low <= result.speedup.estimate <= result.speedup.high
+    assert result.tokens_per_second > 0 and result.baseline_tokens_per_second > 0
+    assert result.score("speed_x_acceptance") == pytest.approx(result.speedup.estimate * result.acceptance_rate)
+    assert result.score("pareto") == (result.speedup.estimate, result.acceptance_rate)
+
+
+def test_evaluation_stops_when_the_pruner_says_so():
+    evaluator = make_evaluator()
+    result = evaluator.evaluate(SkipSet.of([1], [], 4), report=lambda step, value: True)
+    assert result.prompts == 1 and result.speedup.pairs == 1
+
+
+def test_modeled_evaluation_times_nothing():
+    from skipsearch.costs import CostProfile
+
+    profile = CostProfile(device="cpu", dtype="float32", architecture="LlamaForCausalLM", num_hidden_layers=4,
+                          context_tokens=8, attn_s=1.0, mlp_s=1.0, rest_s=1.0, verify_s=[9.0, 9.2, 9.4, 9.6])
+    evaluator = make_evaluator()
+    evaluator.profile, evaluator.timed = profile, False
+    result = evaluator.evaluate(SkipSet.of([1], [2], 4), objective="modeled")
+    assert result.speedup is None and result.predicted_speedup.pairs == 2
+    assert result.score("modeled") == result.predicted_speedup.estimate
 
 
 def test_match_rate_is_one_without_skipping_and_lower_with_it():
@@ -80,14 +98,14 @@ def test_study_runs_resumes_exports_and_plots(tmp_path):
     model = tiny_model()
     study = run(model, tmp_path, n_trials=6)
     first = [(t.number, t.params) for t in study.trials]
-    assert len(first) >= 6 and study.trials[0].user_attrs.get("warm_start")
+    assert len(distinct_trials(study)) == 6 and study.trials[0].user_attrs.get("warm_start")
     resumed = run(model, tmp_path, n_trials=9)
     assert [(t.number, t.params) for t in resumed.trials][: len(first)] == first
-    finished = [t for t in resumed.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-    assert len(finished) == 9
+    assert len(distinct_trials(resumed)) == 9
     for trial in resumed.get_trials(states=(TrialState.COMPLETE,)):
-        assert {"speedup", "acceptance_rate", "tokens_per_second", "mean_accepted_tokens", "skipped"} <= set(
-            trial.user_attrs)
+        assert {"speedup", "speedup_low", "speedup_high", "acceptance_rate", "tokens_per_second",
+                "mean_accepted_tokens", "skipped"} <= set(trial.user_attrs)
+    assert "skipsearch_confirmation" in resumed.user_attrs
     config = export_trial(resumed, tmp_path / "best.json")
     assert load_skip_config(tmp_path / "best.json", model) == config
     assert "verdict" in config.metrics
@@ -117,7 +135,7 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, monkeypatch
     study = run(tiny_model(), tmp_path, n_trials=4)
     failed = study.get_trials(states=(TrialState.FAIL,))
     assert len(failed) == 1 and "simulated out of memory" in failed[0].user_attrs["fail_reason"]
-    assert len(study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))) == 4
+    assert len(distinct_trials(study)) == 4
 
 
 def test_pareto_study_exports_the_fastest_front_trial_and_plots_the_front(tmp_path):
