@@ -220,6 +220,15 @@ def default_contexts(model: torch.nn.Module, max_verify_tokens: int = 9) -> list
     return sorted({min(c, limit) for c in candidates if min(c, limit) >= 1})
 
 
+def contexts_for(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 max_verify_tokens: int = 9) -> list[int]:
+    """The context lengths that decoding `prompts` spans: the shortest prompt and the longest one decoded
+    (within the model's positions)."""
+    lengths = [len(p) for p in prompts]
+    limit = (getattr(model.config, "max_position_embeddings", None) or 1 << 30) - max_verify_tokens
+    return sorted({min(min(lengths), limit), min(max(lengths) + max_new_tokens, limit)})
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -396,3 +405,28 @@ def format_profile(profile: CostProfile) -> str:
                  f"{ms(o.switch_sublayer_s)} per skipped sublayer; {ms(o.draft_token_s)} per drafted token, "
                  f"+{ms(o.adaptive_token_s)} when adaptive")
     return "\n".join(lines)
+
+
+def load_projections(paths: Sequence[str | Path], model: torch.nn.Module) -> list[tuple[str, CostProfile]]:
+    """The profiles of `--project-with`, each labelled by its file and device, checked against `model`."""
+    projections = []
+    for path in paths:
+        profile = CostProfile.load(path)
+        try:
+            profile.check_model(model)
+        except ValueError as error:
+            raise ValueError(f"--project-with {path}: {error}") from None
+        projections.append((f"{path} [{profile.label()}]", profile))
+    return projections
+
+
+def projection_lines(projections: Sequence[tuple[str, CostProfile]],
+                     measured: Sequence[tuple[str, SkipSet, DecodeStats]], adaptive: bool) -> list[str]:
+    """Predicted speedups over plain decoding of each measured skip set on each projected device."""
+    lines = []
+    for label, profile in projections:
+        lines.append(f"PREDICTION (cost model, not measured) on {label}:")
+        for name, skip, stats in measured:
+            lines.append(f"  {name}: predicted {profile.predict_speedup(skip, stats, adaptive=adaptive):.2f}x over "
+                         f"plain decoding at this run's acceptance {stats.acceptance_rate:.2f}")
+    return lines

@@ -25,7 +25,7 @@ import torch
 from optuna.trial import FrozenTrial, TrialState
 
 from .config import ModelInfo
-from .costs import CostProfile, profile_costs
+from .costs import CostProfile, contexts_for, profile_costs
 from .storage import Heartbeat, make_storage
 from .decoding import DecodeStats, DraftPolicy, generate
 from .skipping import SkipSet, draft_mode
@@ -216,7 +216,8 @@ class Evaluator:
             tokens_per_second=total.tokens_per_second, baseline_tokens_per_second=base_tps,
             mean_accepted_tokens=total.mean_accepted_tokens, identical=identical,
             skipped_fraction=skip.skipped_fraction(num_layers),
-            predicted_speedup=self.profile.predict_speedup(skip, total) if self.profile else None,
+            predicted_speedup=(self.profile.predict_speedup(skip, total, adaptive=self.policy.adaptive)
+                               if self.profile else None),
         )
 
 
@@ -394,11 +395,11 @@ def run_study(
     if settings.objective == "modeled":
         # The study keeps its profile, so a resumed study scores with the same costs.
         if existing is not None and "cost_profile" in existing and profile is None:
-            profile = CostProfile(**existing["cost_profile"])
+            profile = CostProfile.from_dict(existing["cost_profile"])
         elif profile is None:
-            profile = profile_costs(model)
+            profile = profile_costs(model, contexts=contexts_for(model, prompts, settings.max_new_tokens))
         profile.check_model(model)
-        info["cost_profile"] = asdict(profile)
+        info["cost_profile"] = profile.to_dict()
     if existing is None:
         study.set_user_attr(STUDY_ATTR, info)
         for skip in space.warm_starts() if settings.warm_starts else ():
