@@ -350,7 +350,8 @@ def measure_overheads(model: torch.nn.Module, profile: CostProfile, repeats: int
     switch_sublayer_s = max(0.0, full_switch - empty_switch) / (2 * num_layers)
     profile = replace(profile, overheads=Overheads(switch_s=empty_switch, switch_sublayer_s=switch_sublayer_s))
 
-    context = profile.context_lengths[0]
+    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    context = max(1, min(profile.context_lengths[0], limit - new_tokens - draft_tokens - 1))
     prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
     skip = SkipSet.of(range(1, num_layers - 1, 2), (), num_layers)  # any set will do: the switch is known
     fixed = DraftPolicy(max_draft_tokens=draft_tokens, adaptive=False)
