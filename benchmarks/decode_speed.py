@@ -20,7 +20,7 @@ import torch
 
 from skipsearch import load_model
 from skipsearch.bench import hf_decoder, skipsearch_decoder, timed_passes
-from skipsearch.costs import profile_costs
+from skipsearch.costs import contexts_for, profile_costs
 from skipsearch.data import load_prompts
 from skipsearch.decoding import DraftPolicy
 from skipsearch.models import encode_prompt
@@ -57,7 +57,7 @@ def main() -> None:
     n = args.max_new_tokens
     print(f"model {loaded.name_or_path} on {loaded.device} ({loaded.dtype_name}), torch threads "
           f"{torch.get_num_threads()}, {len(prompts)} prompts x {n} new tokens, median of {args.repeats} passes")
-    profile = profile_costs(model)
+    profile = profile_costs(model, contexts=contexts_for(model, prompts, n))
 
     skip_sets = parse_skip_sets(args.skip_sets, model.config.num_hidden_layers)
     policies = {"fixed k": DraftPolicy(max_draft_tokens=args.max_draft_tokens, adaptive=False),
@@ -88,7 +88,7 @@ def main() -> None:
                 "draft cost": stats.draft_time_s / stats.drafted / plain_forward if stats.drafted else None,
                 "draft cost (profile)": profile.draft_s(skip) / profile.forward_s,
                 "decode vs plain": plain_decode / (seconds - stats.prefill_time_s),
-                "predicted": profile.predict_speedup(skip, stats),
+                "predicted": profile.predict_speedup(skip, stats, adaptive=policy.adaptive),
             })
         rows.append(row)
     columns = ["method", "tok/s", "speedup", "acceptance", "mean accepted", "draft cost", "draft cost (profile)",
@@ -97,8 +97,8 @@ def main() -> None:
     print("  ".join(c.ljust(widths[c]) for c in columns))
     for row in rows:
         print("  ".join(_fmt(row.get(c)).ljust(widths[c]) for c in columns))
-    print(f"verify cost (profile): 1 token {profile.verify_s[0] * 1e3:.1f} ms, 5 tokens "
-          f"{profile.verify_s[4] * 1e3:.1f} ms, 9 tokens {profile.verify_s[8] * 1e3:.1f} ms")
+    print(f"verify cost (profile): 1 token {profile.contexts[0].verify_s[0] * 1e3:.1f} ms, 5 tokens "
+          f"{profile.contexts[0].verify_s[4] * 1e3:.1f} ms, 9 tokens {profile.contexts[0].verify_s[8] * 1e3:.1f} ms")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"rows": rows, "profile": vars(profile)}, handle, indent=2)

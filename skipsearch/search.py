@@ -26,7 +26,7 @@ import torch
 from optuna.trial import FrozenTrial, TrialState
 
 from .config import ModelInfo
-from .costs import CostProfile, profile_costs
+from .costs import CostProfile, contexts_for, profile_costs
 from .storage import Heartbeat, make_storage
 from .decoding import DecodeStats, DraftPolicy, GenerationOutput, generate
 from .measure import Interval, paired_runs, ratio_interval
@@ -251,7 +251,9 @@ class Evaluator:
         )
 
     def _predict(self, skip: SkipSet, stats: DecodeStats) -> float | None:
-        return self.profile.predict_speedup(skip, stats) if self.profile is not None else None
+        if self.profile is None:
+            return None
+        return self.profile.predict_speedup(skip, stats, adaptive=self.policy.adaptive)
 
 
 def _spread(values: list[float]) -> Interval:
@@ -475,11 +477,11 @@ def run_study(
     if settings.objective == "modeled":
         # The study keeps its profile, so a resumed study scores with the same costs.
         if existing is not None and "cost_profile" in existing and profile is None:
-            profile = CostProfile(**existing["cost_profile"])
+            profile = CostProfile.from_dict(existing["cost_profile"])
         elif profile is None:
-            profile = profile_costs(model)
+            profile = profile_costs(model, contexts=contexts_for(model, prompts, settings.max_new_tokens))
         profile.check_model(model)
-        info["cost_profile"] = asdict(profile)
+        info["cost_profile"] = profile.to_dict()
     if existing is None:
         study.set_user_attr(STUDY_ATTR, info)
         # Only as many as the budget: a queued warm start is a trial too.

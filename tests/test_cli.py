@@ -125,8 +125,8 @@ def test_profile_then_bench_with_a_config(capsys, tmp_path, tiny_model_dir):
     from skipsearch.skipping import SkipSet
 
     code, out, _ = run(capsys, "profile", "--model", tiny_model_dir, "--output", tmp_path / "p.json", "--repeats", 2,
-                       "--context-tokens", 8)
-    assert code == 0 and (tmp_path / "p.json").is_file() and "one forward" in out
+                       "--contexts", "8,16", "--no-progress")
+    assert code == 0 and (tmp_path / "p.json").is_file() and "per drafted token" in out
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     save_skip_config(SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [2], 4)), tmp_path / "c.json")
     code, out, _ = run(capsys, "bench", "--model", tiny_model_dir, "--dtype", "float64", "--config", tmp_path / "c.json",

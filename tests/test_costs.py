@@ -1,18 +1,36 @@
+import json
+import math
+import re
+import shutil
 from collections import Counter
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import tiny_model
-from skipsearch.costs import CostProfile, profile_costs
-from skipsearch.decoding import DecodeStats
+from skipsearch.cli import main
+from skipsearch.costs import ContextCosts, CostProfile, Overheads, profile_costs, projection_lines
+from skipsearch.decoding import DecodeStats, DraftPolicy, generate
+from skipsearch.models import model_from_config
 from skipsearch.skipping import SkipSet
 
 
-def synthetic(**overrides):
+def synthetic(contexts=None, **overrides):
+    contexts = contexts or (ContextCosts(context_tokens=16, attn_s=1.0, mlp_s=1.0, rest_s=2.0,
+                                         verify_s=[10.0, 10.5, 11.0]),)
     fields = dict(device="cpu", dtype="float32", architecture="LlamaForCausalLM", num_hidden_layers=4,
-                  context_tokens=16, attn_s=1.0, mlp_s=1.0, rest_s=2.0, verify_s=[10.0, 10.5, 11.0])
+                  contexts=contexts)
     fields.update(overrides)
     return CostProfile(**fields)
+
+
+def two_contexts(**overrides):
+    # Attention costs 1 s per sublayer at 16 tokens of context and 3 s at 64; the rest does not change.
+    return synthetic(contexts=(
+        ContextCosts(context_tokens=64, attn_s=3.0, mlp_s=1.0, rest_s=2.0, verify_s=[18.0, 20.0]),
+        ContextCosts(context_tokens=16, attn_s=1.0, mlp_s=1.0, rest_s=2.0, verify_s=[10.0, 12.0]),
+    ), **overrides)
 
 
 def test_draft_cost_drops_with_each_skipped_sublayer():
@@ -27,23 +45,103 @@ def test_verify_time_interpolates_and_extrapolates():
     assert profile.verify_time(5) == 12.0  # past the last size: the last slope continues
 
 
+def test_costs_interpolate_between_context_lengths():
+    profile = two_contexts()
+    assert profile.context_lengths == [16, 64]  # sorted whatever the order given
+    assert profile.attn_at(16) == 1.0 and profile.attn_at(40) == 2.0 and profile.attn_at(64) == 3.0
+    assert profile.attn_at(112) == 5.0  # past the longest: the last segment's slope continues
+    assert profile.forward_at(40) == 14.0 and profile.verify_time(2, 40) == 16.0
+    # Skipping one attention saves more at a longer context.
+    skip = SkipSet.of([1], [], 4)
+    assert profile.draft_s(SkipSet(), 40) - profile.draft_s(skip, 40) == 2.0
+    assert profile.draft_s(SkipSet(), 64) - profile.draft_s(skip, 64) == 3.0
+    lengths = range(16, 65, 8)
+    assert all(profile.forward_at(a) <= profile.forward_at(b) for a, b in zip(lengths, lengths[1:]))
+
+
 def test_predicted_speedup_by_hand():
-    stats = DecodeStats(new_tokens=14, rounds=5, drafted=10, accepted=8, verify_sizes=Counter({3: 4, 2: 1}))
-    # 10 drafts at 8 s + 4 verifications of 3 tokens at 11 s + 1 of 2 tokens at 10.5 s, against 13 forwards at 10 s
-    assert synthetic().predict_speedup(SkipSet.of([0, 1], [], 4), stats) == pytest.approx(130 / (80 + 44 + 10.5))
+    stats = DecodeStats(new_tokens=14, rounds=5, drafted=9, accepted=8, verify_sizes=Counter({3: 4, 2: 1}))
+    # Stats without contexts are priced at the profile's context: 9 drafts at 8 s + 4 verifications of 3 tokens
+    # at 11 s + 1 of 2 tokens at 10.5 s, against 13 forwards at 10 s
+    assert synthetic().predict_speedup(SkipSet.of([0, 1], [], 4), stats) == pytest.approx(130 / (72 + 44 + 10.5))
     assert synthetic().predict_speedup(SkipSet(), stats) == 1.0
 
 
-def test_profile_of_a_tiny_model_round_trips(tmp_path):
-    model = tiny_model()
-    profile = profile_costs(model, context_tokens=8, max_verify_tokens=4, repeats=3)
-    assert len(profile.verify_s) == 4 and all(t > 0 for t in profile.verify_s)
-    assert profile.rest_s > 0 and profile.attn_s >= 0 and profile.mlp_s >= 0
+def test_predicted_speedup_prices_rounds_at_their_context_with_overheads():
+    overheads = Overheads(round_s=0.5, switch_s=0.25, switch_sublayer_s=0.125, draft_token_s=0.1,
+                          adaptive_token_s=0.2)
+    profile = two_contexts(overheads=overheads)
+    skip = SkipSet.of([0, 1], [], 4)  # drafts cost 2 + 2 * attn + 4 * 1
+    # Round 1 at context 16: 1 draft, 2 verified, 1 accepted; round 2 at context 64: 1 draft, 2 verified, none accepted.
+    stats = DecodeStats(new_tokens=4, rounds=2, drafted=2, accepted=1,
+                        verify_contexts=Counter({(2, 16): 1, (2, 64): 1}))
+    switch = 0.25 + 2 * 0.125
+    speculative = (8.0 + 0.1 + 12.0 + 0.5 + switch) + (12.0 + 0.1 + 20.0 + 0.5 + switch)
+    # 1.5 committed tokens a round, priced at context + 0.25 (the mean offset of a round's tokens).
+    plain = 1.5 * (10.0 + 8.0 * 0.25 / 48 + 0.5) + 1.5 * (18.0 + 8.0 * 0.25 / 48 + 0.5)
+    assert profile.predict_speedup(skip, stats) == pytest.approx(plain / speculative)
+    assert profile.predict_speedup(skip, stats, adaptive=True) == pytest.approx(plain / (speculative + 2 * 0.2))
+
+
+def test_decoder_records_each_rounds_size_and_context():
+    model = tiny_model(dtype=torch.float64)
+    prompt = [5, 9, 14, 3, 5, 9]
+    stats = generate(model, prompt, skip=SkipSet.of([1], [2], 4), max_new_tokens=12,
+                     policy=DraftPolicy(max_draft_tokens=3, adaptive=False)).stats
+    assert sum(stats.verify_contexts.values()) == stats.rounds
+    sizes = Counter()
+    for (n_tokens, _), count in stats.verify_contexts.items():
+        sizes[n_tokens] += count
+    assert sizes == stats.verify_sizes
+    contexts = sorted(context for _, context in stats.verify_contexts)
+    assert contexts[0] == len(prompt) and contexts[-1] < len(prompt) + 12
+    total = DecodeStats()
+    total.add(stats)
+    total.add(stats)
+    assert total.verify_contexts == stats.verify_contexts + stats.verify_contexts
+
+
+def test_profile_has_one_table_per_context_and_round_trips(tmp_path):
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    profile = profile_costs(model, contexts=(512, 64), max_verify_tokens=3, repeats=2, calibrate=False)
+    assert profile.context_lengths == [64, 512]
+    for costs in profile.contexts:
+        assert len(costs.verify_s) == 3 and all(t > 0 for t in costs.verify_s)
+        assert costs.attn_s >= 0 and costs.mlp_s >= 0 and costs.rest_s >= 0
+    assert profile.provenance["torch"] == torch.__version__ and profile.overheads == Overheads()
     profile.save(tmp_path / "p.json")
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["version"] == 2 and [c["context_tokens"] for c in saved["contexts"]] == [64, 512]
     assert CostProfile.load(tmp_path / "p.json") == profile
     profile.check_model(model)
     with pytest.raises(ValueError, match="4 layers"):
         profile.check_model(tiny_model(num_layers=6))
+    with pytest.raises(ValueError, match="exceeds the model's 1024 positions"):
+        profile_costs(model, contexts=(1020,), max_verify_tokens=9, repeats=1, calibrate=False)
+
+
+def test_overheads_are_measured_in_the_decoder():
+    model = tiny_model()
+    profile = profile_costs(model, contexts=(8,), max_verify_tokens=5, repeats=1)
+    o = profile.overheads
+    assert o.switch_s > 0 and o.switch_sublayer_s >= 0
+    assert all(math.isfinite(v) for v in (o.round_s, o.draft_token_s, o.adaptive_token_s))
+    assert o != Overheads()
+
+
+def test_old_single_context_profiles_still_load(tmp_path):
+    old = {"format": "skipsearch/cost-profile", "device": "cpu", "dtype": "float32", "architecture": "LlamaForCausalLM",
+           "num_hidden_layers": 4, "context_tokens": 128, "attn_s": 1.0, "mlp_s": 1.0, "rest_s": 2.0,
+           "verify_s": [10.0, 10.5]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    profile = CostProfile.load(tmp_path / "old.json")
+    assert profile.context_lengths == [128] and profile.overheads == Overheads()
+    assert profile.forward_at(16) == profile.forward_at(4096) == 10.0  # one context: the same costs everywhere
+    (tmp_path / "new.json").write_text(json.dumps({**old, "version": 3}))
+    with pytest.raises(ValueError, match="version 3 is newer"):
+        CostProfile.load(tmp_path / "new.json")
 
 
 def test_bad_profiles_are_clear_errors(tmp_path):
@@ -55,3 +153,77 @@ def test_bad_profiles_are_clear_errors(tmp_path):
     (tmp_path / "p.json").write_text('{"format": "skipsearch/cost-profile", "device": "cpu"}')
     with pytest.raises(ValueError, match="malformed"):
         CostProfile.load(tmp_path / "p.json")
+    (tmp_path / "p.json").write_text('{"format": "skipsearch/cost-profile", "version": 2, "device": "cpu"}')
+    with pytest.raises(ValueError, match="malformed"):
+        CostProfile.load(tmp_path / "p.json")
+
+
+def test_projection_lines_are_labelled_predictions():
+    stats = DecodeStats(new_tokens=14, rounds=5, drafted=10, accepted=8, verify_sizes=Counter({3: 5}))
+    skip = SkipSet.of([0, 1], [], 4)
+    lines = projection_lines([("gpu.json [cuda, bfloat16]", synthetic())], [("attn 0, 1", skip, stats)], False)
+    assert lines[0] == "PREDICTION (cost model, not measured) on gpu.json [cuda, bfloat16]:"
+    assert f"{synthetic().predict_speedup(skip, stats):.2f}x" in lines[1] and "acceptance 0.80" in lines[1]
+
+
+def test_model_from_a_config_folder_or_file_has_random_weights(tmp_path):
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    config.save_pretrained(tmp_path)
+    from_folder = model_from_config(str(tmp_path), device="cpu", dtype="bfloat16")
+    from_file = model_from_config(str(tmp_path / "config.json"), device="cpu")
+    assert type(from_folder).__name__ == "LlamaForCausalLM" and from_folder.config.num_hidden_layers == 3
+    assert from_folder.dtype == torch.bfloat16 and from_file.dtype == torch.float32
+    assert not from_folder.training and from_file.model.layers[0].mlp.up_proj.weight.std() > 0
+    with pytest.raises(ValueError, match="does not exist"):
+        model_from_config(str(tmp_path / "missing.json"))
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_profile_config_only_and_the_folder_without_weights(capsys, tmp_path, tiny_model_dir):
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", folder / "config.json")
+    code, _, err = run(capsys, "profile", "--model", folder, "--output", tmp_path / "p.json")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--config-only" in err
+    assert not (tmp_path / "p.json").exists()
+    code, out, _ = run(capsys, "profile", "--model", folder / "config.json", "--config-only", "--contexts", "8,32",
+                       "--repeats", 1, "--output", tmp_path / "p.json", "--no-progress")
+    assert code == 0 and re.search(r"^8 .*\n32 ", out, re.MULTILINE)
+    profile = CostProfile.load(tmp_path / "p.json")
+    assert profile.context_lengths == [8, 32] and profile.provenance["weights"].startswith("random")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["profile", "--contexts", "0,x", "--output", str(tmp_path / "q.json")])
+    assert exit_info.value.code == 2 and "context lengths" in capsys.readouterr().err
+
+
+def test_project_with_prints_and_stores_predictions(capsys, tmp_path, tiny_model_dir):
+    from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    contexts = tuple(ContextCosts(context_tokens=c, attn_s=0.001, mlp_s=0.001, rest_s=0.002, verify_s=[0.01, 0.0101])
+                     for c in (16, 256))
+    projected = synthetic(contexts=contexts, device="cuda", dtype="bfloat16", provenance={"device_name": "Some GPU"})
+    projected.save(tmp_path / "gpu.json")
+    save_skip_config(SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [2], 4),
+                                draft=DraftPolicy(max_draft_tokens=2, adaptive=False)), tmp_path / "c.json")
+    code, out, _ = run(capsys, "bench", "--model", tiny_model_dir, "--config", tmp_path / "c.json", "--project-with",
+                       tmp_path / "gpu.json", "--cost-profile", tmp_path / "gpu.json", "--num-prompts", 1,
+                       "--max-new-tokens", 4, "--repeats", 1, "--prompt-lookup-tokens", 0,
+                       "--output-dir", tmp_path / "bench", "--no-progress")
+    assert code == 0, out
+    assert re.search(r"PREDICTION \(cost model, not measured\) on .*gpu\.json \[cuda \(Some GPU\), bfloat16\]: "
+                     r"skipsearch attn=\[1\] mlp=\[2\] \d+\.\d\dx", out)
+    saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert list(saved["rows"][-1]["projected_speedups"].values())[0] == pytest.approx(
+        saved["rows"][-1]["predicted_speedup"])  # the same profile twice: the same prediction
+    code, out, _ = run(capsys, "optimize", "--model", tiny_model_dir, "--num-prompts", 1, "--max-new-tokens", 4,
+                       "--n-trials", 3, "--studies-dir", tmp_path / "studies", "--no-plots", "--no-progress",
+                       "--allow-first-last", "--min-match", 0, "--project-with", tmp_path / "gpu.json")
+    assert code == 0 and "PREDICTION (cost model, not measured) on" in out
+    assert re.search(r"trial \d+, attn=.* predicted \d+\.\d\dx over plain decoding", out)

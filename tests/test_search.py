@@ -67,8 +67,9 @@ def test_evaluation_stops_when_the_pruner_says_so():
 def test_modeled_evaluation_times_nothing():
     from skipsearch.costs import CostProfile
 
-    profile = CostProfile(device="cpu", dtype="float32", architecture="LlamaForCausalLM", num_hidden_layers=4,
-                          context_tokens=8, attn_s=1.0, mlp_s=1.0, rest_s=1.0, verify_s=[9.0, 9.2, 9.4, 9.6])
+    profile = CostProfile.from_dict(dict(device="cpu", dtype="float32", architecture="LlamaForCausalLM",
+                                         num_hidden_layers=4, context_tokens=8, attn_s=1.0, mlp_s=1.0, rest_s=1.0,
+                                         verify_s=[9.0, 9.2, 9.4, 9.6]))
     evaluator = make_evaluator()
     evaluator.profile, evaluator.timed = profile, False
     result = evaluator.evaluate(SkipSet.of([1], [2], 4), objective="modeled")
@@ -161,12 +162,13 @@ def test_modeled_objective_scores_by_the_cost_profile_and_keeps_it(tmp_path):
     from skipsearch.costs import CostProfile
 
     model = tiny_model()
-    profile = CostProfile(device="cpu", dtype="float32", architecture="LlamaForCausalLM", num_hidden_layers=4,
-                          context_tokens=8, attn_s=1.0, mlp_s=1.0, rest_s=1.0, verify_s=[9.0, 9.2, 9.4, 9.6])
+    profile = CostProfile.from_dict(dict(device="cpu", dtype="float32", architecture="LlamaForCausalLM",
+                                         num_hidden_layers=4, context_tokens=8, attn_s=1.0, mlp_s=1.0, rest_s=1.0,
+                                         verify_s=[9.0, 9.2, 9.4, 9.6]))
     study = run_study(model, ModelInfo.of(model, "tiny"), "float32", PROMPTS, settings(tmp_path, objective="modeled"),
                       SearchSpace(num_layers=4, skip_prior=0.4), DraftPolicy(max_draft_tokens=3), None,
                       profile=profile)
-    assert study.user_attrs["skipsearch"]["cost_profile"]["verify_s"] == profile.verify_s
+    assert CostProfile.from_dict(study.user_attrs["skipsearch"]["cost_profile"]) == profile
     for trial in study.get_trials(states=(TrialState.COMPLETE,)):
         assert trial.values[0] == trial.user_attrs["predicted_speedup"]
     # Deterministic: the same skip set gets the same score in a second study.
