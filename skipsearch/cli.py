@@ -8,12 +8,14 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+# Nothing heavy at module level: `--help` must answer without importing torch, transformers or optuna.
+from .constants import DEFAULT_MODEL, DRAFT_DEFAULTS, DTYPE_NAMES
 
-from . import models
-from .decoding import DraftPolicy, Sampling, generate
-from .skipping import SkipSet
+if TYPE_CHECKING:
+    from . import models
+    from .decoding import DraftPolicy
 
 
 class UsageError(ValueError):
@@ -23,6 +25,18 @@ class UsageError(ValueError):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not usage + message
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help once: not when the help already states its default, and not for
+    flags whose default is None or False (their help says what happens without them)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        silent = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not silent and "(default" not in text and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def _int_list(text: str) -> list[int]:
@@ -57,17 +71,17 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument(
         "--model", default=None,
-        help=f"Hugging Face name or local folder (default: the embedded {models.DEFAULT_MODEL})",
+        help=f"Hugging Face name or local folder (default: the embedded {DEFAULT_MODEL})",
     )
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     group.add_argument(
-        "--dtype", default=None, choices=sorted(models.DTYPES), help="(default: bfloat16 on CUDA, float32 on CPU)"
+        "--dtype", default=None, choices=DTYPE_NAMES, help="(default: bfloat16 on CUDA, float32 on CPU)"
     )
 
 
 def _add_draft_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("drafting (defaults: the config's values, else the ones shown)")
-    d = DraftPolicy()
+    d = argparse.Namespace(**DRAFT_DEFAULTS)
     group.add_argument("--max-draft-tokens", type=_non_negative_int, default=None,
                        help=f"most tokens drafted per round (default: {d.max_draft_tokens})")
     group.add_argument("--fixed-draft", action="store_true",
@@ -81,6 +95,8 @@ def _add_draft_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _draft_policy(args: argparse.Namespace, base: DraftPolicy) -> DraftPolicy:
+    from .decoding import DraftPolicy
+
     return DraftPolicy(
         max_draft_tokens=base.max_draft_tokens if args.max_draft_tokens is None else args.max_draft_tokens,
         adaptive=base.adaptive and not args.fixed_draft,
@@ -91,11 +107,18 @@ def _draft_policy(args: argparse.Namespace, base: DraftPolicy) -> DraftPolicy:
 
 
 def _load(args: argparse.Namespace) -> models.LoadedModel:
+    from . import models
+
     return models.load_model(args.model, device=args.device, dtype=args.dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import models
     from .config import load_skip_config
+    from .decoding import DraftPolicy, Sampling, generate
+    from .skipping import SkipSet
 
     if args.config and (args.skip_attn or args.skip_mlp):
         raise UsageError("give either --config or --skip-attn/--skip-mlp, not both")
@@ -168,9 +191,11 @@ def _storage(args: argparse.Namespace, must_exist: bool) -> str:
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
+    from . import models
     from .config import ModelInfo
     from .costs import CostProfile
     from .data import load_prompts
+    from .decoding import DraftPolicy
     from .plots import write_plots
     from .export import export_trial, verdict
     from .search import SearchSpace, StudySettings, run_study
@@ -244,6 +269,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import models
     from .bench import bench_verdict, format_table, run_bench, write_outputs
     from .config import load_skip_config
     from .costs import CostProfile, profile_costs
@@ -312,7 +340,7 @@ def _add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m skipsearch", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    formatter = argparse.ArgumentDefaultsHelpFormatter
+    formatter = _DefaultsFormatter
 
     gen = commands.add_parser(
         "generate", help="decode one prompt with self-speculative decoding", formatter_class=formatter,
@@ -335,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(gen)
     gen.set_defaults(run=cmd_generate)
 
-    from .search import OBJECTIVES, SAMPLERS
+    from .constants import OBJECTIVES, SAMPLERS
 
     opt = commands.add_parser(
         "optimize", help="search for the skip set that decodes fastest", formatter_class=formatter,

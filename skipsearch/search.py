@@ -25,13 +25,12 @@ import torch
 from optuna.trial import FrozenTrial, TrialState
 
 from .config import ModelInfo
+from .constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them without importing optuna
 from .costs import CostProfile, profile_costs
 from .storage import Heartbeat, make_storage
 from .decoding import DecodeStats, DraftPolicy, generate
 from .skipping import SkipSet, draft_mode
 
-OBJECTIVES = ("speed_x_acceptance", "speedup", "pareto", "modeled")
-SAMPLERS = ("tpe", "gp", "cmaes", "random", "nsga2")
 STUDY_ATTR = "skipsearch"
 
 
