@@ -15,7 +15,11 @@ from .constants import DEFAULT_MODEL, DRAFT_DEFAULTS, DTYPE_NAMES
 
 if TYPE_CHECKING:
     from . import models
+    from .config import ModelInfo
     from .decoding import DraftPolicy
+    from .search import SearchSpace
+    from .skipping import SkipSet
+    from .warmstart import NamedSkipSet
 
 
 class UsageError(ValueError):
@@ -200,7 +204,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from .export import export_trial, verdict
     from .search import SearchSpace, StudySettings, run_study
     from .storage import Heartbeat, make_storage
+    from .warmstart import read_warm_starts
 
+    warm_files = [entry for spec in args.warm_start or () for entry in read_warm_starts(spec)]
     prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
                            seed=args.seed)
     policy = _draft_policy(args, DraftPolicy())
@@ -208,6 +214,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     num_layers = loaded.model.config.num_hidden_layers
     space = SearchSpace(num_layers=num_layers, keep_first_last=not args.allow_first_last,
                         max_skip_fraction=args.max_skip_fraction, skip_prior=args.skip_prior)
+    model_info = ModelInfo.of(loaded.model, loaded.name_or_path)
+    first_trials = _first_trials(warm_files, model_info, space, published=not args.no_warm_starts)
     encoded = [models.encode_prompt(loaded.tokenizer, p, raw=args.raw) for p in prompts]
     for ids in encoded:
         models.check_context(loaded.model, len(ids), args.max_new_tokens, policy.max_draft_tokens)
@@ -228,8 +236,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         sampler=args.sampler, seed=args.seed, n_trials=args.n_trials, timeout=args.timeout, min_match=args.min_match,
         dataset=args.dataset, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
         show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
+        first_trials=first_trials,
     )
-    study = run_study(loaded.model, ModelInfo.of(loaded.model, loaded.name_or_path), loaded.dtype_name, encoded,
+    study = run_study(loaded.model, model_info, loaded.dtype_name, encoded,
                       settings, space, policy, loaded.model.generation_config.eos_token_id, profile=profile)
     folder = args.studies_dir / args.study_name
     config = export_trial(study, folder / "best.json")
@@ -242,13 +251,44 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _first_trials(files: list[NamedSkipSet], model: ModelInfo, space: SearchSpace,
+                  published: bool) -> tuple[tuple[str, SkipSet], ...]:
+    """--warm-start sets (each must fit the model and the search space, else UsageError), then the published
+    sets made for a model of this shape that the space can propose."""
+    from .published import matching_skip_sets
+    from .warmstart import MODEL_SHAPE, outside_space
+
+    chosen = []
+    for entry in files:
+        if entry.model is not None and not entry.matches(model):
+            made_for = ", ".join(f"{k}={entry.model.get(k)!r}" for k in MODEL_SHAPE)
+            raise UsageError(f"warm start {entry.origin} was made for another model ({made_for})")
+        skip = entry.skip_set(model.num_hidden_layers)
+        reason = outside_space(skip, space)
+        if reason:
+            raise UsageError(f"warm start {entry.origin} is outside the search space: {reason}")
+        chosen.append((entry.origin, skip))
+    for entry in matching_skip_sets(model) if published else ():
+        skip = entry.skip_set(model.num_hidden_layers)
+        reason = outside_space(skip, space)
+        if reason:
+            print(f"published skip set {entry.origin} left out: {reason}")
+        else:
+            chosen.append((entry.origin, skip))
+    if chosen:
+        print(f"warm starts: {', '.join(name for name, _ in chosen)}")
+    return tuple(chosen)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_trial, verdict
+    from .export import export_trial, verdict, write_dv
+    from .config import save_skip_config
     from .storage import load_study
 
     study = load_study(args.study_name, _storage(args, must_exist=True))
-    output = args.output or args.studies_dir / args.study_name / "best.json"
-    config = export_trial(study, output, args.trial)
+    default_name = "skip_layers.json" if args.format == "dv" else "best.json"
+    output = args.output or args.studies_dir / args.study_name / default_name
+    config = export_trial(study, output, args.trial, write=write_dv if args.format == "dv" else save_skip_config)
     if args.trial is None:
         print(verdict(study)[1])
     print(f"exported {output}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
@@ -391,7 +431,13 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--min-match", type=_unit_float, default=0.5,
                         help="prune a skip set whose teacher-forced draft/full agreement is below this (0: never)")
     search.add_argument("--no-pruning", action="store_true", help="never stop a trial early (median pruner off)")
-    search.add_argument("--no-warm-starts", action="store_true", help="do not enqueue the structured first trials")
+    search.add_argument("--no-warm-starts", action="store_true",
+                        help="do not enqueue the structured first trials, nor the published skip sets of a model "
+                             "of this shape (--warm-start files still are)")
+    search.add_argument("--warm-start", action="append", metavar="FILE[:NAME]",
+                        help="enqueue the skip sets of FILE as the first trials: a skipsearch config, or a Draft & "
+                             "Verify / SWIFT skip_layers.json ({\"<name>\": {\"attention\": [...], \"mlp\": [...]}}); "
+                             ":NAME picks one entry; repeatable")
     workers = opt.add_argument_group("workers and crash recovery (SQLite / PostgreSQL storages)")
     workers.add_argument("--heartbeat-interval", type=_positive_int, default=60,
                          help="seconds between a running trial's heartbeats")
@@ -442,7 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp = commands.add_parser("export", help="write a trial's skip config as JSON", formatter_class=formatter,
                               description="Write the best trial (or --trial N) of a study as a skip-config JSON.")
     exp.add_argument("--trial", type=_non_negative_int, default=None, help="trial number (default: the best)")
-    exp.add_argument("--output", type=Path, default=None, help="(default: <studies-dir>/<study-name>/best.json)")
+    exp.add_argument("--format", choices=("skipsearch", "dv"), default="skipsearch",
+                     help="skipsearch: the skip-config JSON; dv: Draft & Verify / SWIFT's skip_layers.json format "
+                          "({\"<model>\": {\"attention\": [...], \"mlp\": [...]}})")
+    exp.add_argument("--output", type=Path, default=None,
+                     help="(default: <studies-dir>/<study-name>/best.json, or skip_layers.json with --format dv)")
     _add_study_flags(exp)
     exp.set_defaults(run=cmd_export)
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from .config import ModelInfo, SkipConfig, save_skip_config
+from .config import ModelInfo, SkipConfig, save_skip_config, write_atomic
 from .decoding import DraftPolicy
 from .search import STUDY_ATTR, best_trial, finished_trials
 from .skipping import SkipSet
+from .warmstart import dv_json, dv_name
 
 
 def config_from_trial(study: optuna.Study, trial: FrozenTrial) -> SkipConfig:
@@ -97,8 +100,10 @@ def plain_decoding_config(study: optuna.Study, reason: str) -> SkipConfig:
                       metrics=metrics, search=_search_settings(study, None))
 
 
-def export_trial(study: optuna.Study, path: Path, trial_number: int | None = None) -> SkipConfig:
-    """Write trial `trial_number`'s config, or the study's best; plain decoding when the best does not pay."""
+def export_trial(study: optuna.Study, path: Path, trial_number: int | None = None,
+                 write: Callable[[SkipConfig, Path], None] = save_skip_config) -> SkipConfig:
+    """Write trial `trial_number`'s config, or the study's best; plain decoding when the best does not pay.
+    `write` writes it (another format: `write_dv`)."""
     if trial_number is None:
         if best_trial(study) is None:
             raise ValueError(f"study {study.study_name!r} has no completed trial to export yet")
@@ -110,5 +115,10 @@ def export_trial(study: optuna.Study, path: Path, trial_number: int | None = Non
         if not 0 <= trial_number < len(trials):
             raise ValueError(f"study {study.study_name!r} has no trial {trial_number} (it has {len(trials)})")
         config = config_from_trial(study, trials[trial_number])
-    save_skip_config(config, path)
+    write(config, path)
     return config
+
+
+def write_dv(config: SkipConfig, path: Path) -> None:
+    """Write `config`'s skip set in the Draft & Verify / SWIFT format, named after its model."""
+    write_atomic(path, json.dumps(dv_json(dv_name(config.model), config.skip), indent=2) + "\n")

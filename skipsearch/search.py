@@ -366,6 +366,8 @@ class StudySettings:
     max_failures: int = 5
     warm_starts: bool = True
     pruning: bool = True
+    # (name, skip set) enqueued before the structured warm starts: --warm-start files, published sets.
+    first_trials: tuple[tuple[str, SkipSet], ...] = ()
     heartbeat: Heartbeat | None = field(default_factory=Heartbeat)
 
 
@@ -400,10 +402,13 @@ def run_study(
         info["cost_profile"] = asdict(profile)
     if existing is None:
         study.set_user_attr(STUDY_ATTR, info)
-        for skip in space.warm_starts() if settings.warm_starts else ():
-            study.enqueue_trial(space.params_for(skip), user_attrs={"warm_start": True}, skip_if_exists=True)
     else:
         _check_resumable(settings.study_name, existing, info)
+    for name, skip in settings.first_trials:
+        study.enqueue_trial(space.params_for(skip), user_attrs={"warm_start": name}, skip_if_exists=True)
+    if existing is None:
+        for skip in space.warm_starts() if settings.warm_starts else ():
+            study.enqueue_trial(space.params_for(skip), user_attrs={"warm_start": True}, skip_if_exists=True)
     remaining = settings.n_trials - len(finished_trials(study))
     if remaining <= 0:
         return study
