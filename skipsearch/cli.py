@@ -333,7 +333,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             profile = CostProfile.load(args.cost_profile)
             profile.check_model(loaded.model)
         else:
-            profile = profile_costs(loaded.model)
+            profile = profile_costs(loaded.model, show_progress=not args.no_progress)
     rows = run_bench(loaded.model, encoded, args.max_new_tokens, loaded.model.generation_config.eos_token_id,
                      config=config, early_exit_layer=args.early_exit_layer,
                      prompt_lookup_tokens=args.prompt_lookup_tokens, repeats=args.repeats, profile=profile,
@@ -355,7 +355,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .costs import profile_costs
 
     loaded = _load(args)
-    profile = profile_costs(loaded.model, context_tokens=args.context_tokens, repeats=args.repeats)
+    profile = profile_costs(loaded.model, context_tokens=args.context_tokens, repeats=args.repeats,
+                            show_progress=not args.no_progress)
     profile.save(args.output)
     print(f"one forward {profile.forward_s * 1e3:.2f} ms; each attention {profile.attn_s * 1e3:.3f} ms, each MLP "
           f"{profile.mlp_s * 1e3:.3f} ms, the rest (embeddings, norm, lm_head) {profile.rest_s * 1e3:.2f} ms; "
@@ -482,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--output", type=Path, default=Path("studies/cost-profile.json"), help="profile JSON to write")
     prof.add_argument("--context-tokens", type=_positive_int, default=128, help="cached tokens while timing")
     prof.add_argument("--repeats", type=_positive_int, default=20, help="timed runs per measurement (median)")
+    prof.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_model_flags(prof)
     prof.set_defaults(run=cmd_profile)
 

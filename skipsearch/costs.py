@@ -100,9 +100,14 @@ class CostProfile:
 
 @torch.inference_mode()
 def profile_costs(
-    model: torch.nn.Module, context_tokens: int = 128, max_verify_tokens: int = 9, repeats: int = 20
+    model: torch.nn.Module, context_tokens: int = 128, max_verify_tokens: int = 9, repeats: int = 20,
+    show_progress: bool = False,
 ) -> CostProfile:
     """Time the pieces of a forward on the model's device and dtype (median of `repeats` runs)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=max_verify_tokens + 3, desc="profiling costs", unit="timing", leave=False,
+               disable=not show_progress)
     device = model.device
     num_layers = model.config.num_hidden_layers
     generator = torch.Generator().manual_seed(0)
@@ -128,6 +133,7 @@ def profile_costs(
                           past_key_values=cache, use_cache=True, logits_to_keep=1)
             synchronize(device)
             times.append(time.perf_counter() - start)
+        bar.update()
         return statistics.median(times[2:])
 
     every = range(num_layers)
@@ -137,6 +143,7 @@ def profile_costs(
     no_attn = timed(1, SkipSet.of(every, (), num_layers))
     no_mlp = timed(1, SkipSet.of((), every, num_layers))
     cache.truncate(0)
+    bar.close()
     attn_s, mlp_s = max(0.0, full - no_attn) / num_layers, max(0.0, full - no_mlp) / num_layers
     return CostProfile(
         device=str(device), dtype=str(model.dtype).removeprefix("torch."), architecture=type(model).__name__,

@@ -159,6 +159,7 @@ class Evaluator:
     baseline_refresh_s: float = 600.0
     baseline: Baseline | None = None
     profile: CostProfile | None = None
+    show_progress: bool = False  # a bar while measuring the baseline, which takes a while on big models
 
     def _decode(self, prompt: list[int], skip: SkipSet | None) -> tuple[list[int], DecodeStats]:
         out = generate(self.model, prompt, skip=skip, max_new_tokens=self.max_new_tokens, policy=self.policy,
@@ -166,8 +167,12 @@ class Evaluator:
         return out.tokens, out.stats
 
     def measure_baseline(self) -> Baseline:
+        from tqdm.auto import tqdm
+
         self._decode(self.prompts[0], None)  # warm-up: first calls pay one-time allocation costs
-        runs = [self._decode(p, None) for p in self.prompts]
+        prompts = tqdm(self.prompts, desc="baseline: plain decoding", unit="prompt", leave=False,
+                       disable=not self.show_progress)
+        runs = [self._decode(p, None) for p in prompts]
         self.baseline = Baseline(seconds=[s.wall_time_s for _, s in runs], tokens=[t for t, _ in runs])
         return self.baseline
 
@@ -397,7 +402,7 @@ def run_study(
         if existing is not None and "cost_profile" in existing and profile is None:
             profile = CostProfile(**existing["cost_profile"])
         elif profile is None:
-            profile = profile_costs(model)
+            profile = profile_costs(model, show_progress=settings.show_progress_bar)
         profile.check_model(model)
         info["cost_profile"] = asdict(profile)
     if existing is None:
@@ -413,7 +418,7 @@ def run_study(
     if remaining <= 0:
         return study
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
-                          eos_token_id=eos_token_id, profile=profile)
+                          eos_token_id=eos_token_id, profile=profile, show_progress=settings.show_progress_bar)
     evaluator.measure_baseline()
     objective = make_objective(space, evaluator, settings.objective, settings.min_match, settings.n_trials)
     with warnings.catch_warnings():
