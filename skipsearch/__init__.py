@@ -1,12 +1,35 @@
 """skipsearch: find which sublayers to skip for self-speculative decoding, by Bayesian optimization."""
 
-from .config import SkipConfig, load_skip_config, save_skip_config
-from .decoding import DecodeStats, DraftPolicy, GenerationOutput, Sampling, generate
-from .models import LoadedModel, encode_prompt, load_model
-from .skipping import SkipSet, draft_mode
+from __future__ import annotations
 
-__all__ = [
-    "DecodeStats", "DraftPolicy", "GenerationOutput", "LoadedModel", "Sampling", "SkipConfig", "SkipSet",
-    "draft_mode", "encode_prompt", "generate", "load_model", "load_skip_config", "save_skip_config",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public names resolve on first use (PEP 562), so `python -m skipsearch --help` never imports torch.
+_EXPORTS = {
+    "SkipConfig": "config", "load_skip_config": "config", "save_skip_config": "config",
+    "DecodeStats": "decoding", "DraftPolicy": "decoding", "GenerationOutput": "decoding", "Sampling": "decoding",
+    "generate": "decoding",
+    "LoadedModel": "models", "encode_prompt": "models", "load_model": "models",
+    "SkipSet": "skipping", "draft_mode": "skipping",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .config import SkipConfig, load_skip_config, save_skip_config
+    from .decoding import DecodeStats, DraftPolicy, GenerationOutput, Sampling, generate
+    from .models import LoadedModel, encode_prompt, load_model
+    from .skipping import SkipSet, draft_mode
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'skipsearch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -8,12 +8,18 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+# Nothing heavy at module level: `--help` must answer without importing torch, transformers or optuna.
+from .constants import DEFAULT_MODEL, DRAFT_DEFAULTS, DTYPE_NAMES
 
-from . import models
-from .decoding import DraftPolicy, Sampling, generate
-from .skipping import SkipSet
+if TYPE_CHECKING:
+    from . import models
+    from .config import ModelInfo
+    from .decoding import DraftPolicy
+    from .search import SearchSpace
+    from .skipping import SkipSet
+    from .warmstart import NamedSkipSet
 
 
 class UsageError(ValueError):
@@ -23,6 +29,18 @@ class UsageError(ValueError):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, not usage + message
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help once: not when the help already states its default, and not for
+    flags whose default is None or False (their help says what happens without them)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        silent = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not silent and "(default" not in text and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def _int_list(text: str) -> list[int]:
@@ -67,17 +85,17 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument(
         "--model", default=None,
-        help=f"Hugging Face name or local folder (default: the embedded {models.DEFAULT_MODEL})",
+        help=f"Hugging Face name or local folder (default: the embedded {DEFAULT_MODEL})",
     )
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     group.add_argument(
-        "--dtype", default=None, choices=sorted(models.DTYPES), help="(default: bfloat16 on CUDA, float32 on CPU)"
+        "--dtype", default=None, choices=DTYPE_NAMES, help="(default: bfloat16 on CUDA, float32 on CPU)"
     )
 
 
 def _add_draft_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("drafting (defaults: the config's values, else the ones shown)")
-    d = DraftPolicy()
+    d = argparse.Namespace(**DRAFT_DEFAULTS)
     group.add_argument("--max-draft-tokens", type=_non_negative_int, default=None,
                        help=f"most tokens drafted per round (default: {d.max_draft_tokens})")
     group.add_argument("--fixed-draft", action="store_true",
@@ -91,6 +109,8 @@ def _add_draft_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _draft_policy(args: argparse.Namespace, base: DraftPolicy) -> DraftPolicy:
+    from .decoding import DraftPolicy
+
     return DraftPolicy(
         max_draft_tokens=base.max_draft_tokens if args.max_draft_tokens is None else args.max_draft_tokens,
         adaptive=base.adaptive and not args.fixed_draft,
@@ -101,11 +121,18 @@ def _draft_policy(args: argparse.Namespace, base: DraftPolicy) -> DraftPolicy:
 
 
 def _load(args: argparse.Namespace) -> models.LoadedModel:
+    from . import models
+
     return models.load_model(args.model, device=args.device, dtype=args.dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import models
     from .config import load_skip_config
+    from .decoding import DraftPolicy, Sampling, generate
+    from .skipping import SkipSet
 
     if args.config and (args.skip_attn or args.skip_mlp):
         raise UsageError("give either --config or --skip-attn/--skip-mlp, not both")
@@ -179,14 +206,18 @@ def _storage(args: argparse.Namespace, must_exist: bool) -> str:
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
+    from . import models
     from .config import ModelInfo
     from .costs import CostProfile
     from .data import load_prompts
+    from .decoding import DraftPolicy
     from .plots import write_plots
     from .export import export_trial, verdict
     from .search import SearchSpace, StudySettings, run_study, study_summary
     from .storage import Heartbeat, make_storage
+    from .warmstart import read_warm_starts
 
+    warm_files = [entry for spec in args.warm_start or () for entry in read_warm_starts(spec)]
     prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
                            seed=args.seed)
     policy = _draft_policy(args, DraftPolicy())
@@ -194,6 +225,8 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     num_layers = loaded.model.config.num_hidden_layers
     space = SearchSpace(num_layers=num_layers, keep_first_last=not args.allow_first_last,
                         max_skip_fraction=args.max_skip_fraction, skip_prior=args.skip_prior)
+    model_info = ModelInfo.of(loaded.model, loaded.name_or_path)
+    first_trials = _first_trials(warm_files, model_info, space, published=not args.no_warm_starts)
     encoded = [models.encode_prompt(loaded.tokenizer, p, raw=args.raw) for p in prompts]
     for ids in encoded:
         models.check_context(loaded.model, len(ids), args.max_new_tokens, policy.max_draft_tokens)
@@ -218,8 +251,9 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         dataset=args.dataset, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
         show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
         repeats=args.repeats, confirm_top=args.confirm_top, confirm_repeats=args.confirm_repeats,
+        first_trials=first_trials,
     )
-    study = run_study(loaded.model, ModelInfo.of(loaded.model, loaded.name_or_path), loaded.dtype_name, encoded,
+    study = run_study(loaded.model, model_info, loaded.dtype_name, encoded,
                       settings, space, policy, loaded.model.generation_config.eos_token_id, profile=profile)
     folder = args.studies_dir / args.study_name
     config = export_trial(study, folder / "best.json")
@@ -240,7 +274,7 @@ def _print_projections(study, space, projections, model, prompts, policy, max_ne
 
     multi = len(study.directions) > 1
     trials = sorted((t for t in study.trials if t.state.name == "COMPLETE"), reverse=True,
-                    key=lambda t: t.user_attrs.get("speedup", 0.0) if multi else t.values[0])
+                    key=lambda t: (t.user_attrs.get("speedup") or 0.0) if multi else t.values[0])
     measured, seen = [], set()
     for trial in trials:
         skip = space.from_params(trial.params)
@@ -248,20 +282,49 @@ def _print_projections(study, space, projections, model, prompts, policy, max_ne
             seen.add(skip)
             stats = decode_stats(model, prompts, skip, policy, max_new_tokens, model.generation_config.eos_token_id)
             measured.append((f"trial {trial.number}, {skip} (measured here "
-                             f"{trial.user_attrs.get('speedup', float('nan')):.2f}x)", skip, stats))
+                             f"{trial.user_attrs.get('speedup') or float('nan'):.2f}x)", skip, stats))
     if not measured:
         print("--project-with: no completed trial skips anything, nothing to project")
         return
     print("\n".join(projection_lines(projections, measured, policy.adaptive)))
+def _first_trials(files: list[NamedSkipSet], model: ModelInfo, space: SearchSpace,
+                  published: bool) -> tuple[tuple[str, SkipSet], ...]:
+    """--warm-start sets (each must fit the model and the search space, else UsageError), then the published
+    sets made for a model of this shape that the space can propose."""
+    from .published import matching_skip_sets
+    from .warmstart import MODEL_SHAPE, outside_space
+
+    chosen = []
+    for entry in files:
+        if entry.model is not None and not entry.matches(model):
+            made_for = ", ".join(f"{k}={entry.model.get(k)!r}" for k in MODEL_SHAPE)
+            raise UsageError(f"warm start {entry.origin} was made for another model ({made_for})")
+        skip = entry.skip_set(model.num_hidden_layers)
+        reason = outside_space(skip, space)
+        if reason:
+            raise UsageError(f"warm start {entry.origin} is outside the search space: {reason}")
+        chosen.append((entry.origin, skip))
+    for entry in matching_skip_sets(model) if published else ():
+        skip = entry.skip_set(model.num_hidden_layers)
+        reason = outside_space(skip, space)
+        if reason:
+            print(f"published skip set {entry.origin} left out: {reason}")
+        else:
+            chosen.append((entry.origin, skip))
+    if chosen:
+        print(f"warm starts: {', '.join(name for name, _ in chosen)}")
+    return tuple(chosen)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_trial, verdict
+    from .export import export_trial, verdict, write_dv
+    from .config import save_skip_config
     from .storage import load_study
 
     study = load_study(args.study_name, _storage(args, must_exist=True))
-    output = args.output or args.studies_dir / args.study_name / "best.json"
-    config = export_trial(study, output, args.trial)
+    default_name = "skip_layers.json" if args.format == "dv" else "best.json"
+    output = args.output or args.studies_dir / args.study_name / default_name
+    config = export_trial(study, output, args.trial, write=write_dv if args.format == "dv" else save_skip_config)
     if args.trial is None:
         print(verdict(study)[1])
     print(f"exported {output}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
@@ -282,6 +345,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import models
     from .bench import bench_verdict, format_table, run_bench, write_outputs
     from .config import load_skip_config
     from .costs import CostProfile, contexts_for, load_projections, profile_costs
@@ -306,7 +372,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             profile = CostProfile.load(args.cost_profile)
             profile.check_model(loaded.model)
         else:
-            profile = profile_costs(loaded.model, contexts=contexts_for(loaded.model, encoded, args.max_new_tokens))
+            profile = profile_costs(loaded.model, contexts=contexts_for(loaded.model, encoded, args.max_new_tokens),
+                                    show_progress=not args.no_progress)
     rows = run_bench(loaded.model, encoded, args.max_new_tokens, loaded.model.generation_config.eos_token_id,
                      config=config, early_exit_layer=args.early_exit_layer,
                      prompt_lookup_tokens=args.prompt_lookup_tokens, repeats=args.repeats, profile=profile,
@@ -362,7 +429,7 @@ def _add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m skipsearch", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    formatter = argparse.ArgumentDefaultsHelpFormatter
+    formatter = _DefaultsFormatter
 
     gen = commands.add_parser(
         "generate", help="decode one prompt with self-speculative decoding", formatter_class=formatter,
@@ -385,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(gen)
     gen.set_defaults(run=cmd_generate)
 
-    from .search import OBJECTIVES, SAMPLERS
+    from .constants import OBJECTIVES, SAMPLERS
 
     opt = commands.add_parser(
         "optimize", help="search for the skip set that decodes fastest", formatter_class=formatter,
@@ -425,7 +492,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "so plain decoding is exported)")
     search.add_argument("--confirm-repeats", type=_positive_int, default=2,
                         help="paired runs per prompt when confirming")
-    search.add_argument("--no-warm-starts", action="store_true", help="do not enqueue the structured first trials")
+    search.add_argument("--no-warm-starts", action="store_true",
+                        help="do not enqueue the structured first trials, nor the published skip sets of a model "
+                             "of this shape (--warm-start files still are)")
+    search.add_argument("--warm-start", action="append", metavar="FILE[:NAME]",
+                        help="enqueue the skip sets of FILE as the first trials: a skipsearch config, or a Draft & "
+                             "Verify / SWIFT skip_layers.json ({\"<name>\": {\"attention\": [...], \"mlp\": [...]}}); "
+                             ":NAME picks one entry; repeatable")
     workers = opt.add_argument_group("workers and crash recovery (SQLite / PostgreSQL storages)")
     workers.add_argument("--heartbeat-interval", type=_positive_int, default=60,
                          help="seconds between a running trial's heartbeats")
@@ -487,7 +560,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp = commands.add_parser("export", help="write a trial's skip config as JSON", formatter_class=formatter,
                               description="Write the best trial (or --trial N) of a study as a skip-config JSON.")
     exp.add_argument("--trial", type=_non_negative_int, default=None, help="trial number (default: the best)")
-    exp.add_argument("--output", type=Path, default=None, help="(default: <studies-dir>/<study-name>/best.json)")
+    exp.add_argument("--format", choices=("skipsearch", "dv"), default="skipsearch",
+                     help="skipsearch: the skip-config JSON; dv: Draft & Verify / SWIFT's skip_layers.json format "
+                          "({\"<model>\": {\"attention\": [...], \"mlp\": [...]}})")
+    exp.add_argument("--output", type=Path, default=None,
+                     help="(default: <studies-dir>/<study-name>/best.json, or skip_layers.json with --format dv)")
     _add_study_flags(exp)
     exp.set_defaults(run=cmd_export)
 

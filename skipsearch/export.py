@@ -8,6 +8,8 @@ figure. Every surface (verdict line, best.json, plots, notebook, bench) reads th
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -16,10 +18,11 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from .config import ModelInfo, SkipConfig, save_skip_config
+from .config import ModelInfo, SkipConfig, save_skip_config, write_atomic
 from .decoding import DraftPolicy
 from .search import CONFIRM_ATTR, STUDY_ATTR
 from .skipping import SkipSet
+from .warmstart import dv_json, dv_name
 
 # The figures a confirmation carries into best.json's metrics.
 _METRIC_KEYS = ("speedup", "speedup_low", "speedup_high", "paired_runs", "acceptance_rate", "tokens_per_second",
@@ -58,8 +61,9 @@ def _figure(candidate: dict[str, Any], key: str) -> str:
         basis = f"predicted by the cost model from acceptance over {candidate['prompts']} prompts"
     else:
         basis = f"measured, {candidate['paired_runs']} paired runs"
+    high = candidate[key + "_high"]
     return (f"{candidate[key]:.2f}x as fast as plain decoding (95% interval {candidate[key + '_low']:.2f}-"
-            f"{candidate[key + '_high']:.2f}, {basis})")
+            f"{'unbounded' if high is None else format(high, '.2f')}, {basis})")
 
 
 def decide(study: optuna.Study) -> Decision:
@@ -157,8 +161,10 @@ def _search_settings(study: optuna.Study, trial_number: int | None) -> dict:
     }
 
 
-def export_trial(study: optuna.Study, path: Path, trial_number: int | None = None) -> SkipConfig:
-    """Write the study's decided config (`trial_number` None), or that trial's, as skip-config JSON."""
+def export_trial(study: optuna.Study, path: Path, trial_number: int | None = None,
+                 write: Callable[[SkipConfig, Path], None] = save_skip_config) -> SkipConfig:
+    """Write the study's decided config (`trial_number` None), or that trial's; `write` writes it (the skip-config
+    JSON by default, `write_dv` for the Draft & Verify / SWIFT format)."""
     if trial_number is None:
         config = decided_config(study)
     else:
@@ -166,5 +172,10 @@ def export_trial(study: optuna.Study, path: Path, trial_number: int | None = Non
         if not 0 <= trial_number < len(trials):
             raise ValueError(f"study {study.study_name!r} has no trial {trial_number} (it has {len(trials)})")
         config = config_from_trial(study, trials[trial_number])
-    save_skip_config(config, path)
+    write(config, path)
     return config
+
+
+def write_dv(config: SkipConfig, path: Path) -> None:
+    """Write `config`'s skip set in the Draft & Verify / SWIFT format, named after its model."""
+    write_atomic(path, json.dumps(dv_json(dv_name(config.model), config.skip), indent=2) + "\n")

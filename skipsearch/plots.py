@@ -42,7 +42,8 @@ def _highlight(study: optuna.Study) -> tuple[dict | None, str]:
     shown = decision.chosen or decision.best
     if shown is None:
         return None, "plain decoding exported: no skip set was confirmed"
-    figure = f"{shown[key]:.2f}x ({shown[key + '_low']:.2f}-{shown[key + '_high']:.2f})"
+    high = shown[key + "_high"]
+    figure = f"{shown[key]:.2f}x ({shown[key + '_low']:.2f}-{'inf' if high is None else format(high, '.2f')})"
     if decision.pays:
         return shown, f"exported: trial {shown['trial']}, {figure} as fast as plain decoding"
     return shown, f"plain decoding exported; best confirmed skip set (not exported): trial {shown['trial']}, {figure}"
@@ -63,10 +64,11 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
     for trial in top:
         frequency[0, trial.user_attrs["skip_attn"]] += 1 / len(top)
         frequency[1, trial.user_attrs["skip_mlp"]] += 1 / len(top)
-    fig, axes = plt.subplots(2, 1, figsize=(max(6, num_layers * 0.3), 3.6), constrained_layout=True)
-    for ax, data, title in (
-        (axes[0], best_map, f"{label}: skipped sublayers"),
-        (axes[1], frequency, f"share of the top {len(top)} skipping trials that skip each sublayer"),
+    fig, axes = plt.subplots(2, 1, figsize=(max(6, num_layers * 0.3), 3.9), constrained_layout=True)
+    fig.suptitle(f"{study.study_name}: which sublayers the draft skips", fontsize=11)
+    for ax, data, title, bar_label in (
+        (axes[0], best_map, f"{label}: skipped sublayers", "this skip set"),
+        (axes[1], frequency, f"share of the top {len(top)} skipping trials that skip each sublayer", "share of trials"),
     ):
         image = ax.imshow(data, aspect="auto", cmap="Reds", vmin=0, vmax=1)
         ax.set_yticks([0, 1], ["attn", "mlp"])
@@ -74,8 +76,12 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
         ax.tick_params(axis="x", labelsize=7)
         ax.set_title(title, fontsize=9)
         ax.grid(False)  # Optuna's ggplot style would draw lines through the cells
-        fig.colorbar(image, ax=ax, fraction=0.02)
-    axes[1].set_xlabel("layer")
+        ax.set_ylabel("sublayer")
+        bar = fig.colorbar(image, ax=ax, fraction=0.02)
+        bar.set_label(bar_label, fontsize=8)
+        if data is best_map:
+            bar.set_ticks([0, 1], labels=["kept", "skipped"])
+    axes[1].set_xlabel("decoder layer (0-based)")
     return fig
 
 
@@ -88,13 +94,14 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     points = ax.scatter([t.user_attrs["skipped_fraction"] for t in decoded], [t.user_attrs[key] for t in decoded],
                         c=[1.0 if a is None else a for a in acceptance], cmap="viridis", vmin=0, vmax=1, s=22,
                         label="trial (search estimate)")
-    fig.colorbar(points, ax=ax, label="acceptance rate (plain decoding: 1)")
+    fig.colorbar(points, ax=ax, label="acceptance rate (accepted / drafted tokens; plain decoding: 1)")
     record = study.user_attrs.get(CONFIRM_ATTR) or {"candidates": []}
     confirmed = [c for c in record["candidates"] if c.get(key) is not None]
     if confirmed:
         x = [c["skipped_fraction"] for c in confirmed]
         y = [c[key] for c in confirmed]
-        errors = [[c[key] - c[key + "_low"] for c in confirmed], [c[key + "_high"] - c[key] for c in confirmed]]
+        errors = [[c[key] - c[key + "_low"] for c in confirmed],
+                  [(c[key + "_high"] or c[key]) - c[key] for c in confirmed]]  # unbounded: drawn without a bar
         ax.errorbar(x, y, yerr=errors, fmt="o", mfc="none", color="black", capsize=3,
                     label="confirmed (95% interval)")
     shown, label = _highlight(study)
@@ -102,10 +109,66 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
         ax.plot([shown["skipped_fraction"]], [shown[key]], marker="*", markersize=14, color="tab:red",
                 linestyle="none", label=label.split(":")[0])
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding")
-    ax.set_xlabel("skipped share of sublayers")
-    ax.set_ylabel(("predicted" if key == "predicted_speedup" else "measured") + " speedup over plain decoding (x)")
+    ax.set_xlabel("skipped share of all sublayers (0 to 1)")
+    ax.set_ylabel(("predicted" if key == "predicted_speedup" else "measured") + " speedup (x plain decoding)")
     ax.set_title(f"{study.study_name}: speedup vs skipped share\n{label}", fontsize=9)
     ax.legend(loc="best", fontsize=8)
+    return fig
+
+
+def _target_label(study: optuna.Study, units: bool = False) -> str:
+    """What a single-objective study maximizes (or the first objective of a Pareto study), for axis labels."""
+    objective = study.user_attrs.get(STUDY_ATTR, {}).get("objective", "speed_x_acceptance")
+    if objective == "speed_x_acceptance":
+        return "score: speedup x acceptance rate" if units else "score"
+    if objective == "modeled":
+        return "predicted speedup (x plain decoding)" if units else "predicted speedup"
+    return "measured speedup (x plain decoding)" if units else "speedup"
+
+
+def _labelled(ax: plt.Axes, title: str, xlabel: str, ylabel: str) -> plt.Figure:
+    """An Optuna plot's figure with our title and axis labels (Optuna's are generic)."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.figure.set_size_inches(7, 4.5)
+    return ax.figure
+
+
+def _sublayer_label(param: str) -> str:
+    kind, layer = param.split("_")
+    return f"layer {int(layer)} {'attention' if kind == 'attn' else 'MLP'}"
+
+
+def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
+    """The `top` sublayers whose skip decision explains most of the objective (PED-ANOVA), the rest as one bar.
+
+    One bar per parameter would be 2 x layers bars (56 on a 30-layer model), whose labels overlap.
+    """
+    multi = len(study.directions) > 1
+    values = optuna.importance.get_param_importances(
+        study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(),
+        target=(lambda t: t.values[0]) if multi else None,
+    )
+    total = sum(values.values()) or 1.0
+    shares = {name: value / total for name, value in values.items()}
+    ranked = sorted(shares.items(), key=lambda item: item[1], reverse=True)
+    shown, rest = ranked[:top], ranked[top:]
+    by_kind = {kind: sum(v for k, v in shares.items() if k.startswith(kind)) for kind in ("attn", "mlp")}
+    color = {"attn": "tab:blue", "mlp": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(7, 0.28 * len(shown) + 1.8), constrained_layout=True)
+    bars = ax.barh([_sublayer_label(name) for name, _ in shown][::-1], [100 * share for _, share in shown][::-1],
+                   color=[color[name.split("_")[0]] for name, _ in shown][::-1])
+    ax.bar_label(bars, fmt="%.1f%%", padding=2, fontsize=8)
+    ax.set_xlim(0, 100 * max((share for _, share in shown), default=0) * 1.2 + 0.5)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=color["attn"]), plt.Rectangle((0, 0), 1, 1, color=color["mlp"])],
+              labels=[f"attention (all: {by_kind['attn']:.0%})", f"MLP (all: {by_kind['mlp']:.0%})"],
+              loc="lower right", fontsize=8)
+    ax.set_xlabel(f"share of the importance for the {_target_label(study)} (PED-ANOVA, %)")
+    ax.set_ylabel("sublayer (skipped or kept)")
+    rest_text = f"; the other {len(rest)} share {sum(s for _, s in rest):.0%}" if rest else ""
+    ax.set_title(f"{study.study_name}: the {len(shown)} sublayers whose skipping matters most{rest_text}", fontsize=10)
     return fig
 
 
@@ -117,16 +180,19 @@ def write_plots(study: optuna.Study, folder: Path) -> list[Path]:
     target_name = "speedup" if multi else "score"
     vis = optuna.visualization.matplotlib
     figures = {
-        "history": lambda: vis.plot_optimization_history(study, target=target, target_name=target_name).figure,
-        "importances": lambda: vis.plot_param_importances(
-            study, target=target, target_name=target_name,
-            evaluator=optuna.importance.PedAnovaImportanceEvaluator(),
-        ).figure,
+        "history": lambda: _labelled(
+            vis.plot_optimization_history(study, target=target, target_name=target_name),
+            f"{study.study_name}: {_target_label(study)} per completed trial", "trial number",
+            _target_label(study, units=True)),
+        "importances": lambda: importances(study),
         "skip_map": lambda: skip_map(study),
         "speedup_vs_skipped": lambda: speedup_vs_skipped(study),
     }
     if multi:
-        figures["pareto"] = lambda: vis.plot_pareto_front(study, target_names=["speedup", "acceptance rate"]).figure
+        figures["pareto"] = lambda: _labelled(
+            vis.plot_pareto_front(study, target_names=["speedup", "acceptance rate"]),
+            f"{study.study_name}: Pareto front of speedup and acceptance", "measured speedup (x plain decoding)",
+            "acceptance rate (accepted / drafted tokens)")
     written = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental

@@ -26,14 +26,13 @@ import torch
 from optuna.trial import FrozenTrial, TrialState
 
 from .config import ModelInfo
+from .constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them without importing optuna
 from .costs import CostProfile, contexts_for, profile_costs
 from .storage import Heartbeat, make_storage
 from .decoding import DecodeStats, DraftPolicy, GenerationOutput, generate
 from .measure import Interval, paired_runs, ratio_interval
 from .skipping import SkipSet, draft_mode
 
-OBJECTIVES = ("speed_x_acceptance", "speedup", "pareto", "modeled")
-SAMPLERS = ("tpe", "gp", "cmaes", "random", "nsga2")
 STUDY_ATTR = "skipsearch"
 CONFIRM_ATTR = "skipsearch_confirmation"
 
@@ -154,7 +153,8 @@ class Evaluation:
         for key, interval in (("speedup", self.speedup), ("predicted_speedup", self.predicted_speedup)):
             attrs[key] = interval.estimate if interval else None
             attrs[f"{key}_low"] = interval.low if interval else None
-            attrs[f"{key}_high"] = interval.high if interval else None
+            # JSON has no infinity: one paired run bounds nothing above, stored as null.
+            attrs[f"{key}_high"] = interval.high if interval and math.isfinite(interval.high) else None
         attrs["paired_runs"] = self.speedup.pairs if self.speedup else 0
         return attrs
 
@@ -178,6 +178,7 @@ class Evaluator:
     repeats: int = 1  # paired runs per prompt in a trial
     timed: bool = True
     clock: Callable[[], float] = time.perf_counter
+    show_progress: bool = False  # a bar while decoding the reference, which takes a while on big models
     _reference: list[list[int]] | None = field(default=None, repr=False)
 
     def _decode(self, prompt: list[int], skip: SkipSet | None) -> GenerationOutput:
@@ -187,7 +188,11 @@ class Evaluator:
     def reference_tokens(self) -> list[list[int]]:
         """Plain greedy decoding of every prompt (untimed; it also warms the process up)."""
         if self._reference is None:
-            self._reference = [self._decode(p, None).tokens for p in self.prompts]
+            from tqdm.auto import tqdm
+
+            prompts = tqdm(self.prompts, desc="reference: plain decoding", unit="prompt", leave=False,
+                           disable=not self.show_progress)
+            self._reference = [self._decode(p, None).tokens for p in prompts]
         return self._reference
 
     @torch.inference_mode()
@@ -442,6 +447,8 @@ class StudySettings:
     max_failures: int = 5
     warm_starts: bool = True
     pruning: bool = True
+    # (name, skip set) enqueued before the structured warm starts: --warm-start files, published sets.
+    first_trials: tuple[tuple[str, SkipSet], ...] = ()
     heartbeat: Heartbeat | None = field(default_factory=Heartbeat)
     repeats: int = 1  # paired runs per prompt in a trial
     confirm_top: int = 3  # best distinct candidates re-measured before export
@@ -479,19 +486,24 @@ def run_study(
         if existing is not None and "cost_profile" in existing and profile is None:
             profile = CostProfile.from_dict(existing["cost_profile"])
         elif profile is None:
-            profile = profile_costs(model, contexts=contexts_for(model, prompts, settings.max_new_tokens))
+            profile = profile_costs(model, contexts=contexts_for(model, prompts, settings.max_new_tokens),
+                                    show_progress=settings.show_progress_bar)
         profile.check_model(model)
         info["cost_profile"] = profile.to_dict()
     if existing is None:
         study.set_user_attr(STUDY_ATTR, info)
-        # Only as many as the budget: a queued warm start is a trial too.
-        for skip in space.warm_starts()[: settings.n_trials] if settings.warm_starts else ():
-            study.enqueue_trial(space.params_for(skip), user_attrs={"warm_start": True}, skip_if_exists=True)
     else:
         _check_resumable(settings.study_name, existing, info)
+    # Files and published sets first (also on resume), then the structured ones; only as many as the
+    # budget, since a queued warm start is a trial too.
+    for name, skip in settings.first_trials:
+        study.enqueue_trial(space.params_for(skip), user_attrs={"warm_start": name}, skip_if_exists=True)
+    if existing is None and settings.warm_starts:
+        for skip in space.warm_starts()[: max(0, settings.n_trials - len(settings.first_trials))]:
+            study.enqueue_trial(space.params_for(skip), user_attrs={"warm_start": True}, skip_if_exists=True)
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
                           eos_token_id=eos_token_id, profile=profile, repeats=settings.repeats,
-                          timed=settings.objective != "modeled", clock=clock)
+                          timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar)
     stopped = ""
     if len(distinct_trials(study)) < settings.n_trials:
         objective = make_objective(space, evaluator, settings.objective, settings.min_match, settings.n_trials)

@@ -1,0 +1,60 @@
+"""`--help` answers without the heavy imports, and the parser's literal choices and defaults are the real ones."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from skipsearch import constants
+
+ROOT = Path(__file__).parent.parent
+HEAVY = ("torch", "transformers", "optuna", "datasets", "matplotlib")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["optimize", "--help"], ["generate", "--help"], ["bench", "--help"],
+                                  ["profile", "--help"], ["export", "--help"], ["plot", "--help"]])
+def test_help_imports_nothing_heavy(argv):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "skipsearch", *argv],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0 and "usage:" in result.stdout
+    # -X importtime writes one line per imported module: "import time: self | cumulative | name".
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "skipsearch.cli" in imported
+    assert not {name for name in imported if name.split(".")[0] in HEAVY}
+
+
+def test_each_default_appears_once_in_help():
+    from skipsearch.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name, sub in commands.items():
+        text = sub.format_help()
+        assert "(default: None)" not in text and "(default: False)" not in text, name
+        for paragraph in text.split("\n  -"):
+            assert paragraph.count("(default:") <= 1, (name, paragraph)
+    assert "(default: 20)" in commands["optimize"].format_help()  # --n-trials still shows its default
+
+
+def test_constants_match_the_modules_that_own_them():
+    from skipsearch import models, search
+    from skipsearch.decoding import DraftPolicy
+
+    assert models.DEFAULT_MODEL == constants.DEFAULT_MODEL
+    assert set(models.DTYPES) == set(constants.DTYPE_NAMES)
+    assert search.OBJECTIVES == constants.OBJECTIVES and search.SAMPLERS == constants.SAMPLERS
+    policy = DraftPolicy()
+    assert {key: getattr(policy, key) for key in constants.DRAFT_DEFAULTS} == constants.DRAFT_DEFAULTS
+
+
+def test_package_names_resolve_lazily():
+    import skipsearch
+
+    assert set(skipsearch.__all__) <= set(dir(skipsearch))
+    for name in skipsearch.__all__:
+        assert getattr(skipsearch, name) is not None
+    with pytest.raises(AttributeError):
+        skipsearch.no_such_name

@@ -1,0 +1,97 @@
+"""Plots people read: few labelled bars, a title, axis labels with units; numbers on bench bars."""
+
+import json
+import random
+
+import matplotlib.pyplot as plt
+import optuna
+import pytest
+from optuna.distributions import FloatDistribution
+
+from conftest import tiny_model
+from skipsearch import bench, plots
+from skipsearch.bench import BenchRow
+from skipsearch.config import ModelInfo
+from skipsearch.decoding import DraftPolicy
+from skipsearch.search import STUDY_ATTR, SearchSpace, StudySettings, run_study
+
+LAYERS = 30
+
+
+def synthetic_study(objective: str = "speed_x_acceptance", n: int = 24) -> optuna.Study:
+    """A finished study of a 30-layer model (56 parameters) without decoding anything: plots only read trials."""
+    space = SearchSpace(num_layers=LAYERS, skip_prior=0.3)
+    directions = ["maximize", "maximize"] if objective == "pareto" else ["maximize"]
+    study = optuna.create_study(study_name="synthetic", directions=directions)
+    study.set_user_attr(STUDY_ATTR, {"model": {"num_hidden_layers": LAYERS}, "objective": objective})
+    rng = random.Random(0)
+    for _ in range(n):
+        params = {space.param_name(k, i): rng.random() for k, i in space.sublayers()}
+        skip = space.from_params(params)
+        # Skipping late attention is cheap and accepted here, so those parameters carry the importance.
+        accept = max(0.05, 1.0 - 0.04 * len(skip.mlp) - 0.01 * sum(i < 20 for i in skip.attn))
+        speedup = 0.8 + 0.05 * sum(i >= 20 for i in skip.attn) * accept
+        attrs = {"skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp), "skipped": skip.size,
+                 "skipped_fraction": skip.skipped_fraction(LAYERS), "speedup": speedup, "acceptance_rate": accept}
+        values = [speedup, accept] if objective == "pareto" else [speedup * accept]
+        study.add_trial(optuna.trial.create_trial(
+            params=params, distributions={name: FloatDistribution(0, 1) for name in params}, values=values,
+            user_attrs=attrs))
+    return study
+
+
+def assert_labelled(fig: plt.Figure) -> None:
+    """A title, and x and y labels (in a figure of stacked panels, on some panel)."""
+    assert fig.axes[0].get_title() or (fig._suptitle is not None and fig._suptitle.get_text())
+    assert any(ax.get_xlabel() for ax in fig.axes) and any(ax.get_ylabel() for ax in fig.axes)
+
+
+def test_importances_shows_the_top_sublayers_by_name():
+    study = synthetic_study()
+    fig = plots.importances(study, top=15)
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert len(labels) == 15 and all(label.startswith("layer ") for label in labels)
+    assert "the other 41 share" in ax.get_title() and "%" in ax.get_xlabel()
+    assert all(text.get_text().endswith("%") for text in ax.texts)  # every bar carries its number
+    assert "attention (all:" in ax.get_legend().get_texts()[0].get_text()
+    assert_labelled(fig)
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("objective, expected", [("speed_x_acceptance", 4), ("pareto", 5)])
+def test_every_plot_has_a_title_and_labels(tmp_path, monkeypatch, objective, expected):
+    figures = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: (figures.append(fig), path.write_bytes(b"png")))
+    written = plots.write_plots(synthetic_study(objective), tmp_path)
+    assert len(written) == len(figures) == expected
+    for fig in figures:
+        assert_labelled(fig)
+        plt.close(fig)
+
+
+def test_bench_bars_carry_their_numbers(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(bench, "save_figure", lambda fig, path: figures.append(fig))
+    rows = [BenchRow("hf greedy", 20.0, 1.0, True), BenchRow("skipsearch attn=[3]", 25.0, 1.25, True)]
+    bench.write_outputs(rows, tmp_path, {"model": "m", "device": "cpu", "num_prompts": 2, "max_new_tokens": 8})
+    [fig] = figures
+    texts = sorted(t.get_text() for t in fig.axes[0].texts)
+    assert texts == ["1.00x (20.0 tok/s)", "1.25x (25.0 tok/s)"]
+    assert_labelled(fig)
+    plt.close(fig)
+
+
+def test_real_study_attributes_are_json_and_plots_are_written(tmp_path):
+    model = tiny_model(num_layers=6)
+    settings = StudySettings(study_name="real", storage=f"sqlite:///{tmp_path}/real.db", n_trials=4, num_prompts=1,
+                             max_new_tokens=4, min_match=0.0, show_progress_bar=False)
+    study = run_study(model, ModelInfo.of(model, "tiny"), "float32", [[5, 9, 14]], settings,
+                      SearchSpace(num_layers=6, skip_prior=0.4), DraftPolicy(max_draft_tokens=2), None)
+    # optuna-dashboard and JSON tools read these: plain JSON, no NaN or infinity.
+    json.dumps(study.user_attrs, allow_nan=False)
+    for trial in study.trials:
+        json.dumps(trial.user_attrs, allow_nan=False)
+    written = plots.write_plots(study, tmp_path / "plots")
+    assert {p.name for p in written} == {"history.png", "importances.png", "skip_map.png", "speedup_vs_skipped.png"}
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
