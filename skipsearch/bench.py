@@ -1,14 +1,15 @@
 """Side-by-side decoding benchmark: HF greedy (the baseline), HF's training-free peers, and skipsearch.
 
-One process, the same prompts for every method, a warm-up before timing, `repeats` timed
-passes over all prompts and the median pass reported. Every output is compared with HF
-greedy's, token for token.
+One process, the same prompts for every method, a warm-up before timing. Each prompt is decoded
+by every method back to back, in an order that rotates from prompt to prompt and repeat to repeat,
+so machine drift lands on all of them alike; a method's speedup is the geometric mean of its
+per-run ratios against HF greedy on the same prompt and repeat, with a 95% interval
+(`measure.ratio_interval`). Every output is compared with HF greedy's, token for token.
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -21,6 +22,7 @@ from tqdm.auto import tqdm
 from .config import SkipConfig, write_atomic
 from .costs import CostProfile
 from .decoding import DecodeStats, DraftPolicy, generate, synchronize
+from .measure import ratio_interval
 from .plots import save_figure
 from .skipping import SkipSet
 
@@ -31,11 +33,15 @@ Decoder = Callable[[list[int]], tuple[list[int], DecodeStats | None]]
 class BenchRow:
     method: str
     tokens_per_second: float
-    speedup: float  # over HF greedy
+    speedup: float  # over HF greedy: geometric mean of paired per-run ratios
     identical: bool  # every output equals HF greedy's
+    speedup_low: float | None = None  # its 95% interval
+    speedup_high: float | None = None
     acceptance_rate: float | None = None
     mean_accepted_tokens: float | None = None
-    speedup_over_plain_loop: float | None = None  # over skipsearch's own plain decoding, decode time only
+    speedup_over_plain_loop: float | None = None  # over skipsearch's own plain decoding, decode time only, paired
+    speedup_over_plain_low: float | None = None  # its 95% interval
+    speedup_over_plain_high: float | None = None
     predicted_speedup: float | None = None  # cost model, over skipsearch's own plain decoding
     projected_speedups: dict[str, float] | None = None  # the same, predicted with other devices' profiles
 
@@ -61,32 +67,52 @@ def skipsearch_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | l
     return decode
 
 
-def timed_passes(
-    decoders: dict[str, Decoder], prompts: list[list[int]], repeats: int, device: torch.device, show_progress: bool = False,
-) -> dict[str, tuple[float, list[list[int]], DecodeStats]]:
-    """Per decoder: (median seconds of a pass over all prompts, outputs, decode stats of one pass).
+@dataclass
+class Runs:
+    """One method's timed runs, in the same (repeat, prompt) order for every method."""
 
-    Passes are interleaved, one of each decoder per repeat, so that drift of the machine
-    (clock, heat, neighbours) lands on every method alike instead of on whichever ran last.
-    """
+    seconds: list[float]
+    tokens: list[int]
+    prefill_seconds: list[float]  # 0 where the method does not report it
+    outputs: list[list[int]]  # of the first repeat, one per prompt
+    stats: DecodeStats  # of the first repeat, summed over prompts
+
+    def ratios_over(self, base: Runs, decode_only: bool = False) -> list[float]:
+        """Per-run tokens/s over `base`'s tokens/s on the same prompt and repeat."""
+        mine, theirs = self.seconds, base.seconds
+        if decode_only:  # the prefill is the same work for both sides
+            mine = [s - p for s, p in zip(self.seconds, self.prefill_seconds)]
+            theirs = [s - p for s, p in zip(base.seconds, base.prefill_seconds)]
+        return [(n / t) / (m / u) for n, t, m, u in zip(self.tokens, mine, base.tokens, theirs)]
+
+
+def timed_runs(
+    decoders: dict[str, Decoder], prompts: list[list[int]], repeats: int, device: torch.device,
+    show_progress: bool = False,
+) -> dict[str, Runs]:
+    """Every decoder on every prompt, `repeats` times, back to back per prompt in a rotating order."""
     for decode in decoders.values():
         decode(prompts[0])  # warm-up
-    seconds: dict[str, list[float]] = {name: [] for name in decoders}
-    first: dict[str, tuple[list[list[int]], DecodeStats]] = {}
-    for _ in tqdm(range(repeats), desc="timed passes", disable=not show_progress):
-        for name, decode in decoders.items():
-            outputs, stats = [], DecodeStats()
-            synchronize(device)
-            start = time.perf_counter()
-            for prompt in prompts:
-                tokens, one = decode(prompt)
-                outputs.append(tokens)
-                if one is not None:
-                    stats.add(one)
-            synchronize(device)
-            seconds[name].append(time.perf_counter() - start)
-            first.setdefault(name, (outputs, stats))
-    return {name: (statistics.median(seconds[name]), *first[name]) for name in decoders}
+    names = list(decoders)
+    runs = {name: Runs([], [], [], [], DecodeStats()) for name in names}
+    for repeat in tqdm(range(repeats), desc="timed repeats", disable=not show_progress):
+        for index, prompt in enumerate(prompts):
+            shift = (repeat + index) % len(names)
+            for name in names[shift:] + names[:shift]:
+                synchronize(device)
+                start = time.perf_counter()
+                tokens, stats = decoders[name](prompt)
+                synchronize(device)
+                run = runs[name]
+                run.seconds.append(time.perf_counter() - start)
+                run.tokens.append(len(tokens))
+                run.prefill_seconds.append(stats.prefill_time_s if stats is not None else 0.0)
+                if repeat == 0:
+                    run.outputs.append(tokens)
+                    if stats is not None:
+                        run.stats.add(stats)
+    # Each method's runs in (repeat, prompt) order, so that the i-th runs of two methods are a pair.
+    return runs
 
 
 def run_bench(
@@ -107,18 +133,19 @@ def run_bench(
         label = f"skipsearch {config.skip}" if config.skip.size else "skipsearch config (skips nothing)"
         methods[label] = skipsearch_decoder(model, max_new_tokens, eos, config.skip, config.draft)
 
-    results = timed_passes(methods, prompts, repeats, model.device, show_progress)
-    total_tokens = {name: sum(map(len, outputs)) for name, (_, outputs, _) in results.items()}
-    baseline_tps = total_tokens["hf greedy"] / results["hf greedy"][0]
-    reference = results["hf greedy"][1]
-    plain_seconds, _, plain_stats = results["skipsearch plain"]
+    runs = timed_runs(methods, prompts, repeats, model.device, show_progress)
+    hf, plain = runs["hf greedy"], runs["skipsearch plain"]
     rows = []
-    for name, (seconds, outputs, stats) in results.items():
-        row = BenchRow(method=name, tokens_per_second=total_tokens[name] / seconds,
-                       speedup=total_tokens[name] / seconds / baseline_tps, identical=outputs == reference)
+    for name, run in runs.items():
+        speedup = ratio_interval(run.ratios_over(hf))
+        row = BenchRow(method=name, tokens_per_second=sum(run.tokens) / sum(run.seconds), speedup=speedup.estimate,
+                       identical=run.outputs == hf.outputs, speedup_low=speedup.low,
+                       speedup_high=_finite(speedup.high))
         if name.startswith("skipsearch"):
-            # Decode time only, like the cost model's prediction: prefill is the same work in both.
-            row.speedup_over_plain_loop = _decode_seconds(plain_seconds, plain_stats) / _decode_seconds(seconds, stats)
+            over_plain = ratio_interval(run.ratios_over(plain, decode_only=True))
+            row.speedup_over_plain_loop = over_plain.estimate
+            row.speedup_over_plain_low, row.speedup_over_plain_high = over_plain.low, _finite(over_plain.high)
+            stats = run.stats
             if stats.drafted:
                 row.acceptance_rate = stats.acceptance_rate
                 row.mean_accepted_tokens = stats.mean_accepted_tokens
@@ -131,42 +158,60 @@ def run_bench(
     return rows
 
 
-def _decode_seconds(pass_seconds: float, stats: DecodeStats) -> float:
-    return pass_seconds - stats.prefill_time_s
+def _finite(value: float) -> float | None:
+    return value if value != float("inf") else None  # JSON has no infinity
 
 
-def bench_verdict(rows: list[BenchRow]) -> str | None:
-    """A sentence when the skip config does not beat plain decoding; None when it does (or there is none)."""
+def bench_verdict(rows: list[BenchRow], config: SkipConfig | None = None) -> str | None:
+    """What the run says about the config, against skipsearch's own plain decoding (paired, decode time),
+    beside the figure its study confirmed; None without a config."""
     ours = [r for r in rows if r.method.startswith("skipsearch") and r.method != "skipsearch plain"]
     if not ours:
         return None
     row = ours[0]
+    recorded = config.metrics.get("verdict") if config is not None else None
     if row.acceptance_rate is None:
-        return "the config skips nothing: it decodes plainly (no skip set paid off when it was searched)"
-    if row.speedup <= 1.0:
-        return f"no skip set beats plain decoding on this model and device: best {row.speedup:.2f}x"
-    return None
+        text = "the config skips nothing: it decodes plainly"
+        return f"{text} (its study's verdict: {recorded})" if recorded else text
+    high = "unbounded" if row.speedup_over_plain_high is None else f"{row.speedup_over_plain_high:.2f}"
+    figure = f"{row.speedup_over_plain_loop:.2f}x (95% interval {row.speedup_over_plain_low:.2f}-{high})"
+    if row.speedup_over_plain_low > 1.0:
+        text = f"in this run the config's skip set decodes {figure} as fast as plain decoding"
+    else:
+        text = f"in this run the config's skip set is not confirmed faster than plain decoding: {figure}"
+    return f"{text}; its study recorded: {recorded}" if recorded else text
 
 
 def format_table(rows: list[BenchRow]) -> str:
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    header = ["method", "tok/s", "speedup", "acceptance", "mean acc.", "identical", "decode vs plain", "predicted"]
-    lines = [[r.method, fmt(r.tokens_per_second, ".1f"), fmt(r.speedup, ".2f") + "x", fmt(r.acceptance_rate, ".2f"),
+    def span(low: float | None, high: float | None) -> str:
+        return "-" if low is None else f"{low:.2f}-{'inf' if high is None else format(high, '.2f')}"
+
+    header = ["method", "tok/s", "speedup", "95% interval", "acceptance", "mean acc.", "identical",
+              "decode vs plain", "predicted"]
+    lines = [[r.method, fmt(r.tokens_per_second, ".1f"), fmt(r.speedup, ".2f") + "x", span(r.speedup_low, r.speedup_high),
+              fmt(r.acceptance_rate, ".2f"),
               fmt(r.mean_accepted_tokens, ".2f"), "yes" if r.identical else "NO",
               fmt(r.speedup_over_plain_loop, ".2f"), fmt(r.predicted_speedup, ".2f")] for r in rows]
     widths = [max(len(str(x)) for x in column) for column in zip(header, *lines)]
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in [header, *lines])
 
 
-def write_outputs(rows: list[BenchRow], folder: Path, settings: dict) -> tuple[Path, Path]:
+def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: str | None = None) -> tuple[Path, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     json_path, png_path = folder / "bench.json", folder / "bench.png"
     write_atomic(json_path, json.dumps({"settings": settings, "rows": [asdict(r) for r in rows],
-                                        "verdict": bench_verdict(rows)}, indent=2) + "\n")
+                                        "verdict": verdict}, indent=2) + "\n")
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(rows) + 1.5), constrained_layout=True)
-    bars = ax.barh([r.method for r in rows][::-1], [r.speedup for r in rows][::-1], color="tab:blue")
+    ordered = rows[::-1]
+    errors = None
+    if all(r.speedup_low is not None for r in rows):  # unbounded intervals draw no upper whisker
+        errors = [[r.speedup - r.speedup_low for r in ordered],
+                  [(r.speedup_high or r.speedup) - r.speedup for r in ordered]]
+    bars = ax.barh([r.method for r in ordered], [r.speedup for r in ordered], color="tab:blue", xerr=errors,
+                   error_kw={"capsize": 3, "elinewidth": 1})
     # The number on each bar, and the token/s it comes from: readers compare bars by their values.
     texts = ax.bar_label(bars, labels=[f"{r.speedup:.2f}x ({r.tokens_per_second:.1f} tok/s)"
                                        + ("" if r.identical else ", output differs") for r in rows][::-1],
@@ -175,7 +220,7 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict) -> tuple[P
         text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 1})
     ax.set_xlim(0, max(r.speedup for r in rows) * 1.45)
     ax.axvline(1.0, color="gray", linestyle="--", linewidth=1, label="HF greedy (1.0x)", zorder=0)
-    ax.set_xlabel("speedup over HF greedy (x, median of timed passes)")
+    ax.set_xlabel("speedup over HF greedy (x; geometric mean of paired runs, bars: 95% interval)")
     ax.set_ylabel("decoding method")
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title(f"Decoding speed: {settings.get('model', '')} on {settings.get('device', '')}, "

@@ -382,14 +382,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for row in rows:
         for label, speedup in (row.projected_speedups or {}).items():
             print(f"PREDICTION (cost model, not measured) on {label}: {row.method} {speedup:.2f}x over plain decoding")
-    verdict = bench_verdict(rows)
+    verdict = bench_verdict(rows, config)
     if verdict:
         print(verdict)
     settings = {"model": loaded.name_or_path, "device": str(loaded.device), "dtype": loaded.dtype_name,
                 "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                 "repeats": args.repeats, "config": str(args.config) if args.config else None,
                 "torch_threads": torch.get_num_threads(), "project_with": [str(p) for p in args.project_with or ()]}
-    json_path, png_path = write_outputs(rows, args.output_dir, settings)
+    json_path, png_path = write_outputs(rows, args.output_dir, settings, verdict)
     print(f"wrote {json_path} and {png_path}")
     return 0
 

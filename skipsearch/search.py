@@ -343,6 +343,7 @@ def make_objective(
     space: SearchSpace, evaluator: Evaluator, objective: str, min_match: float, n_trials: int | None = None
 ) -> Callable[[optuna.Trial], float | tuple[float, float]]:
     def run_trial(trial: optuna.Trial) -> float | tuple[float, float]:
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # journal recovery reads it
         skip = space.suggest(trial)
         trial.set_user_attr("skip_attn", list(skip.attn))
         trial.set_user_attr("skip_mlp", list(skip.mlp))
@@ -363,7 +364,6 @@ def make_objective(
             if len(distinct_trials(trial.study)) + len(ahead) >= n_trials:
                 trial.set_user_attr("fail_reason", f"not run: the study already had {n_trials} trials")
                 raise SurplusTrial(f"the study already had {n_trials} finished or running trials")
-        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         trial.set_user_attr("skipped", skip.size)
         trial.set_user_attr("skipped_fraction", skip.skipped_fraction(space.num_layers))
         try:

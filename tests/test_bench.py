@@ -29,19 +29,31 @@ def test_bench_rows_json_and_chart(tmp_path):
     assert rows[3].acceptance_rate is None and rows[3].predicted_speedup is None
     table = format_table(rows)
     assert table.splitlines()[0].startswith("method") and len(table.splitlines()) == 6
-    json_path, png_path = write_outputs(rows, tmp_path, {"model": "tiny", "device": "cpu"})
+    for row in rows:
+        assert row.speedup_low <= row.speedup <= (row.speedup_high or float("inf"))
+    assert ours.speedup_over_plain_low <= ours.speedup_over_plain_loop
+    verdict = bench_verdict(rows, config)
+    json_path, png_path = write_outputs(rows, tmp_path, {"model": "tiny", "device": "cpu"}, verdict)
     data = json.loads(json_path.read_text())
-    assert [r["method"] for r in data["rows"]] == names and data["verdict"] == bench_verdict(rows)
+    assert [r["method"] for r in data["rows"]] == names and data["verdict"] == verdict
     assert png_path.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bench_verdict_says_when_the_config_does_not_pay():
+def test_bench_verdict_quotes_the_paired_figure_and_the_studys_own_verdict():
     from skipsearch.bench import BenchRow
 
     base = [BenchRow("hf greedy", 10.0, 1.0, True), BenchRow("skipsearch plain", 10.5, 1.05, True)]
-    slow = BenchRow("skipsearch attn=[3]", 9.0, 0.9, True, acceptance_rate=0.8)
-    assert bench_verdict(base + [slow]) == "no skip set beats plain decoding on this model and device: best 0.90x"
-    fast = BenchRow("skipsearch attn=[3]", 12.0, 1.2, True, acceptance_rate=0.8)
-    assert bench_verdict(base + [fast]) is None
+    slow = BenchRow("skipsearch attn=[3]", 9.0, 0.9, True, acceptance_rate=0.8, speedup_over_plain_loop=0.86,
+                    speedup_over_plain_low=0.80, speedup_over_plain_high=0.93)
+    text = bench_verdict(base + [slow])
+    assert "not confirmed faster than plain decoding: 0.86x (95% interval 0.80-0.93)" in text
+    fast = BenchRow("skipsearch attn=[3]", 12.0, 1.2, True, acceptance_rate=0.8, speedup_over_plain_loop=1.2,
+                    speedup_over_plain_low=1.1, speedup_over_plain_high=1.3)
+    assert bench_verdict(base + [fast]).startswith("in this run the config's skip set decodes 1.20x")
     nothing = BenchRow("skipsearch config (skips nothing)", 10.0, 1.0, True)
-    assert "decodes plainly" in bench_verdict(base + [nothing])
+    config = SkipConfig(model=ModelInfo("tiny", "LlamaForCausalLM", 4, 32), skip=SkipSet(),
+                        metrics={"verdict": "no skip set was confirmed faster than plain decoding: 0.84x"})
+    assert bench_verdict(base + [nothing], config) == (
+        "the config skips nothing: it decodes plainly (its study's verdict: no skip set was confirmed faster "
+        "than plain decoding: 0.84x)")
+    assert bench_verdict(base) is None
