@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -65,6 +67,9 @@ def _number(kind: type, is_valid: Callable[[float], bool], expected: str) -> Cal
     return parse
 
 
+_SEED_LIMIT = 2**32  # numpy's seeds, which Optuna's samplers use
+
+_seed = _number(int, lambda v: 0 <= v < _SEED_LIMIT, f"an integer in [0, {_SEED_LIMIT - 1}]")
 _positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
 
 
@@ -78,7 +83,16 @@ def _contexts(text: str) -> list[int]:
     return values
 _non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _unit_float = _number(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
-_positive_float = _number(float, lambda v: v > 0, "a number > 0")
+_positive_float = _number(float, lambda v: 0 < v < math.inf, "a finite number > 0")
+
+
+def _text(text: str) -> str:
+    """An argparse type for free text: it must be UTF-8 (undecodable bytes arrive as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid UTF-8 text (byte {error.start} of {text[:20]!r})") from None
+    return text
 
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -205,57 +219,87 @@ def _storage(args: argparse.Namespace, must_exist: bool) -> str:
     return default_storage(args.study_name, args.studies_dir)
 
 
+def _check_output_file(path: Path, flag: str) -> None:
+    """Before any work: `path` can be written as a file (it is not a folder; its folder can be made and written)."""
+    from .models import unwritable_folder
+
+    if path.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is a folder: name a file")
+    problem = unwritable_folder(path.parent)
+    if problem:
+        raise UsageError(f"{flag} {str(path)!r} cannot be written: {problem}")
+
+
+def _check_output_folder(path: Path, flag: str) -> None:
+    """Before any work: files can be written in folder `path` (made if missing)."""
+    from .models import unwritable_folder
+
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is a file: name a folder")
+    problem = unwritable_folder(path)
+    if problem:
+        raise UsageError(f"{flag} {str(path)!r} cannot be written: {problem}")
+
+
+def _check_made_by_skipsearch(attrs: dict | None, name: str) -> None:
+    from .search import STUDY_ATTR
+
+    if attrs is not None and STUDY_ATTR not in attrs:
+        raise UsageError(f"study {name!r} was not made by skipsearch (it has no {STUDY_ATTR!r} attribute): "
+                         "give another --study-name")
+
+
 def cmd_optimize(args: argparse.Namespace) -> int:
     from . import models
     from .config import ModelInfo
-    from .costs import CostProfile
+    from .costs import CostProfile, load_projections
     from .data import load_prompts
     from .decoding import DraftPolicy
-    from .plots import write_plots
     from .export import export_trial, verdict
-    from .search import SearchSpace, StudySettings, run_study, study_summary
-    from .storage import Heartbeat, make_storage
+    from .plots import write_plots
+    from .search import SearchSpace, StudySettings, make_sampler, run_study, study_summary
+    from .storage import Heartbeat, make_storage, study_user_attrs
     from .warmstart import read_warm_starts
 
+    # Everything is checked before the storage is opened, so a rejected run leaves no database behind.
     warm_files = [entry for spec in args.warm_start or () for entry in read_warm_starts(spec)]
     prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
                            seed=args.seed)
     policy = _draft_policy(args, DraftPolicy())
+    make_sampler(args.sampler, args.seed, args.objective == "pareto")
+    if args.heartbeat_grace <= args.heartbeat_interval:
+        raise UsageError("--heartbeat-grace must be longer than --heartbeat-interval")
+    if args.cost_profile is not None and args.objective != "modeled":
+        raise UsageError("--cost-profile is for --objective modeled")
+    profile = CostProfile.load(args.cost_profile) if args.cost_profile is not None else None
+    folder = args.studies_dir / args.study_name
+    _check_output_folder(folder, "--studies-dir")
     loaded = _load(args)
-    num_layers = loaded.model.config.num_hidden_layers
-    space = SearchSpace(num_layers=num_layers, keep_first_last=not args.allow_first_last,
+    model_info = ModelInfo.of(loaded.model, loaded.name_or_path)  # refuses models outside the Llama family
+    space = SearchSpace(num_layers=model_info.num_hidden_layers, keep_first_last=not args.allow_first_last,
                         max_skip_fraction=args.max_skip_fraction, skip_prior=args.skip_prior)
-    model_info = ModelInfo.of(loaded.model, loaded.name_or_path)
     first_trials = _first_trials(warm_files, model_info, space, published=not args.no_warm_starts)
     encoded = [models.encode_prompt(loaded.tokenizer, p, raw=args.raw) for p in prompts]
     for ids in encoded:
         models.check_context(loaded.model, len(ids), args.max_new_tokens, policy.max_draft_tokens)
-    if args.heartbeat_grace <= args.heartbeat_interval:
-        raise UsageError("--heartbeat-grace must be longer than --heartbeat-interval")
     heartbeat = Heartbeat(args.heartbeat_interval, args.heartbeat_grace, args.max_retries)
-    profile = None
-    if args.cost_profile is not None:
-        if args.objective != "modeled":
-            raise UsageError("--cost-profile is for --objective modeled")
-        profile = CostProfile.load(args.cost_profile)
+    if profile is not None:
         profile.check_model(loaded.model)
-    from .costs import load_projections
-
     projections = load_projections(args.project_with or (), loaded.model)
     if args.storage is None:
         args.studies_dir.mkdir(parents=True, exist_ok=True)  # the default SQLite file lives there
     storage = make_storage(_storage(args, must_exist=False), heartbeat)
+    _check_made_by_skipsearch(study_user_attrs(storage, args.study_name), args.study_name)
     settings = StudySettings(
         study_name=args.study_name, storage=storage, objective=args.objective,
         sampler=args.sampler, seed=args.seed, n_trials=args.n_trials, timeout=args.timeout, min_match=args.min_match,
         dataset=args.dataset, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
         show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
         repeats=args.repeats, confirm_top=args.confirm_top, confirm_repeats=args.confirm_repeats,
-        first_trials=first_trials,
+        first_trials=first_trials, heartbeat=heartbeat,
     )
     study = run_study(loaded.model, model_info, loaded.dtype_name, encoded,
                       settings, space, policy, loaded.model.generation_config.eos_token_id, profile=profile)
-    folder = args.studies_dir / args.study_name
     config = export_trial(study, folder / "best.json")
     print(f"study {args.study_name} in {_storage(args, must_exist=False)}: {study_summary(study)}")
     print(verdict(study)[1])
@@ -316,14 +360,26 @@ def _first_trials(files: list[NamedSkipSet], model: ModelInfo, space: SearchSpac
     return tuple(chosen)
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_trial, verdict, write_dv
-    from .config import save_skip_config
+def _load_skipsearch_study(args: argparse.Namespace):
+    from .search import STUDY_ATTR
     from .storage import load_study
 
     study = load_study(args.study_name, _storage(args, must_exist=True))
+    _check_made_by_skipsearch(study.user_attrs, args.study_name)
+    info = study.user_attrs[STUDY_ATTR]
+    if not isinstance(info, dict) or not isinstance(info.get("model"), dict):
+        raise UsageError(f"study {args.study_name!r} has a damaged {STUDY_ATTR!r} attribute")
+    return study
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .config import save_skip_config
+    from .export import export_trial, verdict, write_dv
+
     default_name = "skip_layers.json" if args.format == "dv" else "best.json"
     output = args.output or args.studies_dir / args.study_name / default_name
+    _check_output_file(output, "--output")
+    study = _load_skipsearch_study(args)
     config = export_trial(study, output, args.trial, write=write_dv if args.format == "dv" else save_skip_config)
     if args.trial is None:
         print(verdict(study)[1])
@@ -333,12 +389,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_plot(args: argparse.Namespace) -> int:
     from .plots import write_plots
-    from .storage import load_study
 
-    study = load_study(args.study_name, _storage(args, must_exist=True))
+    output = args.output or args.studies_dir / args.study_name / "plots"
+    _check_output_folder(output, "--output")
+    study = _load_skipsearch_study(args)
     if not any(t.state.name == "COMPLETE" for t in study.trials):
         raise UsageError(f"study {args.study_name!r} has no completed trial to plot yet")
-    output = args.output or args.studies_dir / args.study_name / "plots"
     for path in write_plots(study, output):
         print(path)
     return 0
@@ -355,6 +411,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
                            seed=args.seed)
+    _check_output_folder(args.output_dir, "--output-dir")
+    if args.config:
+        load_skip_config(args.config)  # a broken file is reported before the model loads
+    if args.cost_profile:
+        CostProfile.load(args.cost_profile)
     loaded = _load(args)
     config = load_skip_config(args.config, loaded.model) if args.config else None
     if args.project_with and (config is None or not config.skip.size):
@@ -397,8 +458,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from . import models
     from .costs import format_profile, profile_costs
 
+    _check_output_file(args.output, "--output")
     if args.config_only:
         model = models.model_from_config(args.model, device=args.device, dtype=args.dtype)
     else:
@@ -435,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="decode one prompt with self-speculative decoding", formatter_class=formatter,
         description="Decode one prompt with self-speculative decoding (greedy output equals plain greedy decoding).",
     )
-    gen.add_argument("--prompt", required=True, help="the user message")
+    gen.add_argument("--prompt", required=True, type=_text, help="the user message")
     gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
     gen.add_argument("--config", help="skip config JSON exported by `optimize` / `export`")
     gen.add_argument("--skip-attn", type=_int_list, default=None, help="attention layers to skip, e.g. 3,7")
@@ -446,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature")
     gen.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
     gen.add_argument("--top-p", type=_unit_float, default=None, help="nucleus sampling mass")
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument("--seed", type=_seed, default=0, help="sampling seed")
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics as JSON")
     _add_draft_flags(gen)
     _add_model_flags(gen)
@@ -475,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="distinct skip sets the study should evaluate (a re-run resumes up to this; repeated "
                              "proposals are answered from earlier trials and do not count)")
     search.add_argument("--timeout", type=_positive_float, default=None, help="stop after this many seconds")
-    search.add_argument("--seed", type=int, default=0, help="seed of the sampler and of the prompt selection")
+    search.add_argument("--seed", type=_seed, default=0, help="seed of the sampler and of the prompt selection")
     search.add_argument("--skip-prior", type=_unit_float, default=0.15,
                         help="share of sublayers a uniform draw skips (0.5: the plain 2L-switch space)")
     search.add_argument("--max-skip-fraction", type=_unit_float, default=0.5, help="never skip more than this share")
@@ -531,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--project-with", type=Path, action="append", metavar="PROFILE",
                        help="also print the config's speedup PREDICTED with this cost profile, e.g. a GPU's "
                             "(repeatable; a prediction, not a measurement; stored in bench.json)")
-    bench.add_argument("--seed", type=int, default=0, help="seed of the prompt selection")
+    bench.add_argument("--seed", type=_seed, default=0, help="seed of the prompt selection")
     bench.add_argument("--output-dir", type=Path, default=Path("studies/bench"), help="where bench.json/.png go")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_prompt_flags(bench, num_prompts=4, max_new_tokens=48)
@@ -587,6 +650,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # per-trial INFO lines would drown the progress bar
+    from .storage import disk_full
+
     try:
         return args.run(args)
     except ValueError as error:
@@ -595,3 +660,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"skipsearch {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:  # faults of the machine, not of the input: one line still, exit 1
+        if disk_full(error):
+            print(f"skipsearch {args.command}: error: no space left on the device ({_first_line(error)}); "
+                  "what finished is kept: free space and run the command again", file=sys.stderr)
+            return 1
+        if isinstance(error, OSError) and error.strerror:
+            where = f": {error.filename}" if error.filename else ""
+            print(f"skipsearch {args.command}: error: {error.strerror}{where}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

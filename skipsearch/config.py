@@ -72,6 +72,14 @@ class SkipConfig:
                 )
 
 
+def follow_umask(path: str | Path) -> None:
+    """Give a file from mkstemp (0600) or a folder from mkdtemp (0700) the mode open() / mkdir() would give:
+    0666 / 0777 less the umask, so that renamed-into-place outputs are as readable as any other file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
+
+
 def write_atomic(path: str | Path, text: str) -> None:
     """Write `text` to `path` so that readers see the old file or the new one, never a part."""
     path = Path(path)
@@ -80,6 +88,7 @@ def write_atomic(path: str | Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        follow_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -130,16 +139,26 @@ def parse_skip_config(data: Any, source: str = "skip config") -> SkipConfig:
     skip_data = need(data, "skip", dict, "")
     attn, mlp = need(skip_data, "attn", list, "skip."), need(skip_data, "mlp", list, "skip.")
     draft_data = data.get("draft", {})
+    if not isinstance(draft_data, dict):
+        raise ValueError(f"{source}: 'draft' has the wrong type ({type(draft_data).__name__}), expected an object")
+    for key in ("metrics", "search"):
+        if not isinstance(data.get(key, {}), dict):
+            raise ValueError(f"{source}: {key!r} has the wrong type ({type(data[key]).__name__}), expected an object")
     defaults = DraftPolicy()
+
+    def draft_field(key: str, kind: type | tuple[type, ...]) -> Any:
+        return need(draft_data, key, kind, "draft.") if key in draft_data else getattr(defaults, key)
+
     try:
         skip = SkipSet.of(attn, mlp, info.num_hidden_layers)
         draft = DraftPolicy(
-            max_draft_tokens=draft_data.get("max_draft_tokens", defaults.max_draft_tokens),
-            adaptive=bool(draft_data.get("adaptive", defaults.adaptive)),
-            confidence_threshold=float(draft_data.get("confidence_threshold", defaults.confidence_threshold)),
-            target_acceptance=float(draft_data.get("target_acceptance", defaults.target_acceptance)),
-            threshold_step=float(draft_data.get("threshold_step", defaults.threshold_step)),
+            max_draft_tokens=draft_field("max_draft_tokens", int),
+            adaptive=draft_field("adaptive", bool),
+            confidence_threshold=float(draft_field("confidence_threshold", (int, float))),
+            target_acceptance=float(draft_field("target_acceptance", (int, float))),
+            threshold_step=float(draft_field("threshold_step", (int, float))),
         )
     except (TypeError, ValueError) as error:
-        raise ValueError(f"{source}: {error}") from None
+        message = str(error)
+        raise ValueError(message if message.startswith(source) else f"{source}: {message}") from None
     return SkipConfig(model=info, skip=skip, draft=draft, metrics=data.get("metrics", {}), search=data.get("search", {}))

@@ -171,6 +171,8 @@ class SkipAwareCache(DynamicCache):
             if excess > 0:
                 # DynamicLayer.crop takes the (negative) number of positions to drop.
                 layer.crop(-excess)
+            elif layer.is_sliding and layer.get_seq_length() >= layer.sliding_window:
+                layer.crop(0)  # drop the recorded past that no longer falls in the window
 
 
 def synchronize(device: torch.device) -> None:
@@ -216,6 +218,8 @@ def generate(
     threshold = policy.confidence_threshold
     smoothed_acceptance = policy.target_acceptance
     cache = SkipAwareCache(config=model.config)
+    # Sliding-window layers forget what left the window, so rolling back past it needs the recorded past.
+    cache.activate_past_recording()
     # Position ids are views into one tensor, so a forward costs no extra allocation for them.
     positions = torch.arange(prompt.shape[1] + max_new_tokens + max_draft + 1, device=device).view(1, -1)
     stats = DecodeStats()

