@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from .config import write_atomic
-from .decoding import DecodeStats, SkipAwareCache, synchronize
+from .decoding import DecodeStats, synchronize
+from .kvcache import SpeculativeCache
 from .skipping import SkipSet, draft_mode
 
 PROFILE_FORMAT = "skipsearch/cost-profile"
@@ -108,7 +109,7 @@ def profile_costs(
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, model.config.vocab_size, (1, context_tokens + max_verify_tokens), generator=generator)
     context = context.to(device)
-    cache = SkipAwareCache(config=model.config)
+    cache = SpeculativeCache(model.config, context.shape[1], device)
     model(input_ids=context[:, :context_tokens], past_key_values=cache, use_cache=True, logits_to_keep=1)
     positions = torch.arange(context.shape[1], device=device).view(1, -1)
 
@@ -116,7 +117,7 @@ def profile_costs(
         ids = context[:, context_tokens : context_tokens + n_tokens]
         times = []
         for _ in range(repeats + 2):  # two warm-ups
-            cache.truncate(context_tokens)
+            cache.seek(context_tokens)
             synchronize(device)
             start = time.perf_counter()
             if skip is None:
@@ -136,7 +137,6 @@ def profile_costs(
     full = timed(1, SkipSet())
     no_attn = timed(1, SkipSet.of(every, (), num_layers))
     no_mlp = timed(1, SkipSet.of((), every, num_layers))
-    cache.truncate(0)
     attn_s, mlp_s = max(0.0, full - no_attn) / num_layers, max(0.0, full - no_mlp) / num_layers
     return CostProfile(
         device=str(device), dtype=str(model.dtype).removeprefix("torch."), architecture=type(model).__name__,

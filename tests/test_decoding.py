@@ -4,7 +4,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
-from skipsearch.decoding import DecodeStats, DraftPolicy, Sampling, SkipAwareCache, _rejection_sample, generate
+from skipsearch.decoding import DecodeStats, DraftPolicy, Sampling, _rejection_sample, generate
+from skipsearch.kvcache import SpeculativeCache
 from skipsearch.skipping import SkipSet
 
 NUM_LAYERS = 4
@@ -83,18 +84,14 @@ def test_adaptive_threshold_rises_when_drafts_are_rejected():
 
 
 @pytest.mark.parametrize("max_new_tokens", [5, 12, 13])
-def test_every_forward_sees_exactly_the_committed_cache(max_new_tokens):
-    """Each forward's first position equals the cache length of every layer that runs attention."""
-    from skipsearch.skipping import SkippedAttention, decoder_layers
-
+def test_every_forward_writes_at_its_first_position(max_new_tokens):
+    """Each forward (draft, verify, prefill) writes the cache where its tokens sit, whatever the draft skipped."""
     model = tiny_model("llama", seed=1)
     seen = []
 
     def check(module, args, kwargs):
         cache, start = kwargs["past_key_values"], int(kwargs["position_ids"][0, 0])
-        for layer, cached in zip(decoder_layers(model), cache.layers):
-            if not isinstance(layer.self_attn, SkippedAttention):
-                assert cached.get_seq_length() == start, "stale or missing cache entries"
+        assert int(cache.position) == start
         seen.append(start)
 
     handle = model.model.register_forward_pre_hook(check, with_kwargs=True)
@@ -107,14 +104,21 @@ def test_every_forward_sees_exactly_the_committed_cache(max_new_tokens):
     assert len(seen) > max_new_tokens
 
 
-def test_cache_rolls_back_each_layer_to_the_committed_length():
+def test_cache_rolls_back_by_position_and_hides_stale_slots():
     model = MODELS["llama"]
-    cache = SkipAwareCache(config=model.config)
-    model(torch.tensor([[3, 4, 5, 6]]), past_key_values=cache, use_cache=True)
-    cache.layers[0].crop(-2)  # a layer left behind, as a skipped attention leaves it while drafting
-    assert cache.get_query_offset(0) == 4  # sized by the longest layer, not the lagging first one
-    cache.truncate(3)
-    assert [layer.get_seq_length() for layer in cache.layers] == [2, 3, 3, 3]
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    cache = SpeculativeCache(model.config, 16, "cpu")
+    positions = torch.arange(16).view(1, -1)
+    model(ids, position_ids=positions[:, :5], past_key_values=cache, use_cache=True)
+    # Junk written at positions 3..7 (a rejected draft), then a roll-back to 3 and the true tokens again.
+    cache.seek(3)
+    model(torch.tensor([[90, 91, 92, 93, 94]]), position_ids=positions[:, 3:8], past_key_values=cache, use_cache=True)
+    cache.seek(3)
+    logits = model(ids[:, 3:], position_ids=positions[:, 3:5], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(logits, model(ids).logits[:, 3:])
+    assert int(cache.layers[0].get_seq_length()) == 3  # the write position, not a count of writes
+    with pytest.raises(ValueError, match="outside"):
+        cache.seek(17)
 
 
 @pytest.mark.parametrize("bad", [dict(max_draft_tokens=-1), dict(confidence_threshold=1.5), dict(target_acceptance=-0.1)])
@@ -141,6 +145,8 @@ def test_stats_rates_and_sum():
     stats.add(DecodeStats(new_tokens=2, rounds=1, drafted=0, accepted=0, wall_time_s=1.0))
     assert (stats.acceptance_rate, stats.mean_accepted_tokens, stats.tokens_per_second) == (0.75, 1.2, 4.0)
     assert DecodeStats().acceptance_rate == 0.0
+    stats.add(DecodeStats(compile_time_s=2.5))
+    assert stats.compile_time_s == 2.5
 
 
 def total_variation(samples: torch.Tensor, probs: torch.Tensor) -> float:
