@@ -22,7 +22,7 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .engine import RECOMPILE_LIMIT, CompileSettings, Engine, Step, _forward, engine_for
+from .engine import RECOMPILE_LIMIT, CompileSettings, Step, _forward, engine_for
 from .kvcache import SpeculativeCache
 from .skipping import SkipSet
 
@@ -256,28 +256,29 @@ def generate(
     settings = CompileSettings(compile_backend, compile_mode) if compile else None
     engine = engine_for(model)
     # Writes reach at most one verify width past the last committed token.
-    cache = engine.cache_for(prompt.shape[1] + max_new_tokens + max_draft + 1)
+    cache, drafter, verifier = engine.prepare(prompt.shape[1] + max_new_tokens + max_draft + 1,
+                                              skip if max_draft else None, settings)
     compiled_before = engine.compile_time_s()
     with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
-        output = _decode(model, engine, cache, prompt, skip, max_draft, max_new_tokens, policy, sampling,
-                         _eos_set(eos_token_id), generator, time_drafts, settings)
+        output = _decode(model, cache, drafter, verifier, prompt, max_draft, max_new_tokens, policy, sampling,
+                         _eos_set(eos_token_id), generator, time_drafts, verify_width=max_draft + 1 if compile else None)
     output.stats.compile_time_s = engine.compile_time_s() - compiled_before
     return output
 
 
 def _decode(
-    model: torch.nn.Module, engine: Engine, cache: SpeculativeCache, prompt: torch.Tensor, skip: SkipSet | None,
+    model: torch.nn.Module, cache: SpeculativeCache, drafter: Step | None, verifier: Step, prompt: torch.Tensor,
     max_draft: int, max_new_tokens: int, policy: DraftPolicy, sampling: Sampling, eos: frozenset[int],
-    generator: torch.Generator | None, time_drafts: bool, settings: CompileSettings | None,
+    generator: torch.Generator | None, time_drafts: bool, verify_width: int | None,
 ) -> GenerationOutput:
-    """The loop: prefill, then rounds of draft, verify, commit. The cache holds every committed token but `last`."""
+    """The loop: prefill, then rounds of draft, verify, commit. The cache holds every committed token but `last`.
+
+    With `verify_width` (compiled steps: static shapes) every verification is padded to that
+    width; otherwise it is exactly as wide as what was drafted.
+    """
     device = prompt.device
     threshold = policy.confidence_threshold
     smoothed_acceptance = policy.target_acceptance
-    drafter = engine.draft(skip, settings) if max_draft else None
-    verifier = engine.verify(settings)
-    # Compiled, one verify width serves every round (static shapes); eager verifies exactly what was drafted.
-    verify_width = max_draft + 1 if settings else None
     stats = DecodeStats()
 
     synchronize(device)

@@ -1,7 +1,8 @@
 """The forwards the decoding loop runs, eager or compiled, kept per model so that calls and trials reuse them.
 
-An `Engine` owns one `SpeculativeCache` (reused while calls fit in it, so compiled graphs
-see the same buffers) and, per skip set, a draft step and a verify step:
+For compiled decoding an `Engine` owns one `SpeculativeCache` (reused while calls fit in it,
+so compiled graphs see the same buffers) and, per skip set, a draft step and a verify step
+(eager decoding gets a fresh cache of exactly the call's length):
 - the draft step is a one-token forward of the draft view of the model (`draft_model`),
 - the verify step is a forward of the full model, `width` tokens wide; compiled, the width is
   fixed (max drafts + 1) and short rounds are padded: padded positions write stale slots past
@@ -87,29 +88,32 @@ class Step:
 
 @dataclass
 class Engine:
+    """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead."""
+
     model: torch.nn.Module
     cache: SpeculativeCache | None = None
     steps: dict = field(default_factory=dict)
 
-    def cache_for(self, length: int) -> SpeculativeCache:
-        """A cache of at least `length` slots: the current one when it fits (its stale contents are hidden)."""
-        device, dtype = self.model.device, self.model.dtype
-        if self.cache is None or not self.cache.matches(length, dtype, device):
-            capacity = -(-length // CACHE_BLOCK) * CACHE_BLOCK
-            self.cache = SpeculativeCache(self.model.config, capacity, device)
-            self.steps.clear()  # steps close over the cache they write
-        return self.cache
+    def prepare(self, length: int, skip: SkipSet | None, settings: CompileSettings | None
+                ) -> tuple[SpeculativeCache, Step | None, Step]:
+        """The cache (at least `length` slots), the draft step (None without a skip set) and the verify step."""
+        device = self.model.device
+        if settings is None:
+            cache = SpeculativeCache(self.model.config, length, device)
+            draft = Step(_draft_step(draft_model(self.model, skip), cache), device, None) if skip else None
+            return cache, draft, Step(_verify_step(self.model, cache), device, None)
+        if self.cache is None or not self.cache.matches(length, self.model.dtype, device):
+            # Compiled graphs are specialised to the cache's shape: a capacity in blocks serves many lengths.
+            self.cache = SpeculativeCache(self.model.config, -(-length // CACHE_BLOCK) * CACHE_BLOCK, device)
+            self.steps.clear()  # they close over the old cache
+        draft = self._step(("draft", skip, settings), lambda: _draft_step(draft_model(self.model, skip), self.cache),
+                           settings) if skip else None
+        return self.cache, draft, self._step(("verify", settings), lambda: _verify_step(self.model, self.cache),
+                                             settings)
 
-    def draft(self, skip: SkipSet, settings: CompileSettings | None) -> Step:
-        key = ("draft", skip, settings)
+    def _step(self, key: tuple, make: Callable[[], Callable], settings: CompileSettings) -> Step:
         if key not in self.steps:
-            self.steps[key] = Step(_draft_step(draft_model(self.model, skip), self.cache), self.model.device, settings)
-        return self.steps[key]
-
-    def verify(self, settings: CompileSettings | None) -> Step:
-        key = ("verify", settings)
-        if key not in self.steps:
-            self.steps[key] = Step(_verify_step(self.model, self.cache), self.model.device, settings)
+            self.steps[key] = Step(make(), self.model.device, settings)
         return self.steps[key]
 
     def compile_time_s(self) -> float:

@@ -10,6 +10,8 @@ from skipsearch.skipping import SkipSet
 
 NUM_LAYERS = 4
 MODELS = {arch: tiny_model(arch, seed=i, dtype=torch.float64) for i, arch in enumerate(["llama", "qwen2", "mistral"])}
+WINDOW = 8
+SLIDING = tiny_model("mistral", seed=7, dtype=torch.float64, sliding_window=WINDOW)
 
 
 def hf_greedy(model, prompt, max_new_tokens, eos=1):
@@ -40,6 +42,34 @@ def test_greedy_self_speculative_equals_generate(arch, attn, mlp, prompt, max_ne
     assert out.tokens == hf_greedy(model, prompt, max_new_tokens)
     assert out.stats.new_tokens == len(out.tokens)
     assert 0 <= out.stats.accepted <= out.stats.drafted
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    attn=layer_ids,
+    mlp=layer_ids,
+    prompt=st.lists(st.integers(2, 95), min_size=1, max_size=12),
+    max_draft=st.integers(0, 7),
+    adaptive=st.booleans(),
+)
+def test_sliding_window_decoding_past_the_window_equals_generate(attn, mlp, prompt, max_draft, adaptive):
+    """Full-length static layers and the model's sliding-window mask: exact far past the window (8 tokens)."""
+    policy = DraftPolicy(max_draft_tokens=max_draft, adaptive=adaptive, confidence_threshold=0.5)
+    out = generate(SLIDING, prompt, skip=SkipSet.of(attn, mlp, NUM_LAYERS), max_new_tokens=5 * WINDOW,
+                   policy=policy, eos_token_id=None)
+    assert out.tokens == hf_greedy(SLIDING, prompt, 5 * WINDOW, eos=None)
+
+
+def test_sliding_window_is_in_effect():
+    """The check above has teeth: without the window the same model decodes differently."""
+    prompt = list(range(2, 14))
+    windowed = generate(SLIDING, prompt, max_new_tokens=4 * WINDOW, eos_token_id=None).tokens
+    SLIDING.config.sliding_window = None
+    try:
+        unwindowed = generate(SLIDING, prompt, max_new_tokens=4 * WINDOW, eos_token_id=None).tokens
+    finally:
+        SLIDING.config.sliding_window = WINDOW
+    assert windowed != unwindowed
 
 
 def test_autoregressive_path_drafts_nothing_and_matches_generate():
