@@ -230,3 +230,45 @@ def test_sampled_generation_follows_the_full_model():
     assert total_variation(torch.tensor(seconds), expected) < 0.05
     # The check has teeth: sampling from the draft alone would be far off.
     assert 0.5 * (draft_marginal - expected).abs().sum() > 0.2
+
+
+COMPILED = dict(compile=True, compile_backend="aot_eager")
+
+
+@pytest.mark.parametrize("arch", ["llama", "sliding"])
+def test_compiled_greedy_equals_generate(arch):
+    model = SLIDING if arch == "sliding" else tiny_model("llama", seed=3, dtype=torch.float64)
+    prompt = [5, 9, 14, 3, 7]
+    expected = hf_greedy(model, prompt, 3 * WINDOW, eos=None)
+    for skip, policy in [(None, DraftPolicy()), (SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4)),
+                         (SkipSet.of([0, 3], [], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False))]:
+        out = generate(model, prompt, skip=skip, max_new_tokens=3 * WINDOW, policy=policy, eos_token_id=None, **COMPILED)
+        assert out.tokens == expected
+        eager = generate(model, prompt, skip=skip, max_new_tokens=3 * WINDOW, policy=policy, eos_token_id=None)
+        assert (out.stats.drafted, out.stats.accepted, out.stats.verify_sizes) == (
+            eager.stats.drafted, eager.stats.accepted, eager.stats.verify_sizes)
+
+
+def test_compiled_steps_do_not_recompile_across_prompts_and_rounds():
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", seed=4, dtype=torch.float64)
+    skip, policy = SkipSet.of([1], [0, 2], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False)
+    first = generate(model, [5, 9, 14], skip=skip, max_new_tokens=12, policy=policy, eos_token_id=None, **COMPILED)
+    assert first.stats.compile_time_s > 0 and first.stats.rounds > 1
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt in ([7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], list(range(2, 40))):
+            out = generate(model, prompt, skip=skip, max_new_tokens=20, policy=policy, eos_token_id=None, **COMPILED)
+            assert out.tokens == hf_greedy(model, prompt, 20, eos=None)
+            assert out.stats.compile_time_s == 0.0
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_sampling_follows_the_same_path_as_eager():
+    model = tiny_model("llama", seed=5, dtype=torch.float64)
+    skip, sampling = SkipSet.of([0], [3], NUM_LAYERS), Sampling(do_sample=True, temperature=0.8, top_k=20)
+    outs = [generate(model, [4, 8], skip=skip, max_new_tokens=16, sampling=sampling, eos_token_id=None,
+                     policy=DraftPolicy(max_draft_tokens=3, adaptive=False),
+                     generator=torch.Generator().manual_seed(11), **extra).tokens for extra in ({}, COMPILED)]
+    assert outs[0] == outs[1]  # the same random draws on the same distributions
