@@ -51,10 +51,10 @@ def hf_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int]
 
 
 def skipsearch_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, skip: SkipSet | None,
-                       policy: DraftPolicy, time_drafts: bool = False) -> Decoder:
+                       policy: DraftPolicy, time_drafts: bool = False, compile: bool = False) -> Decoder:
     def decode(prompt: list[int]) -> tuple[list[int], DecodeStats]:
         out = generate(model, prompt, skip=skip, max_new_tokens=max_new_tokens, policy=policy, eos_token_id=eos,
-                       time_drafts=time_drafts)
+                       time_drafts=time_drafts, compile=compile)
         return out.tokens, out.stats
 
     return decode
@@ -91,7 +91,7 @@ def timed_passes(
 def run_bench(
     model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, eos: int | list[int] | None,
     config: SkipConfig | None = None, early_exit_layer: int | None = None, prompt_lookup_tokens: int = 10,
-    repeats: int = 3, profile: CostProfile | None = None, show_progress: bool = True,
+    repeats: int = 3, profile: CostProfile | None = None, show_progress: bool = True, compile: bool = False,
 ) -> list[BenchRow]:
     methods: dict[str, Decoder] = {"hf greedy": hf_decoder(model, max_new_tokens, eos)}
     if prompt_lookup_tokens:
@@ -100,10 +100,10 @@ def run_bench(
     if early_exit_layer:
         methods[f"hf early exit (layer {early_exit_layer})"] = hf_decoder(
             model, max_new_tokens, eos, assistant_early_exit=early_exit_layer)
-    methods["skipsearch plain"] = skipsearch_decoder(model, max_new_tokens, eos, None, DraftPolicy())
+    methods["skipsearch plain"] = skipsearch_decoder(model, max_new_tokens, eos, None, DraftPolicy(), compile=compile)
     if config is not None:
         label = f"skipsearch {config.skip}" if config.skip.size else "skipsearch config (skips nothing)"
-        methods[label] = skipsearch_decoder(model, max_new_tokens, eos, config.skip, config.draft)
+        methods[label] = skipsearch_decoder(model, max_new_tokens, eos, config.skip, config.draft, compile=compile)
 
     results = timed_passes(methods, prompts, repeats, model.device, show_progress)
     total_tokens = {name: sum(map(len, outputs)) for name, (_, outputs, _) in results.items()}

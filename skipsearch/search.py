@@ -160,10 +160,11 @@ class Evaluator:
     baseline_refresh_s: float = 600.0
     baseline: Baseline | None = None
     profile: CostProfile | None = None
+    compile: bool = False
 
     def _decode(self, prompt: list[int], skip: SkipSet | None) -> tuple[list[int], DecodeStats]:
         out = generate(self.model, prompt, skip=skip, max_new_tokens=self.max_new_tokens, policy=self.policy,
-                       eos_token_id=self.eos_token_id)
+                       eos_token_id=self.eos_token_id, compile=self.compile)
         return out.tokens, out.stats
 
     def measure_baseline(self) -> Baseline:
@@ -368,6 +369,7 @@ class StudySettings:
     warm_starts: bool = True
     pruning: bool = True
     heartbeat: Heartbeat | None = field(default_factory=Heartbeat)
+    compile: bool = False  # torch.compile the draft and verify steps (reused by trials sharing a skip set)
 
 
 def run_study(
@@ -409,7 +411,7 @@ def run_study(
     if remaining <= 0:
         return study
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
-                          eos_token_id=eos_token_id, profile=profile)
+                          eos_token_id=eos_token_id, profile=profile, compile=settings.compile)
     evaluator.measure_baseline()
     objective = make_objective(space, evaluator, settings.objective, settings.min_match, settings.n_trials)
     with warnings.catch_warnings():
