@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from .config import SkipConfig, write_atomic
 from .costs import CostProfile
-from .decoding import DecodeStats, DraftPolicy, generate, synchronize
+from .decoding import DecodeStats, DraftPolicy, first_divergence, generate, reference_logits, synchronize
 from .plots import save_figure
 from .skipping import SkipSet
 
@@ -37,6 +37,8 @@ class BenchRow:
     mean_accepted_tokens: float | None = None
     speedup_over_plain_loop: float | None = None  # over skipsearch's own plain decoding, decode time only
     predicted_speedup: float | None = None  # cost model, over skipsearch's own plain decoding
+    identical_share: float | None = None  # prompts whose output equals HF greedy's
+    divergence_gaps: list[float] | None = None  # top-2 logit gap at each differing output's first divergence
 
 
 def hf_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, **extra) -> Decoder:
@@ -115,6 +117,9 @@ def run_bench(
         row = BenchRow(method=name, tokens_per_second=total_tokens[name] / seconds,
                        speedup=total_tokens[name] / seconds / baseline_tps, identical=outputs == reference)
         if name.startswith("skipsearch"):
+            row.identical_share = sum(o == r for o, r in zip(outputs, reference)) / len(reference)
+            row.divergence_gaps = [first_divergence(r, o, reference_logits(model, p, r)).top2_gap
+                                   for p, r, o in zip(prompts, reference, outputs) if o != r]
             # Decode time only, like the cost model's prediction: prefill is the same work in both.
             row.speedup_over_plain_loop = _decode_seconds(plain_seconds, plain_stats) / _decode_seconds(seconds, stats)
             if stats.drafted:

@@ -4,7 +4,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
-from skipsearch.decoding import DecodeStats, DraftPolicy, Sampling, _rejection_sample, generate
+from skipsearch.decoding import (DecodeStats, Divergence, DraftPolicy, Sampling, _rejection_sample, first_divergence,
+                                 generate, reference_logits)
 from skipsearch.kvcache import SpeculativeCache
 from skipsearch.skipping import SkipSet
 
@@ -272,3 +273,19 @@ def test_compiled_sampling_follows_the_same_path_as_eager():
                      policy=DraftPolicy(max_draft_tokens=3, adaptive=False),
                      generator=torch.Generator().manual_seed(11), **extra).tokens for extra in ({}, COMPILED)]
     assert outs[0] == outs[1]  # the same random draws on the same distributions
+
+
+def test_first_divergence_reports_the_position_and_the_top2_gap():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 2.5, 0.0], [1.0, 0.0, 0.0]])
+    assert first_divergence([1, 1, 0], [1, 1, 0], logits) is None
+    assert first_divergence([1, 1, 0], [1, 0, 0], logits) == Divergence(1, 0.5)
+    assert first_divergence([1, 1, 0], [1, 1], logits) == Divergence(2, 1.0)
+    assert first_divergence([1], [1, 2], logits[:1]).position == 1
+
+
+def test_reference_logits_predict_each_reference_token():
+    model = MODELS["llama"]
+    prompt = [5, 9, 14]
+    tokens = hf_greedy(model, prompt, 6, eos=None)
+    logits = reference_logits(model, prompt, tokens)
+    assert logits.shape[0] == len(tokens) and logits.argmax(-1).tolist() == tokens
