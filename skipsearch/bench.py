@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from .config import SkipConfig, write_atomic
 from .costs import CostProfile
-from .decoding import DecodeStats, DraftPolicy, generate, synchronize
+from .decoding import DecodeStats, DraftPolicy, first_divergence, generate, reference_logits, synchronize
 from .measure import ratio_interval
 from .plots import save_figure
 from .skipping import SkipSet
@@ -44,6 +44,8 @@ class BenchRow:
     speedup_over_plain_high: float | None = None
     predicted_speedup: float | None = None  # cost model, over skipsearch's own plain decoding
     projected_speedups: dict[str, float] | None = None  # the same, predicted with other devices' profiles
+    identical_share: float | None = None  # prompts whose output equals HF greedy's
+    divergence_gaps: list[float] | None = None  # top-2 logit gap at each differing output's first divergence
 
 
 def hf_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, **extra) -> Decoder:
@@ -58,10 +60,10 @@ def hf_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int]
 
 
 def skipsearch_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, skip: SkipSet | None,
-                       policy: DraftPolicy, time_drafts: bool = False) -> Decoder:
+                       policy: DraftPolicy, time_drafts: bool = False, compile: bool = False) -> Decoder:
     def decode(prompt: list[int]) -> tuple[list[int], DecodeStats]:
         out = generate(model, prompt, skip=skip, max_new_tokens=max_new_tokens, policy=policy, eos_token_id=eos,
-                       time_drafts=time_drafts)
+                       time_drafts=time_drafts, compile=compile)
         return out.tokens, out.stats
 
     return decode
@@ -119,7 +121,7 @@ def run_bench(
     model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, eos: int | list[int] | None,
     config: SkipConfig | None = None, early_exit_layer: int | None = None, prompt_lookup_tokens: int = 10,
     repeats: int = 3, profile: CostProfile | None = None, show_progress: bool = True,
-    project_with: Sequence[tuple[str, CostProfile]] = (),
+    project_with: Sequence[tuple[str, CostProfile]] = (), compile: bool = False,
 ) -> list[BenchRow]:
     methods: dict[str, Decoder] = {"hf greedy": hf_decoder(model, max_new_tokens, eos)}
     if prompt_lookup_tokens:
@@ -128,10 +130,10 @@ def run_bench(
     if early_exit_layer:
         methods[f"hf early exit (layer {early_exit_layer})"] = hf_decoder(
             model, max_new_tokens, eos, assistant_early_exit=early_exit_layer)
-    methods["skipsearch plain"] = skipsearch_decoder(model, max_new_tokens, eos, None, DraftPolicy())
+    methods["skipsearch plain"] = skipsearch_decoder(model, max_new_tokens, eos, None, DraftPolicy(), compile=compile)
     if config is not None:
         label = f"skipsearch {config.skip}" if config.skip.size else "skipsearch config (skips nothing)"
-        methods[label] = skipsearch_decoder(model, max_new_tokens, eos, config.skip, config.draft)
+        methods[label] = skipsearch_decoder(model, max_new_tokens, eos, config.skip, config.draft, compile=compile)
 
     runs = timed_runs(methods, prompts, repeats, model.device, show_progress)
     hf, plain = runs["hf greedy"], runs["skipsearch plain"]
@@ -146,6 +148,9 @@ def run_bench(
             row.speedup_over_plain_loop = over_plain.estimate
             row.speedup_over_plain_low, row.speedup_over_plain_high = over_plain.low, _finite(over_plain.high)
             stats = run.stats
+            row.identical_share = sum(o == r for o, r in zip(run.outputs, hf.outputs)) / len(hf.outputs)
+            row.divergence_gaps = [first_divergence(r, o, reference_logits(model, p, r)).top2_gap
+                                   for p, r, o in zip(prompts, hf.outputs, run.outputs) if o != r]
             if stats.drafted:
                 row.acceptance_rate = stats.acceptance_rate
                 row.mean_accepted_tokens = stats.mean_accepted_tokens

@@ -167,6 +167,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     output = generate(
         loaded.model, prompt_ids, skip=skip, max_new_tokens=args.max_new_tokens, policy=policy,
         sampling=sampling, eos_token_id=loaded.model.generation_config.eos_token_id, generator=generator,
+        compile=args.compile,
     )
     text = loaded.tokenizer.decode(output.tokens, skip_special_tokens=True)
     if args.json:
@@ -182,7 +183,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, {s.rounds} rounds, "
             f"acceptance {'-' if s.acceptance_rate is None else format(s.acceptance_rate, '.2f')} "
-            f"({s.accepted}/{s.drafted}), skip {skip if skip else 'none'}]",
+            f"({s.accepted}/{s.drafted}), skip {skip if skip else 'none'}"
+            + (f", compile {s.compile_time_s:.1f} s]" if args.compile else "]"),
             file=sys.stderr,
         )
     return 0
@@ -296,7 +298,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         dataset=args.dataset, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
         show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
         repeats=args.repeats, confirm_top=args.confirm_top, confirm_repeats=args.confirm_repeats,
-        first_trials=first_trials, heartbeat=heartbeat,
+        first_trials=first_trials, heartbeat=heartbeat, compile=args.compile,
     )
     study = run_study(loaded.model, model_info, loaded.dtype_name, encoded,
                       settings, space, policy, loaded.model.generation_config.eos_token_id, profile=profile)
@@ -438,7 +440,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows = run_bench(loaded.model, encoded, args.max_new_tokens, loaded.model.generation_config.eos_token_id,
                      config=config, early_exit_layer=args.early_exit_layer,
                      prompt_lookup_tokens=args.prompt_lookup_tokens, repeats=args.repeats, profile=profile,
-                     show_progress=not args.no_progress, project_with=projections)
+                     show_progress=not args.no_progress, project_with=projections, compile=args.compile)
     print(format_table(rows))
     for row in rows:
         for label, speedup in (row.projected_speedups or {}).items():
@@ -513,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics as JSON")
     _add_draft_flags(gen)
     _add_model_flags(gen)
+    gen.add_argument("--compile", action="store_true",
+                     help="torch.compile the draft and verify steps (CUDA graphs on CUDA); the first call compiles")
     gen.set_defaults(run=cmd_generate)
 
     from .constants import OBJECTIVES, SAMPLERS
@@ -576,6 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_study_flags(opt)
     _add_draft_flags(opt)
     _add_model_flags(opt)
+    opt.add_argument("--compile", action="store_true",
+                     help="torch.compile the draft and verify steps (CUDA graphs on CUDA); the first call compiles")
     opt.set_defaults(run=cmd_optimize)
 
     bench = commands.add_parser(
@@ -599,6 +605,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_prompt_flags(bench, num_prompts=4, max_new_tokens=48)
     _add_model_flags(bench)
+    bench.add_argument("--compile", action="store_true",
+                       help="torch.compile the draft and verify steps (CUDA graphs on CUDA); the first call compiles")
     bench.set_defaults(run=cmd_bench)
 
     prof = commands.add_parser(

@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from .config import write_atomic
-from .decoding import DecodeStats, DraftPolicy, SkipAwareCache, generate, synchronize
+from .decoding import DecodeStats, DraftPolicy, generate, synchronize
+from .kvcache import SpeculativeCache
 from .skipping import SkipSet, draft_mode
 
 PROFILE_FORMAT = "skipsearch/cost-profile"
@@ -269,7 +270,7 @@ def profile_costs(
     ids = torch.randint(0, model.config.vocab_size, (1, longest), generator=generator).to(device)
     positions = torch.arange(longest, device=device).view(1, -1)
     # One prefill at the longest context: a shorter one is the same cache rolled back.
-    cache = SkipAwareCache(config=model.config)
+    cache = SpeculativeCache(model.config, longest, device)
     model(input_ids=ids[:, : contexts[-1]], past_key_values=cache, use_cache=True, logits_to_keep=1)
     every = range(num_layers)
     drafts = {"full": SkipSet(), "no_attn": SkipSet.of(every, (), num_layers),
@@ -283,7 +284,7 @@ def profile_costs(
         def timed(n_tokens: int, runs: int) -> list[float]:
             times = []
             for _ in range(runs):
-                cache.truncate(context)  # the previous forward appended its tokens
+                cache.seek(context)  # roll back what the previous forward wrote
                 synchronize(device)
                 start = time.perf_counter()
                 forward(n_tokens)
@@ -310,7 +311,6 @@ def profile_costs(
         rest_s = max(0.0, verify[0] - num_layers * (attn_s + mlp_s))
         measured.append(ContextCosts(context_tokens=context, attn_s=attn_s, mlp_s=mlp_s, rest_s=rest_s,
                                      verify_s=verify))
-    cache.truncate(0)
     profile = CostProfile(device=str(device), dtype=str(model.dtype).removeprefix("torch."),
                           architecture=type(model).__name__, num_hidden_layers=num_layers, contexts=tuple(measured),
                           provenance=_provenance(model))

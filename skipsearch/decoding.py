@@ -2,9 +2,10 @@
 
 Invariant of the loop: the KV cache holds the full model's keys and values for every
 committed token but the last one, which is fed at the start of the next round.
-A round drafts up to k tokens in draft mode, rolls every cache layer back to the
-committed length, verifies `[last, d1..dk]` in one forward of the full model, and keeps
-the longest accepted prefix plus one token of the full model. Greedy verification gives
+A round drafts up to k tokens with the draft path (`draft_round`), moves the static cache's
+write position back to the committed length (stale slots past it stay, hidden by the causal
+mask), verifies `[last, d1..dk]` in one forward of the full model and keeps the longest
+accepted prefix plus one token of the full model (`verify_greedy`, `verify_sampling`). Greedy verification gives
 exactly the tokens of plain greedy decoding; sampling uses speculative rejection sampling,
 which keeps the full model's distribution.
 """
@@ -18,10 +19,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, LogitsProcessorList
+from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .skipping import SkipSet, draft_mode
+from .engine import RECOMPILE_LIMIT, CompileSettings, Step, _forward, engine_for
+from .kvcache import SpeculativeCache
+from .skipping import SkipSet
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class DecodeStats:
     verify_sizes: collections.Counter = field(default_factory=collections.Counter)
     # Rounds by (tokens verified, tokens cached before the round): the cost model prices each at its context.
     verify_contexts: collections.Counter = field(default_factory=collections.Counter)
+    # Time of first calls of compiled steps during this call (tracing and compiling), inside wall_time_s.
+    compile_time_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -114,7 +119,8 @@ class DecodeStats:
         return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
     def add(self, other: DecodeStats) -> None:
-        for name in ("new_tokens", "rounds", "drafted", "accepted", "wall_time_s", "prefill_time_s", "draft_time_s"):
+        for name in ("new_tokens", "rounds", "drafted", "accepted", "wall_time_s", "prefill_time_s", "draft_time_s",
+                     "compile_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.verify_sizes.update(other.verify_sizes)
         self.verify_contexts.update(other.verify_contexts)
@@ -140,41 +146,6 @@ class GenerationOutput:
     final_threshold: float | None = None
 
 
-class SkipAwareCache(DynamicCache):
-    """A DynamicCache whose layers may hold different lengths while drafting.
-
-    Attention layers the draft skips are not written, so they lag behind. transformers
-    sizes attention masks and query offsets by one fixed layer (the first full-attention
-    one), which may be a skipped one; this cache sizes them by the longest layer of the
-    same kind instead, which is the length every attention that runs actually reads.
-    """
-
-    def _longest_like(self, layer_idx: int) -> int:
-        sliding = self.layers[layer_idx].is_sliding
-        same_kind = [i for i, layer in enumerate(self.layers) if layer.is_sliding == sliding]
-        return max(same_kind, key=lambda i: self.layers[i].get_seq_length())
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        if layer_idx < len(self.layers):
-            layer_idx = self._longest_like(layer_idx)
-        return super().get_mask_sizes(query_length, layer_idx)
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        if layer_idx < len(self.layers):
-            layer_idx = self._longest_like(layer_idx)
-        return super().get_query_offset(layer_idx)
-
-    def truncate(self, length: int) -> None:
-        """Roll every layer back to at most `length` positions (a view, no copy)."""
-        for layer in self.layers:
-            excess = layer.get_seq_length() - length
-            if excess > 0:
-                # DynamicLayer.crop takes the (negative) number of positions to drop.
-                layer.crop(-excess)
-            elif layer.is_sliding and layer.get_seq_length() >= layer.sliding_window:
-                layer.crop(0)  # drop the recorded past that no longer falls in the window
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -186,6 +157,71 @@ def _eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
     if isinstance(eos_token_id, int):
         return frozenset((eos_token_id,))
     return frozenset(int(t) for t in eos_token_id)
+
+
+@dataclass
+class Draft:
+    """What a draft round produced: the verify input `[last, d1..dk]` and, when sampling, the draft's distributions."""
+
+    ids: torch.Tensor  # (1, k + 1)
+    count: int
+    probs: torch.Tensor | None = None  # (k, vocab)
+
+
+def draft_round(
+    step: Step, cache: SpeculativeCache, last: torch.Tensor, start: int, budget: int, policy: DraftPolicy,
+    threshold: float, sampling: Sampling, generator: torch.Generator | None,
+) -> Draft:
+    """Draft up to `budget` tokens after `last` (at position `start`) with the draft step.
+
+    Fixed-length drafting stays on the device; adaptive drafting reads each draft's confidence
+    (one host sync per drafted token) to stop after an unsure one.
+    """
+    tokens, probs = [last], []
+    for j in range(budget):
+        cache.seek(start + j)
+        logits = step(tokens[-1].view(1, 1))
+        if sampling.do_sample:
+            probs.append(sampling.probabilities(logits)[0])
+            tokens.append(torch.multinomial(probs[-1], 1, generator=generator))
+        else:
+            tokens.append(logits.argmax(-1))
+        # The unsure token is kept: its forward is already paid, and verifying one
+        # more token costs far less than a forward on memory-bound hardware.
+        if policy.adaptive:
+            confidence = probs[-1].max() if probs else torch.softmax(logits.float(), -1).max()
+            if float(confidence) < threshold:
+                break
+    return Draft(torch.cat(tokens).view(1, -1), len(tokens) - 1, torch.stack(probs) if probs else None)
+
+
+def verify_greedy(logits: torch.Tensor, draft: Draft) -> tuple[int, list[int], torch.Tensor]:
+    """Keep the longest prefix of the drafts that the full model's argmax agrees with, then its own next token.
+
+    Acceptance is decided on the device; the one host transfer of the round brings the count and
+    the tokens. Returns the accepted count, the committed tokens and the last of them on the device.
+    """
+    targets = logits[: draft.count + 1].argmax(-1)
+    agree = (draft.ids[0, 1:] == targets[:-1]).int()
+    accepted = agree.cumprod(0).sum().view(1)
+    host = torch.cat([accepted, targets]).tolist()
+    n = host[0]
+    return n, host[1 : n + 2], targets.gather(0, accepted)
+
+
+def verify_sampling(
+    logits: torch.Tensor, draft: Draft, sampling: Sampling, generator: torch.Generator | None
+) -> tuple[int, list[int], torch.Tensor]:
+    """Speculative rejection sampling of the drafts against the full model's distributions."""
+    accepted, tokens, last = _rejection_sample(
+        draft.ids[0, 1:], draft.probs, sampling.probabilities(logits[: draft.count + 1]), generator)
+    return accepted, tokens, last.clone()  # a fresh tensor, not a view into the round's samples
+
+
+def _pad(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """`ids` padded to `width` tokens by repeating its last: padded positions land past the query, unseen."""
+    missing = width - ids.shape[1]
+    return torch.cat([ids, ids[:, -1:].expand(1, missing)], dim=1) if missing > 0 else ids
 
 
 @torch.inference_mode()
@@ -200,11 +236,17 @@ def generate(
     eos_token_id: int | Iterable[int] | None = None,
     generator: torch.Generator | None = None,
     time_drafts: bool = False,
+    compile: bool = False,
+    compile_backend: str = "inductor",
+    compile_mode: str | None = None,
 ) -> GenerationOutput:
     """Decode `max_new_tokens` (or up to EOS) for one prompt with self-speculative decoding.
 
     `skip=None`, an empty skip set or `policy.max_draft_tokens == 0` decodes autoregressively
     through the same loop. `generator` seeds sampling; it must live on the model's device.
+    `compile` runs the draft and verify forwards through `torch.compile` (`compile_backend`,
+    `compile_mode`; CUDA graphs by default on CUDA); compiled steps are kept on the model and
+    reused by later calls with the same skip set. The prefill always runs eagerly.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -214,94 +256,69 @@ def generate(
         raise ValueError("the prompt is empty: at least one token is needed")
     # Drafting with nothing skipped is the full model twice over: an empty set means plain decoding.
     max_draft = policy.max_draft_tokens if skip is not None and skip.size else 0
-    eos = _eos_set(eos_token_id)
+    settings = CompileSettings(compile_backend, compile_mode) if compile else None
+    engine = engine_for(model)
+    # Writes reach at most one verify width past the last committed token.
+    cache, drafter, verifier = engine.prepare(prompt.shape[1] + max_new_tokens + max_draft + 1,
+                                              skip if max_draft else None, settings)
+    compiled_before = engine.compile_time_s()
+    with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+        output = _decode(model, cache, drafter, verifier, prompt, max_draft, max_new_tokens, policy, sampling,
+                         _eos_set(eos_token_id), generator, time_drafts, verify_width=max_draft + 1 if compile else None)
+    output.stats.compile_time_s = engine.compile_time_s() - compiled_before
+    return output
+
+
+def _decode(
+    model: torch.nn.Module, cache: SpeculativeCache, drafter: Step | None, verifier: Step, prompt: torch.Tensor,
+    max_draft: int, max_new_tokens: int, policy: DraftPolicy, sampling: Sampling, eos: frozenset[int],
+    generator: torch.Generator | None, time_drafts: bool, verify_width: int | None,
+) -> GenerationOutput:
+    """The loop: prefill, then rounds of draft, verify, commit. The cache holds every committed token but `last`.
+
+    With `verify_width` (compiled steps: static shapes) every verification is padded to that
+    width; otherwise it is exactly as wide as what was drafted.
+    """
+    device = prompt.device
     threshold = policy.confidence_threshold
     smoothed_acceptance = policy.target_acceptance
-    cache = SkipAwareCache(config=model.config)
-    # Sliding-window layers forget what left the window, so rolling back past it needs the recorded past.
-    cache.activate_past_recording()
-    # Position ids are views into one tensor, so a forward costs no extra allocation for them.
-    positions = torch.arange(prompt.shape[1] + max_new_tokens + max_draft + 1, device=device).view(1, -1)
     stats = DecodeStats()
-
-    def forward(ids: torch.Tensor, start: int, last_only: bool) -> torch.Tensor:
-        out = model(
-            input_ids=ids,
-            position_ids=positions[:, start : start + ids.shape[1]],
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1 if last_only else 0,
-        )
-        return out.logits[0]
-
-    def pick(probs_or_logits: torch.Tensor) -> torch.Tensor:
-        if sampling.do_sample:
-            return torch.multinomial(probs_or_logits, 1, generator=generator).view(-1)
-        return probs_or_logits.argmax(-1).view(-1)
 
     synchronize(device)
     start_time = time.perf_counter()
-    logits = forward(prompt, 0, last_only=True)
-    last = pick(sampling.probabilities(logits) if sampling.do_sample else logits)
-    tokens: list[int] = [int(last)]  # a host sync: the prefill time below is exact on CUDA too
+    cache.seek(0)
+    logits = _forward(model, cache, prompt, 1)
+    last = torch.multinomial(sampling.probabilities(logits)[0], 1, generator=generator) if sampling.do_sample \
+        else logits.argmax(-1)
+    tokens: list[int] = last.tolist()  # a host sync: the prefill time below is exact on CUDA too
     stats.prefill_time_s = time.perf_counter() - start_time
     cached = prompt.shape[1]  # positions in the cache; `last` sits at position `cached`
 
     while len(tokens) < max_new_tokens and tokens[-1] not in eos:
         budget = min(max_draft, max_new_tokens - len(tokens) - 1)
-        drafts: list[torch.Tensor] = []
-        draft_probs: list[torch.Tensor] = []
-        cache.truncate(cached)  # the last verify may have written past the accepted tokens
-        if budget > 0:
-            if time_drafts:
-                synchronize(device)
-                draft_start = time.perf_counter()
-            with draft_mode(model, skip):
-                token = last
-                for j in range(budget):
-                    logits = forward(token.view(1, 1), cached + j, last_only=True)[0]
-                    probs = sampling.probabilities(logits.view(1, -1))[0] if sampling.do_sample else None
-                    token = pick(probs if probs is not None else logits)
-                    drafts.append(token)
-                    if probs is not None:
-                        draft_probs.append(probs)
-                    # The unsure token is kept: its forward is already paid, and verifying one
-                    # more token costs far less than a forward on memory-bound hardware.
-                    if policy.adaptive:
-                        confidence = probs.max() if probs is not None else torch.softmax(logits.float(), -1).max()
-                        if float(confidence) < threshold:
-                            break
-            if time_drafts:
-                synchronize(device)
-                stats.draft_time_s += time.perf_counter() - draft_start
-            cache.truncate(cached)
+        if time_drafts and budget:
+            synchronize(device)
+            draft_start = time.perf_counter()
+        draft = draft_round(drafter, cache, last, cached, budget, policy, threshold, sampling, generator) if budget \
+            else Draft(last.view(1, 1), 0)
+        if time_drafts and budget:
+            synchronize(device)
+            stats.draft_time_s += time.perf_counter() - draft_start
 
-        verify_ids = torch.cat([last, *drafts]).view(1, -1)
-        logits = forward(verify_ids, cached, last_only=False)
-        n_drafted = len(drafts)
+        cache.seek(cached)  # verify overwrites whatever the draft wrote from here on
+        logits = verifier(_pad(draft.ids, verify_width) if verify_width else draft.ids)
         if sampling.do_sample:
-            accepted, new_tokens, next_last = _rejection_sample(
-                verify_ids[0, 1:], torch.stack(draft_probs) if drafts else None,
-                sampling.probabilities(logits), generator,
-            )
+            accepted, new_tokens, last = verify_sampling(logits, draft, sampling, generator)
         else:
-            targets = logits.argmax(-1)
-            # One host transfer per round: the drafts and the full model's choices side by side.
-            host = torch.cat([verify_ids[0, 1:], targets]).tolist()
-            drafted_ids, chosen = host[:n_drafted], host[n_drafted:]
-            accepted = 0
-            while accepted < n_drafted and drafted_ids[accepted] == chosen[accepted]:
-                accepted += 1
-            new_tokens = chosen[: accepted + 1]
-            next_last = targets[accepted : accepted + 1]
+            accepted, new_tokens, last = verify_greedy(logits, draft)
 
         stats.rounds += 1
-        stats.verify_sizes[n_drafted + 1] += 1
-        stats.verify_contexts[n_drafted + 1, cached] += 1
-        stats.drafted += n_drafted
+        stats.verify_sizes[draft.count + 1] += 1
+        stats.verify_contexts[draft.count + 1, cached] += 1
+        stats.drafted += draft.count
         stats.accepted += accepted
-        if policy.adaptive and n_drafted:
-            smoothed_acceptance = 0.5 * smoothed_acceptance + 0.5 * accepted / n_drafted
+        if policy.adaptive and draft.count:
+            smoothed_acceptance = 0.5 * smoothed_acceptance + 0.5 * accepted / draft.count
             step = policy.threshold_step if smoothed_acceptance < policy.target_acceptance else -policy.threshold_step
             threshold = min(1.0, max(0.0, threshold + step))
 
@@ -312,7 +329,6 @@ def generate(
                 break
         tokens.extend(new_tokens)
         cached += accepted + 1
-        last = next_last
 
     synchronize(device)
     stats.wall_time_s = time.perf_counter() - start_time
@@ -352,3 +368,35 @@ def _rejection_sample(
     host = torch.cat([n_accepted.view(1), drafts, corrections]).tolist()
     accepted = host[0]
     return accepted, host[1 : 1 + accepted] + [host[1 + k + accepted]], corrections[accepted : accepted + 1]
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where two greedy decodings first differ, and how close the full model's top two choices were there."""
+
+    position: int  # index into the new tokens
+    top2_gap: float  # top-1 minus top-2 logit of the reference forward at that position (nan past its logits)
+
+
+def first_divergence(reference: Sequence[int], candidate: Sequence[int], logits: torch.Tensor) -> Divergence | None:
+    """The first position where `candidate` leaves `reference`, with the top-2 logit gap there.
+
+    `logits` (len(reference), vocab) are the full model's logits predicting each reference token
+    (`reference_logits`). In bf16 / fp16 a batched verify forward rounds differently from a
+    one-token forward, so a near-tie (a small gap) can flip; a large gap points at a bug.
+    """
+    common = min(len(reference), len(candidate))
+    position = next((i for i in range(common) if reference[i] != candidate[i]), common)
+    if position == common and len(reference) == len(candidate):
+        return None
+    if position >= logits.shape[0]:
+        return Divergence(position, float("nan"))
+    top2 = logits[position].float().topk(2).values
+    return Divergence(position, float(top2[0] - top2[1]))
+
+
+@torch.inference_mode()
+def reference_logits(model: torch.nn.Module, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    """The model's logits predicting each of `tokens` after `prompt`, teacher-forced in one forward."""
+    ids = torch.tensor([list(prompt) + list(tokens)], device=model.device)
+    return model(ids[:, :-1]).logits[0, len(prompt) - 1 :]

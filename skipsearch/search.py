@@ -181,11 +181,12 @@ class Evaluator:
     timed: bool = True
     clock: Callable[[], float] = time.perf_counter
     show_progress: bool = False  # a bar while decoding the reference, which takes a while on big models
+    compile: bool = False  # compiled draft and verify steps, reused by trials that share a skip set
     _reference: list[list[int]] | None = field(default=None, repr=False)
 
     def _decode(self, prompt: list[int], skip: SkipSet | None) -> GenerationOutput:
         return generate(self.model, prompt, skip=skip, max_new_tokens=self.max_new_tokens, policy=self.policy,
-                        eos_token_id=self.eos_token_id)
+                        eos_token_id=self.eos_token_id, compile=self.compile)
 
     def reference_tokens(self) -> list[list[int]]:
         """Plain greedy decoding of every prompt (untimed; it also warms the process up)."""
@@ -219,6 +220,8 @@ class Evaluator:
         """
         reference = self.reference_tokens()
         repeats = repeats or self.repeats
+        if self.compile and self.timed:
+            self._decode(self.prompts[0], skip)  # compiling a new skip set's steps must not land in a timed run
         total, ratios, plain_rates, skip_rates, predictions = DecodeStats(), [], [], [], []
         identical, done = True, 0
         for index, prompt in enumerate(self.prompts):
@@ -463,6 +466,7 @@ class StudySettings:
     confirm_top: int = 3  # best distinct candidates re-measured before export
     confirm_repeats: int = 2  # paired runs per prompt when confirming
     max_repeats_in_a_row: int = 50  # proposals of already-evaluated sets before the space counts as exhausted
+    compile: bool = False  # torch.compile the draft and verify steps (reused by trials sharing a skip set)
 
 
 def run_study(
@@ -512,7 +516,8 @@ def run_study(
             study.enqueue_trial(space.params_for(skip), user_attrs={"warm_start": True}, skip_if_exists=True)
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
                           eos_token_id=eos_token_id, profile=profile, repeats=settings.repeats,
-                          timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar)
+                          timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar,
+                          compile=settings.compile)
     stopped = ""
     if len(distinct_trials(study)) < settings.n_trials:
         objective = make_objective(space, evaluator, settings.objective, settings.min_match, settings.n_trials)

@@ -1,14 +1,19 @@
 """Skip attention and MLP sublayers of a Hugging Face causal LM while drafting.
 
-Nothing of transformers' modeling code is copied: inside `draft_mode` the skipped
-`self_attn` / `mlp` modules of each decoder layer are swapped for parameter-free
-stand-ins that add nothing to the residual stream, and the originals are put back on
-exit. Outside the context manager the model is untouched (same modules, same state dict).
+Nothing of transformers' modeling code is copied. For each skip set a list of thin layer
+wrappers is built once: a layer whose attention is skipped runs `h + mlp(norm(h))`, one whose
+MLP is skipped `h + attn(norm(h))`, one with both skipped is the identity, and the others are
+the original layers. A skipped sublayer thus costs one op (or none), and the norm that feeds
+only it is skipped with it. `draft_model` gives a view of the model that shares every
+parameter and runs the draft path, so nothing is swapped per round; `draft_mode` puts the
+wrappers in the decoder for callers that run `model(...)` directly (one attribute set, restored
+on exit). The original model is never changed outside `draft_mode`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -73,33 +78,115 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-class SkippedAttention(nn.Module):
-    """Stands in for a decoder layer's `self_attn`: contributes zero and touches no KV cache."""
+@dataclass(frozen=True)
+class LayerLayout:
+    """Names of a decoder layer's sublayers and of the norm that feeds only each of them."""
 
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
-        return torch.zeros_like(hidden_states), None
+    attn_norm: str
+    attn: str
+    mlp_norm: str
+    mlp: str
 
 
-class SkippedMLP(nn.Module):
-    """Stands in for a decoder layer's `mlp`: contributes zero."""
+# The only architecture-specific knowledge: pre-norm decoder layers of the Llama family
+# (Llama, Mistral, Qwen2, Qwen3, SmolLM) name their parts alike.
+LAYOUTS = (LayerLayout("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"),)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(hidden_states)
+
+def layer_layout(layer: nn.Module) -> LayerLayout:
+    for layout in LAYOUTS:
+        if all(isinstance(getattr(layer, name, None), nn.Module) for name in vars(layout).values()):
+            return layout
+    raise ValueError(f"{type(layer).__name__} has no known sublayer layout (expected one of {LAYOUTS})")
+
+
+class AttentionOnly(nn.Module):
+    """A decoder layer with its MLP (and the MLP's norm) skipped."""
+
+    def __init__(self, norm: nn.Module, attn: nn.Module):
+        super().__init__()
+        self.norm, self.attn = norm, attn
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states + self.attn(self.norm(hidden_states), *args, **kwargs)[0]
+
+
+class MLPOnly(nn.Module):
+    """A decoder layer with its attention (and the attention's norm) skipped: it touches no KV cache."""
+
+    def __init__(self, norm: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.norm, self.mlp = norm, mlp
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states + self.mlp(self.norm(hidden_states))
+
+
+class SkippedLayer(nn.Module):
+    """A decoder layer with both sublayers skipped: the residual stream passes through."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
+
+
+def _draft_cache(model: nn.Module) -> dict:
+    """Per-model memo of draft paths, keyed by skip set (kept on the model, so it lives and dies with it)."""
+    memo = model.__dict__.get("_skipsearch_drafts")
+    if memo is None:
+        memo = {}
+        object.__setattr__(model, "_skipsearch_drafts", memo)
+    return memo
+
+
+def draft_layers(model: nn.Module, skip: SkipSet) -> nn.ModuleList:
+    """The decoder layers of the draft path for `skip`, built once per skip set and model."""
+    memo = _draft_cache(model)
+    if ("layers", skip) not in memo:
+        layers = decoder_layers(model)
+        skip.check_fits(len(layers))
+        attn, mlp = set(skip.attn), set(skip.mlp)
+        built = []
+        for i, layer in enumerate(layers):
+            parts = layer_layout(layer)
+            if i in attn and i in mlp:
+                built.append(SkippedLayer())
+            elif i in attn:
+                built.append(MLPOnly(getattr(layer, parts.mlp_norm), getattr(layer, parts.mlp)))
+            elif i in mlp:
+                built.append(AttentionOnly(getattr(layer, parts.attn_norm), getattr(layer, parts.attn)))
+            else:
+                built.append(layer)
+        memo[("layers", skip)] = nn.ModuleList(built)
+    return memo[("layers", skip)]
+
+
+def _with_module(parent: nn.Module, name: str, child: nn.Module) -> nn.Module:
+    """A shallow copy of `parent` whose submodule `name` is `child`; parameters and hooks stay shared."""
+    view = copy.copy(parent)
+    view._modules = {**parent._modules, name: child}
+    return view
+
+
+def draft_model(model: nn.Module, skip: SkipSet) -> nn.Module:
+    """A view of `model` that drafts with `skip` skipped: same parameters, built once per skip set."""
+    memo = _draft_cache(model)
+    if ("model", skip) not in memo:
+        decoder = model.get_decoder()
+        names = [name for name, child in model._modules.items() if child is decoder]
+        if not names:
+            raise ValueError(f"{type(model).__name__}: the decoder is not a direct submodule")
+        memo[("model", skip)] = _with_module(model, names[0], _with_module(decoder, "layers", draft_layers(model, skip)))
+    return memo[("model", skip)]
 
 
 @contextlib.contextmanager
 def draft_mode(model: nn.Module, skip: SkipSet) -> Iterator[None]:
-    """Run `model` with the sublayers in `skip` skipped; restores every module on exit, also on error."""
-    layers = decoder_layers(model)
-    skip.check_fits(len(layers))
-    swapped: list[tuple[nn.Module, str, nn.Module]] = []
+    """Run `model` itself with the sublayers in `skip` skipped; restores the decoder's layers on exit, also on error."""
+    layers = draft_layers(model, skip)
+    decoder = model.get_decoder()
+    original = decoder.layers
+    decoder.layers = layers
     try:
-        # Stand-ins hold no state, so one instance of each kind serves every layer.
-        for ids, name, stand_in in ((skip.attn, "self_attn", SkippedAttention()), (skip.mlp, "mlp", SkippedMLP())):
-            for i in ids:
-                swapped.append((layers[i], name, getattr(layers[i], name)))
-                setattr(layers[i], name, stand_in)
         yield
     finally:
-        for layer, name, original in reversed(swapped):
-            setattr(layer, name, original)
+        decoder.layers = original

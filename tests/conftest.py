@@ -5,13 +5,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
 
 
-def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, vocab_size: int = 96, num_layers: int = 4):
+def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, vocab_size: int = 96, num_layers: int = 4,
+               **config_overrides):
     """A small random causal LM; float64 makes greedy ties practically impossible, so equality tests are exact."""
     torch.manual_seed(seed)
     config = CONFIGS[arch](
         vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=False, **config_overrides,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     # Random init gives near-uniform logits; sharper ones make drafts and acceptance non-trivial.

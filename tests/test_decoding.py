@@ -4,11 +4,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
-from skipsearch.decoding import DecodeStats, DraftPolicy, Sampling, SkipAwareCache, _rejection_sample, generate
+from skipsearch.decoding import (DecodeStats, Divergence, DraftPolicy, Sampling, _rejection_sample, first_divergence,
+                                 generate, reference_logits)
+from skipsearch.kvcache import SpeculativeCache
 from skipsearch.skipping import SkipSet
 
 NUM_LAYERS = 4
 MODELS = {arch: tiny_model(arch, seed=i, dtype=torch.float64) for i, arch in enumerate(["llama", "qwen2", "mistral"])}
+WINDOW = 8
+SLIDING = tiny_model("mistral", seed=7, dtype=torch.float64, sliding_window=WINDOW)
 
 
 def hf_greedy(model, prompt, max_new_tokens, eos=1):
@@ -39,6 +43,34 @@ def test_greedy_self_speculative_equals_generate(arch, attn, mlp, prompt, max_ne
     assert out.tokens == hf_greedy(model, prompt, max_new_tokens)
     assert out.stats.new_tokens == len(out.tokens)
     assert 0 <= out.stats.accepted <= out.stats.drafted
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    attn=layer_ids,
+    mlp=layer_ids,
+    prompt=st.lists(st.integers(2, 95), min_size=1, max_size=12),
+    max_draft=st.integers(0, 7),
+    adaptive=st.booleans(),
+)
+def test_sliding_window_decoding_past_the_window_equals_generate(attn, mlp, prompt, max_draft, adaptive):
+    """Full-length static layers and the model's sliding-window mask: exact far past the window (8 tokens)."""
+    policy = DraftPolicy(max_draft_tokens=max_draft, adaptive=adaptive, confidence_threshold=0.5)
+    out = generate(SLIDING, prompt, skip=SkipSet.of(attn, mlp, NUM_LAYERS), max_new_tokens=5 * WINDOW,
+                   policy=policy, eos_token_id=None)
+    assert out.tokens == hf_greedy(SLIDING, prompt, 5 * WINDOW, eos=None)
+
+
+def test_sliding_window_is_in_effect():
+    """The check above has teeth: without the window the same model decodes differently."""
+    prompt = list(range(2, 14))
+    windowed = generate(SLIDING, prompt, max_new_tokens=4 * WINDOW, eos_token_id=None).tokens
+    SLIDING.config.sliding_window = None
+    try:
+        unwindowed = generate(SLIDING, prompt, max_new_tokens=4 * WINDOW, eos_token_id=None).tokens
+    finally:
+        SLIDING.config.sliding_window = WINDOW
+    assert windowed != unwindowed
 
 
 def test_autoregressive_path_drafts_nothing_and_matches_generate():
@@ -83,18 +115,14 @@ def test_adaptive_threshold_rises_when_drafts_are_rejected():
 
 
 @pytest.mark.parametrize("max_new_tokens", [5, 12, 13])
-def test_every_forward_sees_exactly_the_committed_cache(max_new_tokens):
-    """Each forward's first position equals the cache length of every layer that runs attention."""
-    from skipsearch.skipping import SkippedAttention, decoder_layers
-
+def test_every_forward_writes_at_its_first_position(max_new_tokens):
+    """Each forward (draft, verify, prefill) writes the cache where its tokens sit, whatever the draft skipped."""
     model = tiny_model("llama", seed=1)
     seen = []
 
     def check(module, args, kwargs):
         cache, start = kwargs["past_key_values"], int(kwargs["position_ids"][0, 0])
-        for layer, cached in zip(decoder_layers(model), cache.layers):
-            if not isinstance(layer.self_attn, SkippedAttention):
-                assert cached.get_seq_length() == start, "stale or missing cache entries"
+        assert int(cache.position) == start
         seen.append(start)
 
     handle = model.model.register_forward_pre_hook(check, with_kwargs=True)
@@ -107,14 +135,21 @@ def test_every_forward_sees_exactly_the_committed_cache(max_new_tokens):
     assert len(seen) > max_new_tokens
 
 
-def test_cache_rolls_back_each_layer_to_the_committed_length():
+def test_cache_rolls_back_by_position_and_hides_stale_slots():
     model = MODELS["llama"]
-    cache = SkipAwareCache(config=model.config)
-    model(torch.tensor([[3, 4, 5, 6]]), past_key_values=cache, use_cache=True)
-    cache.layers[0].crop(-2)  # a layer left behind, as a skipped attention leaves it while drafting
-    assert cache.get_query_offset(0) == 4  # sized by the longest layer, not the lagging first one
-    cache.truncate(3)
-    assert [layer.get_seq_length() for layer in cache.layers] == [2, 3, 3, 3]
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    cache = SpeculativeCache(model.config, 16, "cpu")
+    positions = torch.arange(16).view(1, -1)
+    model(ids, position_ids=positions[:, :5], past_key_values=cache, use_cache=True)
+    # Junk written at positions 3..7 (a rejected draft), then a roll-back to 3 and the true tokens again.
+    cache.seek(3)
+    model(torch.tensor([[90, 91, 92, 93, 94]]), position_ids=positions[:, 3:8], past_key_values=cache, use_cache=True)
+    cache.seek(3)
+    logits = model(ids[:, 3:], position_ids=positions[:, 3:5], past_key_values=cache, use_cache=True).logits
+    torch.testing.assert_close(logits, model(ids).logits[:, 3:])
+    assert int(cache.layers[0].get_seq_length()) == 3  # the write position, not a count of writes
+    with pytest.raises(ValueError, match="outside"):
+        cache.seek(17)
 
 
 @pytest.mark.parametrize("bad", [dict(max_draft_tokens=-1), dict(confidence_threshold=1.5), dict(target_acceptance=-0.1)])
@@ -141,6 +176,8 @@ def test_stats_rates_and_sum():
     stats.add(DecodeStats(new_tokens=2, rounds=1, drafted=0, accepted=0, wall_time_s=1.0))
     assert (stats.acceptance_rate, stats.mean_accepted_tokens, stats.tokens_per_second) == (0.75, 1.2, 4.0)
     assert DecodeStats().acceptance_rate == 0.0
+    stats.add(DecodeStats(compile_time_s=2.5))
+    assert stats.compile_time_s == 2.5
 
 
 def total_variation(samples: torch.Tensor, probs: torch.Tensor) -> float:
@@ -220,3 +257,59 @@ def test_sliding_window_model_decodes_past_its_window_like_generate(attn, mlp, m
                    policy=policy, eos_token_id=None)
     assert out.tokens == hf_greedy(WINDOWED, prompt, max_new_tokens, eos=None)
     assert out.stats.drafted > out.stats.accepted  # some drafts were rejected, so the cache was rolled back
+COMPILED = dict(compile=True, compile_backend="aot_eager")
+
+
+@pytest.mark.parametrize("arch", ["llama", "sliding"])
+def test_compiled_greedy_equals_generate(arch):
+    model = SLIDING if arch == "sliding" else tiny_model("llama", seed=3, dtype=torch.float64)
+    prompt = [5, 9, 14, 3, 7]
+    expected = hf_greedy(model, prompt, 3 * WINDOW, eos=None)
+    for skip, policy in [(None, DraftPolicy()), (SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4)),
+                         (SkipSet.of([0, 3], [], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False))]:
+        out = generate(model, prompt, skip=skip, max_new_tokens=3 * WINDOW, policy=policy, eos_token_id=None, **COMPILED)
+        assert out.tokens == expected
+        eager = generate(model, prompt, skip=skip, max_new_tokens=3 * WINDOW, policy=policy, eos_token_id=None)
+        assert (out.stats.drafted, out.stats.accepted, out.stats.verify_sizes) == (
+            eager.stats.drafted, eager.stats.accepted, eager.stats.verify_sizes)
+
+
+def test_compiled_steps_do_not_recompile_across_prompts_and_rounds():
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", seed=4, dtype=torch.float64)
+    skip, policy = SkipSet.of([1], [0, 2], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False)
+    first = generate(model, [5, 9, 14], skip=skip, max_new_tokens=12, policy=policy, eos_token_id=None, **COMPILED)
+    assert first.stats.compile_time_s > 0 and first.stats.rounds > 1
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt in ([7], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], list(range(2, 40))):
+            out = generate(model, prompt, skip=skip, max_new_tokens=20, policy=policy, eos_token_id=None, **COMPILED)
+            assert out.tokens == hf_greedy(model, prompt, 20, eos=None)
+            assert out.stats.compile_time_s == 0.0
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compiled_sampling_follows_the_same_path_as_eager():
+    model = tiny_model("llama", seed=5, dtype=torch.float64)
+    skip, sampling = SkipSet.of([0], [3], NUM_LAYERS), Sampling(do_sample=True, temperature=0.8, top_k=20)
+    outs = [generate(model, [4, 8], skip=skip, max_new_tokens=16, sampling=sampling, eos_token_id=None,
+                     policy=DraftPolicy(max_draft_tokens=3, adaptive=False),
+                     generator=torch.Generator().manual_seed(11), **extra).tokens for extra in ({}, COMPILED)]
+    assert outs[0] == outs[1]  # the same random draws on the same distributions
+
+
+def test_first_divergence_reports_the_position_and_the_top2_gap():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 2.5, 0.0], [1.0, 0.0, 0.0]])
+    assert first_divergence([1, 1, 0], [1, 1, 0], logits) is None
+    assert first_divergence([1, 1, 0], [1, 0, 0], logits) == Divergence(1, 0.5)
+    assert first_divergence([1, 1, 0], [1, 1], logits) == Divergence(2, 1.0)
+    assert first_divergence([1], [1, 2], logits[:1]).position == 1
+
+
+def test_reference_logits_predict_each_reference_token():
+    model = MODELS["llama"]
+    prompt = [5, 9, 14]
+    tokens = hf_greedy(model, prompt, 6, eos=None)
+    logits = reference_logits(model, prompt, tokens)
+    assert logits.shape[0] == len(tokens) and logits.argmax(-1).tolist() == tokens

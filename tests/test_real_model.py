@@ -24,6 +24,25 @@ def test_greedy_equals_generate_on_the_default_model(default_model, prompt):
         assert out.stats.drafted > 0
 
 
+def test_compiled_greedy_equals_generate_on_held_out_prompts(default_model):
+    """fp32, compiled draft and verify steps (aot_eager in CI; inductor is timed in benchmarks/engine_speed.py)."""
+    from torch._dynamo.utils import counters
+
+    model, tokenizer = default_model.model, default_model.tokenizer
+    eos = model.generation_config.eos_token_id
+    skip, policy = SKIPS[1], DraftPolicy(max_draft_tokens=4, adaptive=False)
+    graphs = None
+    for prompt in ["Name three prime numbers.", "What is the capital of France? Answer in one sentence."]:
+        ids = encode_prompt(tokenizer, prompt)
+        reference = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24, eos_token_id=eos)
+        out = generate(model, ids, skip=skip, max_new_tokens=24, policy=policy, eos_token_id=eos,
+                       compile=True, compile_backend="aot_eager")
+        assert out.tokens == reference[0, len(ids):].tolist()
+        if graphs is not None:  # warm: a prompt of another length makes no new graph
+            assert counters["stats"]["unique_graphs"] == graphs and out.stats.compile_time_s == 0.0
+        graphs = counters["stats"]["unique_graphs"]
+
+
 def test_default_model_loads_from_the_converted_cache(default_model):
     assert type(default_model.model).__name__ == "LlamaForCausalLM"
     assert default_model.model.config.num_hidden_layers == 30

@@ -1,0 +1,120 @@
+"""Decoding engines side by side, interleaved (a benchmark script, not a test).
+
+Compares, on the same prompts: HF eager greedy; HF's own fastest path (static cache with
+torch.compile, `cache_implementation="static"`); skipsearch eager and compiled, plain and
+self-speculative for the given skip sets. Prints tokens/s, speedup over HF eager, identical
+outputs (share of prompts) with the top-2 logit gaps at divergences, compile times, and the
+weight bandwidth achieved (bytes of weights read per forward x forwards/s) beside the
+machine's measured read bandwidth (a large tensor summed), as gpt-fast prints it.
+
+    python benchmarks/engine_speed.py                                  # default model, CPU, fp32
+    python benchmarks/engine_speed.py --device cuda --dtype bfloat16 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from skipsearch import load_model
+from skipsearch.bench import hf_decoder, skipsearch_decoder, timed_passes
+from skipsearch.data import load_prompts
+from skipsearch.decoding import DraftPolicy, first_divergence, reference_logits, synchronize
+from skipsearch.models import encode_prompt
+
+from decode_speed import parse_skip_sets
+
+
+def read_bandwidth(device: torch.device, megabytes: int = 1024, repeats: int = 10) -> float:
+    """Bytes/s of summing a large float32 tensor: what the memory system can stream."""
+    data = torch.ones(megabytes * 2**20 // 4, device=device)
+    data.sum()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        data.sum()
+    synchronize(device)
+    return data.numel() * 4 * repeats / (time.perf_counter() - start)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one full forward reads (the embedding reads one row, so it is left out unless tied)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    if embedding is not model.get_output_embeddings().weight:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--prompt-offset", type=int, default=8, help="skip this many prompts (held out from tuning)")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-sets", default="a20;a16,20,24")
+    parser.add_argument("--max-draft-tokens", type=int, default=4)
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend for skipsearch compiled")
+    parser.add_argument("--no-hf-compile", action="store_true", help="leave out HF static cache + torch.compile")
+    args = parser.parse_args()
+
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    model, eos = loaded.model, loaded.model.generation_config.eos_token_id
+    texts = load_prompts(num_prompts=args.prompt_offset + args.num_prompts, seed=0)[args.prompt_offset:]
+    prompts = [encode_prompt(loaded.tokenizer, p) for p in texts]
+    n, device = args.max_new_tokens, model.device
+    print(f"model {loaded.name_or_path} on {device} ({loaded.dtype_name}), torch threads {torch.get_num_threads()}, "
+          f"{len(prompts)} prompts x {n} new tokens, median of {args.repeats} interleaved passes")
+
+    policy = DraftPolicy(max_draft_tokens=args.max_draft_tokens, adaptive=False)
+    decoders = {"HF eager greedy": hf_decoder(model, n, eos)}
+    if not args.no_hf_compile:
+        decoders["HF static cache + compile"] = hf_decoder(model, n, eos, cache_implementation="static")
+    compiled = {"skipsearch plain eager": (None, False), "skipsearch plain compiled": (None, True)}
+    for skip in parse_skip_sets(args.skip_sets, model.config.num_hidden_layers):
+        compiled[f"self-spec {skip} eager"] = (skip, False)
+        compiled[f"self-spec {skip} compiled"] = (skip, True)
+    compile_times = {}
+    for name, (skip, use_compile) in compiled.items():
+        decode = skipsearch_decoder(model, n, eos, skip, policy, compile=use_compile)
+        if use_compile:
+            # The compile run is timed here, outside the passes: a warm engine is what the passes measure.
+            start = time.perf_counter()
+            with torch._dynamo.config.patch(recompile_limit=64):
+                decode(prompts[0])
+            compile_times[name] = time.perf_counter() - start
+        decoders[name] = decode
+    for name in [k for k in decoders if k.startswith("HF static")]:
+        start = time.perf_counter()
+        decoders[name](prompts[0])
+        compile_times[name] = time.perf_counter() - start
+
+    results = timed_passes(decoders, prompts, args.repeats, device, show_progress=True)
+    hf_seconds, reference, _ = results["HF eager greedy"]
+    bandwidth = read_bandwidth(device)
+    weights = weight_bytes(model)
+    print(f"weights read per forward {weights / 1e9:.3f} GB; measured read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    header = f"{'method':48} {'tok/s':>7} {'speedup':>8} {'GB/s':>7} {'% bw':>5} {'identical':>9} {'compile s':>9}  gaps"
+    print(header)
+    for name, (seconds, outputs, stats) in results.items():
+        tokens = sum(map(len, outputs))
+        # Forwards per second: plain decoding reads the weights once per token; speculative rounds read them
+        # once per draft (less the skipped sublayers, ignored here) and once per verification.
+        forwards = stats.drafted + stats.rounds + len(prompts) if stats.rounds else tokens
+        achieved = weights * forwards / seconds
+        same = sum(o == r for o, r in zip(outputs, reference)) / len(reference)
+        gaps = [first_divergence(r, o, reference_logits(model, p, r)).top2_gap
+                for p, r, o in zip(prompts, reference, outputs) if o != r]
+        compile_s = compile_times.get(name)
+        print(f"{name:48} {tokens / seconds:7.1f} {hf_seconds / seconds:7.2f}x {achieved / 1e9:7.1f} "
+              f"{100 * achieved / bandwidth:4.0f}% {same:9.2f} {'-' if compile_s is None else f'{compile_s:.1f}':>9}  "
+              f"{', '.join(f'{g:.3f}' for g in gaps) or '-'}")
+
+
+if __name__ == "__main__":
+    main()
