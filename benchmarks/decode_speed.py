@@ -19,7 +19,8 @@ import json
 import torch
 
 from skipsearch import load_model
-from skipsearch.bench import hf_decoder, skipsearch_decoder, timed_passes
+from skipsearch.bench import hf_decoder, skipsearch_decoder, timed_runs
+from skipsearch.measure import ratio_interval
 from skipsearch.costs import contexts_for, profile_costs
 from skipsearch.data import load_prompts
 from skipsearch.decoding import DraftPolicy
@@ -56,7 +57,7 @@ def main() -> None:
     prompts = [encode_prompt(loaded.tokenizer, p) for p in load_prompts(num_prompts=args.num_prompts, seed=0)]
     n = args.max_new_tokens
     print(f"model {loaded.name_or_path} on {loaded.device} ({loaded.dtype_name}), torch threads "
-          f"{torch.get_num_threads()}, {len(prompts)} prompts x {n} new tokens, median of {args.repeats} passes")
+          f"{torch.get_num_threads()}, {len(prompts)} prompts x {n} new tokens, {args.repeats} repeats, paired runs")
     profile = profile_costs(model, contexts=contexts_for(model, prompts, n))
 
     skip_sets = parse_skip_sets(args.skip_sets, model.config.num_hidden_layers)
@@ -71,23 +72,22 @@ def main() -> None:
             # Draft forwards are timed inside the same passes (their syncs cost nothing on a CPU).
             decoders[name] = skipsearch_decoder(model, n, eos, skip, policy, time_drafts=True)
             runs[name] = (skip, policy)
-    results = timed_passes(decoders, prompts, args.repeats, model.device, show_progress=True)
-    hf_seconds, hf_outputs, _ = results["HF generate greedy"]
-    plain_seconds, _, plain_stats = results["skipsearch plain loop"]
-    plain_decode = plain_seconds - plain_stats.prefill_time_s
+    results = timed_runs(decoders, prompts, args.repeats, model.device, show_progress=True)
+    hf, plain = results["HF generate greedy"], results["skipsearch plain loop"]
     # Plain decoding spends one forward per token after the first, which comes from the prefill.
-    plain_forward = plain_decode / (plain_stats.new_tokens - len(prompts))
+    plain_forward = (sum(plain.seconds) - sum(plain.prefill_seconds)) / (sum(plain.tokens) - len(plain.tokens))
     rows = []
-    for name, (seconds, outputs, stats) in results.items():
-        row = {"method": name, "tok/s": sum(map(len, outputs)) / seconds, "speedup": hf_seconds / seconds,
-               "identical": outputs == hf_outputs}
+    for name, run in results.items():
+        stats = run.stats
+        row = {"method": name, "tok/s": sum(run.tokens) / sum(run.seconds),
+               "speedup": ratio_interval(run.ratios_over(hf)).estimate, "identical": run.outputs == hf.outputs}
         if name in runs:
             skip, policy = runs[name]
             row.update({
                 "acceptance": stats.acceptance_rate, "mean accepted": stats.mean_accepted_tokens,
                 "draft cost": stats.draft_time_s / stats.drafted / plain_forward if stats.drafted else None,
                 "draft cost (profile)": profile.draft_s(skip) / profile.forward_s,
-                "decode vs plain": plain_decode / (seconds - stats.prefill_time_s),
+                "decode vs plain": ratio_interval(run.ratios_over(plain, decode_only=True)).estimate,
                 "predicted": profile.predict_speedup(skip, stats, adaptive=policy.adaptive),
             })
         rows.append(row)

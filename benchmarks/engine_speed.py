@@ -19,9 +19,10 @@ import time
 import torch
 
 from skipsearch import load_model
-from skipsearch.bench import hf_decoder, skipsearch_decoder, timed_passes
+from skipsearch.bench import hf_decoder, skipsearch_decoder, timed_runs
 from skipsearch.data import load_prompts
 from skipsearch.decoding import DraftPolicy, first_divergence, reference_logits, synchronize
+from skipsearch.measure import ratio_interval
 from skipsearch.models import encode_prompt
 
 from decode_speed import parse_skip_sets
@@ -69,7 +70,8 @@ def main() -> None:
     prompts = [encode_prompt(loaded.tokenizer, p) for p in texts]
     n, device = args.max_new_tokens, model.device
     print(f"model {loaded.name_or_path} on {device} ({loaded.dtype_name}), torch threads {torch.get_num_threads()}, "
-          f"{len(prompts)} prompts x {n} new tokens, median of {args.repeats} interleaved passes")
+          f"{len(prompts)} prompts x {n} new tokens, {args.repeats} repeats; every prompt decoded by every method back to "
+          f"back in rotating order, speedups are geometric means of the paired per-run ratios (95% interval)")
 
     policy = DraftPolicy(max_draft_tokens=args.max_draft_tokens, adaptive=False)
     decoders = {"HF eager greedy": hf_decoder(model, n, eos)}
@@ -94,24 +96,30 @@ def main() -> None:
         decoders[name](prompts[0])
         compile_times[name] = time.perf_counter() - start
 
-    results = timed_passes(decoders, prompts, args.repeats, device, show_progress=True)
-    hf_seconds, reference, _ = results["HF eager greedy"]
+    runs = timed_runs(decoders, prompts, args.repeats, device, show_progress=True)
+    hf = runs["HF eager greedy"]
+    fastest_hf = runs.get("HF static cache + compile")
     bandwidth = read_bandwidth(device)
     weights = weight_bytes(model)
     print(f"weights read per forward {weights / 1e9:.3f} GB; measured read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    header = f"{'method':48} {'tok/s':>7} {'speedup':>8} {'GB/s':>7} {'% bw':>5} {'identical':>9} {'compile s':>9}  gaps"
+    header = (f"{'method':48} {'tok/s':>7} {'vs HF eager (95% interval)':>28} {'vs HF static+compile':>24} "
+              f"{'GB/s':>7} {'% bw':>5} {'identical':>9} {'compile s':>9}  gaps")
     print(header)
-    for name, (seconds, outputs, stats) in results.items():
-        tokens = sum(map(len, outputs))
+    for name, run in runs.items():
+        seconds, tokens, stats = sum(run.seconds), sum(run.tokens), run.stats
         # Forwards per second: plain decoding reads the weights once per token; speculative rounds read them
-        # once per draft (less the skipped sublayers, ignored here) and once per verification.
-        forwards = stats.drafted + stats.rounds + len(prompts) if stats.rounds else tokens
-        achieved = weights * forwards / seconds
-        same = sum(o == r for o, r in zip(outputs, reference)) / len(reference)
+        # once per draft (less the skipped sublayers, ignored here) and once per verification. Stats cover the
+        # first repeat, so the rate is scaled by the repeats.
+        forwards = (stats.drafted + stats.rounds + len(prompts) if stats.rounds else sum(map(len, run.outputs)))
+        achieved = weights * forwards * args.repeats / seconds
+        same = sum(o == r for o, r in zip(run.outputs, hf.outputs)) / len(hf.outputs)
         gaps = [first_divergence(r, o, reference_logits(model, p, r)).top2_gap
-                for p, r, o in zip(prompts, reference, outputs) if o != r]
+                for p, r, o in zip(prompts, hf.outputs, run.outputs) if o != r]
         compile_s = compile_times.get(name)
-        print(f"{name:48} {tokens / seconds:7.1f} {hf_seconds / seconds:7.2f}x {achieved / 1e9:7.1f} "
+        over_hf = ratio_interval(run.ratios_over(hf))
+        over_fast = ratio_interval(run.ratios_over(fastest_hf)) if fastest_hf is not None else None
+        span = lambda i: "-" if i is None else f"{i.estimate:.2f}x ({i.low:.2f}-{i.high:.2f})"  # noqa: E731
+        print(f"{name:48} {tokens / seconds:7.1f} {span(over_hf):>28} {span(over_fast):>24} {achieved / 1e9:7.1f} "
               f"{100 * achieved / bandwidth:4.0f}% {same:9.2f} {'-' if compile_s is None else f'{compile_s:.1f}':>9}  "
               f"{', '.join(f'{g:.3f}' for g in gaps) or '-'}")
 

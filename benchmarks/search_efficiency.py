@@ -27,7 +27,7 @@ from skipsearch.config import ModelInfo
 from skipsearch.data import load_prompts
 from skipsearch.decoding import DraftPolicy
 from skipsearch.models import encode_prompt
-from skipsearch.search import SearchSpace, StudySettings, run_study
+from skipsearch.search import SearchSpace, StudySettings, distinct_trials, run_study
 
 STRATEGIES = {
     "default": dict(sampler="tpe", skip_prior=0.15, min_match=0.5, warm_starts=True, pruning=True),
@@ -74,16 +74,18 @@ def main() -> None:
             study = run_study(model, ModelInfo.of(model, loaded.name_or_path), loaded.dtype_name, prompts, settings,
                               space, DraftPolicy(), model.generation_config.eos_token_id)
             seconds = time.perf_counter() - start
-            trials = [t for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
-            skipping = [t for t in trials if t.state == TrialState.COMPLETE and t.user_attrs.get("skipped", 0) > 0]
+            trials = distinct_trials(study)  # repeated proposals are answered without decoding: not counted
+            skipping = [t for t in trials if t.user_attrs.get("speedup") is not None and t.user_attrs.get("skipped", 0)]
             fastest = max(skipping, key=lambda t: t.user_attrs["speedup"], default=None)
             results[name] = {
                 "best_score": best_so_far(trials, counts, skipping_only=False),
                 "best_skipping_score": best_so_far(trials, counts, skipping_only=True),
                 "best_skipping_speedup": fastest.user_attrs["speedup"] if fastest else None,
                 "best_skipping_set": [fastest.user_attrs["skip_attn"], fastest.user_attrs["skip_mlp"]] if fastest else None,
-                "completed": sum(t.state == TrialState.COMPLETE for t in trials),
-                "pruned": sum(t.state == TrialState.PRUNED for t in trials),
+                "decoded to the end": sum("stopped_early" not in t.user_attrs and "screened_out" not in t.user_attrs
+                                          for t in trials),
+                "stopped early or screened out": sum("stopped_early" in t.user_attrs or "screened_out" in t.user_attrs
+                                                     for t in trials),
                 "mean_skipped": sum(t.user_attrs.get("skipped", 0) for t in trials) / len(trials),
                 "wall_s": seconds,
             }
@@ -94,7 +96,8 @@ def main() -> None:
     for name, r in results.items():
         both = " ".join(f"{_f(a)}|{_f(b)}" for a, b in zip(r["best_score"], r["best_skipping_score"]))
         print(f"{name:10s} {both}  best skipping speedup {_f(r['best_skipping_speedup'])}  "
-              f"completed {r['completed']} pruned {r['pruned']}  mean skipped {r['mean_skipped']:.1f}  "
+              f"decoded to the end {r['decoded to the end']}, stopped early or screened out "
+              f"{r['stopped early or screened out']}  mean skipped {r['mean_skipped']:.1f}  "
               f"wall {r['wall_s']:.0f} s")
     if args.json:
         with open(args.json, "w") as handle:

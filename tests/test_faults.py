@@ -13,6 +13,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from skipsearch.cli import main
+from skipsearch.search import distinct_trials
 from skipsearch.storage import dead_worker, make_storage, recover_dead_workers_trials
 from test_workers import finish, worker
 
@@ -21,7 +22,8 @@ SMALL = ["--num-prompts", "2", "--max-new-tokens", "16", "--min-match", "0", "--
 
 
 def finished(study):
-    return [t for t in study.get_trials() if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    """Distinct skip sets evaluated (what --n-trials counts; repeated proposals are not decoded)."""
+    return distinct_trials(study)
 
 
 def wait_for(condition, timeout=120):
