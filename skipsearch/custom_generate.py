@@ -128,14 +128,15 @@ def _stopping(criteria: StoppingCriteriaList) -> Callable[[torch.Tensor, int], i
 
 def _check_supported(model: torch.nn.Module, input_ids: torch.Tensor, generation_config: GenerationConfig,
                      synced_gpus: bool, model_kwargs: dict[str, Any]) -> None:
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"self_speculative decodes one sequence at a time: got a batch of {input_ids.shape[0]}")
-    if model.config.is_encoder_decoder:
-        raise ValueError("self_speculative supports decoder-only models")
+    # Options first: generate has already expanded the batch for beams and return sequences.
     for name, off in _UNSUPPORTED.items():
         value = getattr(generation_config, name, off[0])
         if value not in off:
             raise ValueError(f"self_speculative does not support {name}={value!r}")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"self_speculative decodes one sequence at a time: got a batch of {input_ids.shape[0]}")
+    if model.config.is_encoder_decoder:
+        raise ValueError("self_speculative supports decoder-only models")
     if synced_gpus:
         raise ValueError("self_speculative does not support synced_gpus")
     mask = model_kwargs.get("attention_mask")
