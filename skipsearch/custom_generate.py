@@ -118,10 +118,9 @@ def _processing(processors: LogitsProcessorList) -> Callable[[torch.Tensor, torc
 def _stopping(criteria: StoppingCriteriaList) -> Callable[[torch.Tensor, int], int | None]:
     def stop(ids: torch.Tensor, new: int) -> int | None:
         first = ids.shape[1] - new + 1
-        for i in range(new):
-            if bool(criteria(ids[:, : first + i], None).any()):
-                return i + 1
-        return None
+        # Every new token's prefix is checked on the device, then one host transfer for the round.
+        fired = torch.cat([criteria(ids[:, : first + i], None) for i in range(new)]).tolist()
+        return fired.index(True) + 1 if True in fired else None
 
     return stop
 
