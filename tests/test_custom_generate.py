@@ -33,16 +33,17 @@ class Recorder(BaseStreamer):
     (SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4, adaptive=False)),
     (SkipSet.of([0, 3], [1], NUM_LAYERS), DraftPolicy(max_draft_tokens=6, confidence_threshold=0.3)),
 ])
-@pytest.mark.parametrize("options", [{}, {"repetition_penalty": 1.8}, {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2}])
+@pytest.mark.parametrize("options", [{}, {"repetition_penalty": 1.8}, {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2},
+                                     {"bad_words_ids": [[23], [52]], "min_new_tokens": 30, "eos_token_id": 18}])
 def test_greedy_equals_plain_generate(arch, skip, policy, options):
     model = MODELS[arch]
-    plain = model.generate(PROMPT, max_new_tokens=40, do_sample=False, eos_token_id=None, **options)
+    processed, options = bool(options), {"eos_token_id": None, "pad_token_id": 0, **options}
+    plain = model.generate(PROMPT, max_new_tokens=40, do_sample=False, **options)
     speculative = self_speculative(skip, policy)
-    out = model.generate(PROMPT, max_new_tokens=40, do_sample=False, eos_token_id=None, custom_generate=speculative,
-                         **options)
+    out = model.generate(PROMPT, max_new_tokens=40, do_sample=False, custom_generate=speculative, **options)
     assert out.tolist() == plain.tolist()
     assert speculative.stats.drafted > 0
-    if options:  # with processors, drafts were both accepted and rejected: rows were processed past a roll-back
+    if processed:  # with processors, drafts were both accepted and rejected: rows were processed past a roll-back
         assert speculative.stats.drafted > speculative.stats.accepted > 0
 
 
@@ -50,7 +51,8 @@ def test_history_dependent_processors_change_the_output():
     """Guards the test above: repetition penalty and n-gram blocking are not no-ops on these prompts."""
     model = MODELS["llama"]
     plain = model.generate(PROMPT, max_new_tokens=40, do_sample=False, eos_token_id=None)
-    for options in [{"repetition_penalty": 1.8}, {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2}]:
+    for options in [{"repetition_penalty": 1.8}, {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2},
+                    {"bad_words_ids": [[23], [52]]}]:
         assert model.generate(PROMPT, max_new_tokens=40, do_sample=False, eos_token_id=None, **options).tolist() \
             != plain.tolist()
 
