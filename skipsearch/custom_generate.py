@@ -37,7 +37,8 @@ _UNSUPPORTED = {
     "token_healing": (False, None), "max_time": (None,),
 }
 # Model inputs that generate prepares for every decoder-only call and that this loop replaces with its own.
-_PREPARED_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache", "cache_position"}
+_PREPARED_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache",
+                    "cache_position"}
 _GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 
 
@@ -61,8 +62,9 @@ class SelfSpeculative:
         if stop_strings is not None:
             if self.tokenizer is None:
                 raise ValueError("stop_strings need the tokenizer: pass it as self_speculative(config, tokenizer=...) "
-                                 "(transformers does not hand a custom_generate callable the tokenizer given to generate)")
-            stopping_criteria = StoppingCriteriaList([*stopping_criteria, StopStringCriteria(self.tokenizer, stop_strings)])
+                                 "(transformers does not hand a custom_generate callable the one given to generate)")
+            stop = StopStringCriteria(self.tokenizer, stop_strings)
+            stopping_criteria = StoppingCriteriaList([*stopping_criteria, stop])
         streamer = streamer if streamer is not None else _streamer_given_to_generate()
         prompt_length = input_ids.shape[1]
         try:
@@ -100,7 +102,8 @@ def self_speculative(
         return SelfSpeculative(config.skip, policy or config.draft, config, tokenizer)
     if isinstance(config, SkipSet):
         return SelfSpeculative(config, policy or DraftPolicy(), None, tokenizer)
-    raise TypeError(f"self_speculative needs a SkipConfig, a skip-config path or a SkipSet, got {type(config).__name__}")
+    raise TypeError(f"self_speculative needs a SkipConfig, a skip-config path or a SkipSet, "
+                    f"got {type(config).__name__}")
 
 
 def _processing(processors: LogitsProcessorList) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

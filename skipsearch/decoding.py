@@ -289,8 +289,8 @@ def generate(
     compiled_before = engine.compile_time_s()
     with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
         output = _decode(model, cache, drafter, verifier, prompt, max_draft, max_new_tokens, policy, sampling,
-                         _eos_set(eos_token_id), generator, time_drafts, verify_width=max_draft + 1 if compile else None,
-                         hooks=hooks)
+                         _eos_set(eos_token_id), generator, time_drafts,
+                         verify_width=max_draft + 1 if compile else None, hooks=hooks)
     output.stats.compile_time_s = engine.compile_time_s() - compiled_before
     return output
 

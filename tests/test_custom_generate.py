@@ -33,7 +33,8 @@ class Recorder(BaseStreamer):
     (SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4, adaptive=False)),
     (SkipSet.of([0, 3], [1], NUM_LAYERS), DraftPolicy(max_draft_tokens=6, confidence_threshold=0.3)),
 ])
-@pytest.mark.parametrize("options", [{}, {"repetition_penalty": 1.8}, {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2},
+@pytest.mark.parametrize("options", [{}, {"repetition_penalty": 1.8},
+                                     {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2},
                                      {"bad_words_ids": [[23], [52]], "min_new_tokens": 30, "eos_token_id": 18}])
 def test_greedy_equals_plain_generate(arch, skip, policy, options):
     model = MODELS[arch]
