@@ -148,7 +148,7 @@ class GenerationOutput:
 
 @dataclass(frozen=True)
 class DecodeHooks:
-    """Generation controls from outside the loop (transformers' processors, criteria and streamers: `hf_generate`).
+    """Generation controls from outside the loop (transformers' processors, criteria, streamers: `self_speculative`).
 
     `process(ids, logits)`: scores for the rows of `logits` (rows, vocab), where row i predicts
     the token at position `n - rows + 1 + i` of `ids` (1, n) and is processed with the ids before
@@ -321,7 +321,7 @@ def _decode(
     tokens: list[int] = last.tolist()  # a host sync: the prefill time below is exact on CUDA too
     stats.prefill_time_s = time.perf_counter() - start_time
     cached = prompt.shape[1]  # positions in the cache; `last` sits at position `cached`
-    stopped = False
+    stopped, history = False, None
     if hooks is not None:
         history = torch.cat([prompt[0], last.view(-1)])  # the committed ids, on the device
         stopped = hooks.stop(history.view(1, -1), 1) is not None
@@ -334,7 +334,7 @@ def _decode(
             synchronize(device)
             draft_start = time.perf_counter()
         draft = draft_round(drafter, cache, last, cached, budget, policy, threshold, sampling, generator,
-                            hooks, history if hooks is not None else None) if budget else Draft(last.view(1, 1), 0)
+                            hooks, history) if budget else Draft(last.view(1, 1), 0)
         if time_drafts and budget:
             synchronize(device)
             stats.draft_time_s += time.perf_counter() - draft_start
