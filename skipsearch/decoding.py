@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -146,6 +146,25 @@ class GenerationOutput:
     final_threshold: float | None = None
 
 
+@dataclass(frozen=True)
+class DecodeHooks:
+    """Generation controls from outside the loop (transformers' processors, criteria, streamers: `self_speculative`).
+
+    `process(ids, logits)`: scores for the rows of `logits` (rows, vocab), where row i predicts
+    the token at position `n - rows + 1 + i` of `ids` (1, n) and is processed with the ids before
+    it as its prefix. When given, the scores replace the logits everywhere (prefill, drafts,
+    verification) and `Sampling` should add no warpers of its own.
+    `stop(ids, m)`: after the last `m` of `ids` (1, n) were committed, how many of them to keep
+    because a stopping criterion fired on the last kept one, or None when none fired.
+    `commit(tokens)`: called with the tokens committed by each round, after `stop` cut them.
+    Without hooks the loop does no per-token Python work for them.
+    """
+
+    process: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    stop: Callable[[torch.Tensor, int], int | None]
+    commit: Callable[[list[int]], None] | None = None
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -171,16 +190,20 @@ class Draft:
 def draft_round(
     step: Step, cache: SpeculativeCache, last: torch.Tensor, start: int, budget: int, policy: DraftPolicy,
     threshold: float, sampling: Sampling, generator: torch.Generator | None,
+    hooks: DecodeHooks | None = None, history: torch.Tensor | None = None,
 ) -> Draft:
     """Draft up to `budget` tokens after `last` (at position `start`) with the draft step.
 
     Fixed-length drafting stays on the device; adaptive drafting reads each draft's confidence
-    (one host sync per drafted token) to stop after an unsure one.
+    (one host sync per drafted token) to stop after an unsure one. With `hooks`, each draft's
+    logits are processed with `history` (the committed ids, `last` included) and the drafts so far.
     """
     tokens, probs = [last], []
     for j in range(budget):
         cache.seek(start + j)
         logits = step(tokens[-1].view(1, 1))
+        if hooks is not None:
+            logits = hooks.process(torch.cat([history, *tokens[1:]]).view(1, -1), logits)
         if sampling.do_sample:
             probs.append(sampling.probabilities(logits)[0])
             tokens.append(torch.multinomial(probs[-1], 1, generator=generator))
@@ -239,6 +262,7 @@ def generate(
     compile: bool = False,
     compile_backend: str = "inductor",
     compile_mode: str | None = None,
+    hooks: DecodeHooks | None = None,
 ) -> GenerationOutput:
     """Decode `max_new_tokens` (or up to EOS) for one prompt with self-speculative decoding.
 
@@ -247,6 +271,7 @@ def generate(
     `compile` runs the draft and verify forwards through `torch.compile` (`compile_backend`,
     `compile_mode`; CUDA graphs by default on CUDA); compiled steps are kept on the model and
     reused by later calls with the same skip set. The prefill always runs eagerly.
+    `hooks` put logits processing, stopping and streaming in the caller's hands (`DecodeHooks`).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -264,7 +289,8 @@ def generate(
     compiled_before = engine.compile_time_s()
     with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
         output = _decode(model, cache, drafter, verifier, prompt, max_draft, max_new_tokens, policy, sampling,
-                         _eos_set(eos_token_id), generator, time_drafts, verify_width=max_draft + 1 if compile else None)
+                         _eos_set(eos_token_id), generator, time_drafts,
+                         verify_width=max_draft + 1 if compile else None, hooks=hooks)
     output.stats.compile_time_s = engine.compile_time_s() - compiled_before
     return output
 
@@ -272,7 +298,7 @@ def generate(
 def _decode(
     model: torch.nn.Module, cache: SpeculativeCache, drafter: Step | None, verifier: Step, prompt: torch.Tensor,
     max_draft: int, max_new_tokens: int, policy: DraftPolicy, sampling: Sampling, eos: frozenset[int],
-    generator: torch.Generator | None, time_drafts: bool, verify_width: int | None,
+    generator: torch.Generator | None, time_drafts: bool, verify_width: int | None, hooks: DecodeHooks | None = None,
 ) -> GenerationOutput:
     """The loop: prefill, then rounds of draft, verify, commit. The cache holds every committed token but `last`.
 
@@ -288,25 +314,35 @@ def _decode(
     start_time = time.perf_counter()
     cache.seek(0)
     logits = _forward(model, cache, prompt, 1)
+    if hooks is not None:
+        logits = hooks.process(prompt, logits)
     last = torch.multinomial(sampling.probabilities(logits)[0], 1, generator=generator) if sampling.do_sample \
         else logits.argmax(-1)
     tokens: list[int] = last.tolist()  # a host sync: the prefill time below is exact on CUDA too
     stats.prefill_time_s = time.perf_counter() - start_time
     cached = prompt.shape[1]  # positions in the cache; `last` sits at position `cached`
+    stopped, history = False, None
+    if hooks is not None:
+        history = torch.cat([prompt[0], last.view(-1)])  # the committed ids, on the device
+        stopped = hooks.stop(history.view(1, -1), 1) is not None
+        if hooks.commit is not None:
+            hooks.commit(tokens)
 
-    while len(tokens) < max_new_tokens and tokens[-1] not in eos:
+    while len(tokens) < max_new_tokens and tokens[-1] not in eos and not stopped:
         budget = min(max_draft, max_new_tokens - len(tokens) - 1)
         if time_drafts and budget:
             synchronize(device)
             draft_start = time.perf_counter()
-        draft = draft_round(drafter, cache, last, cached, budget, policy, threshold, sampling, generator) if budget \
-            else Draft(last.view(1, 1), 0)
+        draft = draft_round(drafter, cache, last, cached, budget, policy, threshold, sampling, generator,
+                            hooks, history) if budget else Draft(last.view(1, 1), 0)
         if time_drafts and budget:
             synchronize(device)
             stats.draft_time_s += time.perf_counter() - draft_start
 
         cache.seek(cached)  # verify overwrites whatever the draft wrote from here on
         logits = verifier(_pad(draft.ids, verify_width) if verify_width else draft.ids)
+        if hooks is not None:
+            logits = hooks.process(torch.cat([history, draft.ids[0, 1:]]).view(1, -1), logits[: draft.count + 1])
         if sampling.do_sample:
             accepted, new_tokens, last = verify_sampling(logits, draft, sampling, generator)
         else:
@@ -327,6 +363,14 @@ def _decode(
             if t in eos:
                 new_tokens = new_tokens[: i + 1]
                 break
+        if hooks is not None:
+            committed = prompt.shape[1] + len(tokens) + len(new_tokens)  # the cuts above shorten the round
+            history = torch.cat([history, draft.ids[0, 1 : 1 + accepted], last.view(-1)])[:committed]
+            keep = hooks.stop(history.view(1, -1), len(new_tokens))
+            if keep is not None:
+                stopped, new_tokens = True, new_tokens[:keep]
+            if hooks.commit is not None:
+                hooks.commit(new_tokens)
         tokens.extend(new_tokens)
         cached += accepted + 1
 

@@ -17,3 +17,16 @@ def test_readme_inference_example_runs(tmp_path, monkeypatch, default_model, cap
     exec(compile(example, "README.md", "exec"), {})
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) >= 2 and "tok/s, acceptance" in out[-1] and out[0]
+
+
+def test_readme_custom_generate_example_runs(tmp_path, monkeypatch, default_model, capsys):
+    readme = Path(__file__).parent.parent / "README.md"
+    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
+    example = next(b for b in blocks if "custom_generate=" in b)
+    config = SkipConfig(model=ModelInfo.of(default_model.model, "smollm2-135m-instruct"), skip=SkipSet.of([20], [], 30))
+    save_skip_config(config, tmp_path / "studies" / "default" / "best.json")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example, "README.md", "exec"), {})
+    out = capsys.readouterr().out.strip()
+    assert "tokens, acceptance rate 0." in out.splitlines()[-1] or "acceptance rate 1.0" in out.splitlines()[-1]
+    assert len(out.splitlines()[0]) > 10  # the streamer printed the text

@@ -1,0 +1,163 @@
+"""Self-speculative decoding inside transformers' own `model.generate(..., custom_generate=...)`.
+
+transformers prepares the inputs, logits processors and stopping criteria and calls the callable
+as its decoding method; the callable runs `decoding.generate` with `DecodeHooks` made from them:
+- each row of every forward (prefill, draft, verify) is processed with that position's own prefix,
+  so history-dependent processors (repetition penalty, no-repeat n-grams, min length) see exactly
+  what plain decoding shows them;
+- the criteria are checked on each newly committed token's prefix, and the round is cut at the
+  first one that fires;
+- the streamer gets each round's committed tokens, then `end()`.
+Greedy output equals `model.generate` without it; sampling is speculative rejection sampling on
+the processed distributions of draft and full model, so it keeps the full model's distribution.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .config import SkipConfig, load_skip_config
+from .decoding import DecodeHooks, DecodeStats, DraftPolicy, Sampling, generate
+from .skipping import SkipSet
+
+# Generation options this loop does not implement, with the values that mean "off".
+_UNSUPPORTED = {
+    "num_beams": (1,), "num_return_sequences": (1,), "guidance_scale": (None, 1), "watermarking_config": (None,),
+    "output_scores": (False, None), "output_logits": (False, None), "output_attentions": (False, None),
+    "output_hidden_states": (False, None), "prompt_lookup_num_tokens": (None,), "assistant_early_exit": (None,),
+    "token_healing": (False, None), "max_time": (None,),
+}
+# Model inputs that generate prepares for every decoder-only call and that this loop replaces with its own.
+_PREPARED_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache",
+                    "cache_position"}
+_GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
+
+
+class SelfSpeculative:
+    """A `custom_generate` callable for transformers' `generate`; `stats` sums the decode statistics of its calls."""
+
+    def __init__(self, skip: SkipSet, policy: DraftPolicy, config: SkipConfig | None = None, tokenizer: Any = None):
+        self.skip, self.policy, self.config, self.tokenizer = skip, policy, config, tokenizer
+        self.stats = DecodeStats()
+
+    # The parameters mirror transformers' `_sample`, which `generate` calls with them; `stop_strings` is extra on
+    # purpose: generate hands an extra parameter to the callable instead of building criteria that need a tokenizer.
+    def __call__(
+        self, model: torch.nn.Module, input_ids: torch.LongTensor, logits_processor: LogitsProcessorList,
+        stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig, synced_gpus: bool = False,
+        streamer: Any = None, stop_strings: str | list[str] | None = None, **model_kwargs: Any,
+    ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
+        _check_supported(model, input_ids, generation_config, synced_gpus, model_kwargs)
+        if self.config is not None:
+            self.config.check_model(model)
+        if stop_strings is not None:
+            if self.tokenizer is None:
+                raise ValueError("stop_strings need the tokenizer: pass it as self_speculative(config, tokenizer=...) "
+                                 "(transformers does not hand a custom_generate callable the one given to generate)")
+            stop = StopStringCriteria(self.tokenizer, stop_strings)
+            stopping_criteria = StoppingCriteriaList([*stopping_criteria, stop])
+        streamer = streamer if streamer is not None else _streamer_given_to_generate()
+        prompt_length = input_ids.shape[1]
+        try:
+            output = generate(
+                model, input_ids, skip=self.skip, policy=self.policy,
+                max_new_tokens=max(1, generation_config.max_length - prompt_length),
+                # The prepared processors already hold temperature, top-k and top-p: no warpers of our own.
+                sampling=Sampling(do_sample=bool(generation_config.do_sample)), eos_token_id=None,
+                hooks=DecodeHooks(process=_processing(logits_processor), stop=_stopping(stopping_criteria),
+                                  commit=(lambda tokens: streamer.put(torch.tensor(tokens))) if streamer else None),
+            )
+        finally:
+            if streamer is not None:
+                streamer.end()  # also on errors: a consumer thread of TextIteratorStreamer would wait forever
+        self.stats.add(output.stats)
+        sequences = torch.cat([input_ids, torch.tensor([output.tokens], dtype=input_ids.dtype,
+                                                       device=input_ids.device)], dim=1)
+        if generation_config.return_dict_in_generate:
+            return GenerateDecoderOnlyOutput(sequences=sequences)
+        return sequences
+
+
+def self_speculative(
+    config: SkipConfig | SkipSet | str | Path, policy: DraftPolicy | None = None, *, tokenizer: Any = None,
+) -> SelfSpeculative:
+    """A `custom_generate` callable: `model.generate(**inputs, custom_generate=self_speculative(config))`.
+
+    `config` is a skip config (or the path of its JSON, as `export` writes it), or a `SkipSet`
+    with `policy` (default `DraftPolicy()`). A skip config's own draft policy is used unless
+    `policy` is given. `tokenizer` is needed only for `stop_strings`.
+    """
+    if isinstance(config, (str, Path)):
+        config = load_skip_config(config)
+    if isinstance(config, SkipConfig):
+        return SelfSpeculative(config.skip, policy or config.draft, config, tokenizer)
+    if isinstance(config, SkipSet):
+        return SelfSpeculative(config, policy or DraftPolicy(), None, tokenizer)
+    raise TypeError(f"self_speculative needs a SkipConfig, a skip-config path or a SkipSet, "
+                    f"got {type(config).__name__}")
+
+
+def _processing(processors: LogitsProcessorList) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def process(ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        # As transformers' own loop: processors see float32 logits.
+        logits = logits.float()
+        if not processors:
+            return logits
+        first = ids.shape[1] - logits.shape[0] + 1
+        return torch.cat([processors(ids[:, : first + i], logits[i : i + 1]) for i in range(logits.shape[0])])
+
+    return process
+
+
+def _stopping(criteria: StoppingCriteriaList) -> Callable[[torch.Tensor, int], int | None]:
+    def stop(ids: torch.Tensor, new: int) -> int | None:
+        first = ids.shape[1] - new + 1
+        # Every new token's prefix is checked on the device, then one host transfer for the round.
+        fired = torch.cat([criteria(ids[:, : first + i], None) for i in range(new)]).tolist()
+        return fired.index(True) + 1 if True in fired else None
+
+    return stop
+
+
+def _check_supported(model: torch.nn.Module, input_ids: torch.Tensor, generation_config: GenerationConfig,
+                     synced_gpus: bool, model_kwargs: dict[str, Any]) -> None:
+    # Options first: generate has already expanded the batch for beams and return sequences.
+    for name, off in _UNSUPPORTED.items():
+        value = getattr(generation_config, name, off[0])
+        if value not in off:
+            raise ValueError(f"self_speculative does not support {name}={value!r}")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"self_speculative decodes one sequence at a time: got a batch of {input_ids.shape[0]}")
+    if model.config.is_encoder_decoder:
+        raise ValueError("self_speculative supports decoder-only models")
+    if synced_gpus:
+        raise ValueError("self_speculative does not support synced_gpus")
+    mask = model_kwargs.get("attention_mask")
+    if mask is not None and not bool(mask.all()):
+        raise ValueError("self_speculative does not support padding: the attention mask must be all ones")
+    cache = model_kwargs.get("past_key_values")
+    if cache is not None and cache.get_seq_length() > 0:
+        raise ValueError("self_speculative starts from an empty cache: do not pass a filled past_key_values")
+    extra = sorted(set(model_kwargs) - _PREPARED_INPUTS)
+    if extra:
+        raise ValueError(f"self_speculative does not support these model inputs: {extra}")
+
+
+def _streamer_given_to_generate() -> Any:
+    """The streamer given to `generate`, read from its frame.
+
+    transformers (5.x) passes a callable `custom_generate` only the parameters that its own
+    `_sample` lacks, so the streamer never arrives as an argument (generate still puts the prompt
+    into it); without this, the new tokens would never be streamed and `end()` never called.
+    """
+    caller = sys._getframe(2)  # the caller of SelfSpeculative.__call__
+    return caller.f_locals.get("streamer") if caller.f_code is _GENERATE_CODE else None

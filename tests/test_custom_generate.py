@@ -1,0 +1,165 @@
+"""`self_speculative` through transformers' own `model.generate(..., custom_generate=...)`."""
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, TextIteratorStreamer
+from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper)
+from transformers.generation.streamers import BaseStreamer
+
+from conftest import tiny_model
+from skipsearch import DraftPolicy, SkipSet, self_speculative
+from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
+from skipsearch.skipping import draft_mode
+
+NUM_LAYERS = 4
+MODELS = {arch: tiny_model(arch, seed=10 + i, dtype=torch.float64) for i, arch in enumerate(["llama", "qwen2"])}
+PROMPT = torch.tensor([[5, 9, 14, 3]])
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.puts, self.ends = [], 0
+
+    def put(self, value):
+        self.puts.append(value.view(-1).tolist())
+
+    def end(self):
+        self.ends += 1
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("skip, policy", [
+    (SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4, adaptive=False)),
+    (SkipSet.of([0, 3], [1], NUM_LAYERS), DraftPolicy(max_draft_tokens=6, confidence_threshold=0.3)),
+])
+@pytest.mark.parametrize("options", [{}, {"repetition_penalty": 1.8},
+                                     {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2},
+                                     {"bad_words_ids": [[23], [52]], "min_new_tokens": 30, "eos_token_id": 18}])
+def test_greedy_equals_plain_generate(arch, skip, policy, options):
+    model = MODELS[arch]
+    processed, options = bool(options), {"eos_token_id": None, "pad_token_id": 0, **options}
+    plain = model.generate(PROMPT, max_new_tokens=40, do_sample=False, **options)
+    speculative = self_speculative(skip, policy)
+    out = model.generate(PROMPT, max_new_tokens=40, do_sample=False, custom_generate=speculative, **options)
+    assert out.tolist() == plain.tolist()
+    assert speculative.stats.drafted > 0
+    if processed:  # with processors, drafts were both accepted and rejected: rows were processed past a roll-back
+        assert speculative.stats.drafted > speculative.stats.accepted > 0
+
+
+def test_history_dependent_processors_change_the_output():
+    """Guards the test above: repetition penalty and n-gram blocking are not no-ops on these prompts."""
+    model = MODELS["llama"]
+    plain = model.generate(PROMPT, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    for options in [{"repetition_penalty": 1.8}, {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2},
+                    {"bad_words_ids": [[23], [52]]}]:
+        assert model.generate(PROMPT, max_new_tokens=40, do_sample=False, eos_token_id=None, **options).tolist() \
+            != plain.tolist()
+
+
+def test_max_new_tokens_eos_and_streamer():
+    model = MODELS["llama"]
+    speculative = self_speculative(SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=5, adaptive=False))
+    free = model.generate(PROMPT, max_new_tokens=30, do_sample=False, eos_token_id=None)[0, PROMPT.shape[1]:].tolist()
+    eos = free[9]
+    for max_new_tokens, eos_token_id in [(7, None), (30, eos), (30, [eos, 95]), (1, None)]:
+        streamer = Recorder()
+        out = model.generate(PROMPT, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+                             pad_token_id=0, custom_generate=speculative, streamer=streamer)
+        plain = model.generate(PROMPT, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+                               pad_token_id=0)
+        assert out.tolist() == plain.tolist()
+        new = out[0, PROMPT.shape[1]:].tolist()
+        expected = free[: free.index(eos) + 1] if eos_token_id is not None else free[:max_new_tokens]
+        assert new == expected
+        # generate puts the prompt, the loop every round's committed tokens, then ends the stream once.
+        assert streamer.puts[0] == PROMPT[0].tolist() and sum(streamer.puts[1:], []) == new
+        assert len(streamer.puts) > 2 or max_new_tokens == 1
+        assert streamer.ends == 1
+
+
+def second_token_marginal(model, prompt, processors, vocab):
+    """Exact p(x2 | prompt) under `processors`, each position processed with its own prefix."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        first = torch.softmax(processors(ids, model(ids).logits[:, -1].double()), -1)[0]
+        both = torch.tensor([prompt + [x1] for x1 in range(vocab)])
+        second = torch.softmax(processors(both, model(both).logits[:, -1].double()), -1)
+    return first @ second
+
+
+def total_variation(samples, probs):
+    counts = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double()
+    return 0.5 * (counts / counts.sum() - probs).abs().sum().item()
+
+
+def test_sampling_keeps_the_processed_distribution_of_the_full_model():
+    vocab, skip = 8, SkipSet.of([0, 2], [1, 3], NUM_LAYERS)
+    model = tiny_model("llama", seed=5, vocab_size=vocab)
+    options = dict(do_sample=True, temperature=0.8, top_k=6, repetition_penalty=3.0)
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(3.0), TemperatureLogitsWarper(0.8),
+                                      TopKLogitsWarper(6)])
+    expected = second_token_marginal(model, [2], processors, vocab)
+    speculative = self_speculative(skip, DraftPolicy(max_draft_tokens=1, adaptive=False))
+    torch.manual_seed(0)
+    samples = [model.generate(torch.tensor([[2]]), max_new_tokens=3, eos_token_id=None, pad_token_id=0,
+                              custom_generate=speculative, **options)[0, 2].item() for _ in range(1000)]
+    assert speculative.stats.drafted == 1000  # every 2nd token went through draft + verify
+    assert total_variation(samples, expected) < 0.06
+    # The check has teeth: the draft's own distribution, and the unprocessed one, are far from it.
+    with draft_mode(model, skip):
+        drafted = second_token_marginal(model, [2], processors, vocab)
+    unprocessed = second_token_marginal(model, [2], LogitsProcessorList(), vocab)
+    assert 0.5 * (drafted - expected).abs().sum() > 0.2
+    assert 0.5 * (unprocessed - expected).abs().sum() > 0.1
+
+
+def test_return_dict_and_config_from_a_file(tmp_path):
+    model = MODELS["qwen2"]
+    config = SkipConfig(ModelInfo.of(model, "tiny"), SkipSet.of([2], [0], NUM_LAYERS), DraftPolicy(max_draft_tokens=3))
+    save_skip_config(config, tmp_path / "skip.json")
+    out = model.generate(PROMPT, max_new_tokens=12, do_sample=False, eos_token_id=None, return_dict_in_generate=True,
+                         custom_generate=self_speculative(tmp_path / "skip.json"))
+    plain = model.generate(PROMPT, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert out.sequences.tolist() == plain.tolist()
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        MODELS["llama"].generate(PROMPT, max_new_tokens=3, custom_generate=self_speculative(
+            SkipConfig(ModelInfo("x", "LlamaForCausalLM", 8, 32), SkipSet.of([1], [], 8))))
+
+
+@pytest.mark.parametrize("inputs, options, message", [
+    (PROMPT.expand(2, -1), {}, "batch of 2"),
+    (PROMPT, {"num_beams": 2}, "num_beams"),
+    (PROMPT, {"num_return_sequences": 2, "do_sample": True}, "num_return_sequences"),
+    (PROMPT, {"output_scores": True, "return_dict_in_generate": True}, "output_scores"),
+    (PROMPT, {"attention_mask": torch.tensor([[0, 1, 1, 1]])}, "padding"),
+    (PROMPT, {"stop_strings": ["."]}, "tokenizer"),
+])
+def test_unsupported_options_are_clear_errors(inputs, options, message):
+    speculative = self_speculative(SkipSet.of([1], [], NUM_LAYERS))
+    with pytest.raises(ValueError, match=message):
+        MODELS["llama"].generate(inputs, max_new_tokens=4, pad_token_id=0, custom_generate=speculative, **options)
+
+
+def test_bad_config_type():
+    with pytest.raises(TypeError, match="SkipConfig"):
+        self_speculative({"attn": [1]})
+
+
+def test_real_model_streams_the_output_and_stops_at_a_stop_string(default_model):
+    model, tokenizer = default_model.model, default_model.tokenizer
+    layers = model.config.num_hidden_layers
+    speculative = self_speculative(SkipSet.of([layers // 2, layers - 3], [layers // 3], layers),
+                                   DraftPolicy(max_draft_tokens=4), tokenizer=tokenizer)
+    inputs = tokenizer("The three primary colors are red,", return_tensors="pt")
+    options = dict(max_new_tokens=48, do_sample=False, stop_strings=["."], tokenizer=tokenizer)
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+    out = model.generate(**inputs, streamer=streamer, custom_generate=speculative, **options)
+    plain = model.generate(**inputs, **options)
+    assert out.tolist() == plain.tolist()
+    text = tokenizer.decode(out[0, inputs.input_ids.shape[1]:])
+    assert text.endswith(".") and text.count(".") == 1
+    assert out.shape[1] - inputs.input_ids.shape[1] < 48  # it stopped early, at the stop string
+    assert "".join(streamer) == text  # the queue is unbounded and ended: read it after generate returns
+    assert speculative.stats.drafted > 0
