@@ -13,6 +13,7 @@ import errno
 import gc
 import math
 import os
+import random
 import socket
 import signal
 import statistics
@@ -72,6 +73,14 @@ class SearchSpace:
         """How many distinct skip sets the space holds (the empty set included)."""
         n = len(self.sublayers())
         return sum(math.comb(n, k) for k in range(min(n, self.max_skipped) + 1))
+
+    def random_unevaluated(self, evaluated: set, rng: random.Random, draws: int = 1000) -> SkipSet | None:
+        """A skip set drawn like a uniform sampler would (the prior included) whose key is not in `evaluated`."""
+        for _ in range(draws):
+            skip = self.skip_set({sublayer: rng.random() for sublayer in self.sublayers()})
+            if (skip.attn, skip.mlp) not in evaluated:
+                return skip
+        return None
 
     def suggest(self, trial: optuna.Trial) -> SkipSet:
         draws = {(kind, i): trial.suggest_float(self.param_name(kind, i), 0.0, 1.0) for kind, i in self.sublayers()}
@@ -465,7 +474,9 @@ class StudySettings:
     repeats: int = 1  # paired runs per prompt in a trial
     confirm_top: int = 3  # best distinct candidates re-measured before export
     confirm_repeats: int = 2  # paired runs per prompt when confirming
-    max_repeats_in_a_row: int = 50  # proposals of already-evaluated sets before the space counts as exhausted
+    # A sampler stuck on evaluated sets gets a random unevaluated one queued after this many repeats in a row;
+    # when none can be drawn, the space counts as exhausted.
+    explore_after_repeats: int = 10
     compile: bool = False  # torch.compile the draft and verify steps (reused by trials sharing a skip set)
 
 
@@ -523,7 +534,7 @@ def run_study(
         objective = make_objective(space, evaluator, settings.objective, settings.min_match, settings.n_trials)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            stopped = _work(study, storage, objective, settings, space.size)
+            stopped = _work(study, storage, objective, settings, space)
     if stopped.startswith("interrupted"):
         print("not confirming after Ctrl-C: the export keeps the last confirmation, if any")
     elif _confirmation_is_stale(study, settings.confirm_top):
@@ -577,7 +588,7 @@ def confirm_candidates(study: optuna.Study, evaluator: Evaluator, objective: str
 
 def _work(
     study: optuna.Study, storage: optuna.storages.BaseStorage, objective: Callable, settings: StudySettings,
-    space_size: int | None = None,
+    space: SearchSpace | None = None,
 ) -> str:
     """Run trials one at a time until the study, shared with any other workers, has evaluated `n_trials`
     distinct skip sets; returns why it stopped short ("" when it did not).
@@ -615,12 +626,22 @@ def _work(
                 f"{type(errors[0]).__name__}: {errors[0]}" if errors else "of an error Optuna logged above")
             stop.reason = f"{settings.max_failures} trials in a row failed, the last because {reason}"
         repeats_in_a_row = repeats_in_a_row + 1 if "repeat_of" in trial.user_attrs else 0
-        distinct = len(distinct_trials(study))
-        if space_size is not None and distinct >= space_size:
-            stop.reason = f"the search space is exhausted: all {space_size} skip sets in it were evaluated"
-        elif repeats_in_a_row >= settings.max_repeats_in_a_row:
-            stop.reason = (f"the sampler proposed only already-evaluated skip sets {repeats_in_a_row} times in a "
-                           f"row ({distinct} distinct sets evaluated): the search space looks exhausted")
+        if space is None:
+            return
+        distinct = distinct_trials(study)
+        if len(distinct) >= space.size:
+            stop.reason = f"the search space is exhausted: all {space.size} skip sets in it were evaluated"
+        elif repeats_in_a_row >= settings.explore_after_repeats:
+            # TPE on a small space can keep proposing its favourite; a random unevaluated set moves it on.
+            evaluated = {skip_key(t.user_attrs) for t in distinct}
+            fresh = space.random_unevaluated(evaluated, random.Random(settings.seed + trial.number))
+            if fresh is None:
+                stop.reason = (f"the sampler proposed only already-evaluated skip sets {repeats_in_a_row} times in a "
+                               f"row and no unevaluated one could be drawn ({len(distinct)} distinct sets "
+                               "evaluated): the search space looks exhausted")
+            else:
+                study.enqueue_trial(space.params_for(fresh), user_attrs={"explored": True})
+                repeats_in_a_row = 0
 
     note = ""
     with stop_after_trial_on_interrupt(stop), _progress(study, settings.n_trials, settings.show_progress_bar) as bar:

@@ -180,3 +180,16 @@ def test_modeled_objective_scores_by_the_cost_profile_and_keeps_it(tmp_path):
     second = {t.params.__repr__(): t.values for t in again.get_trials(states=(TrialState.COMPLETE,))}
     shared = set(first) & set(second)
     assert shared and all(first[k] == second[k] for k in shared)
+
+
+def test_random_unevaluated_draws_a_set_not_yet_evaluated_or_none():
+    import random
+
+    space = SearchSpace(num_layers=4, skip_prior=0.5, max_skip_fraction=0.125)  # 5 sets: none, or one sublayer
+    every = {(s.attn, s.mlp) for s in [SkipSet(), *[SkipSet.of(a, m, 4) for a, m in
+                                                     [([1], []), ([2], []), ([], [1]), ([], [2])]]]}
+    assert len(every) == space.size == 5
+    left = SkipSet.of([], [2], 4)
+    drawn = space.random_unevaluated(every - {(left.attn, left.mlp)}, random.Random(0))
+    assert drawn == left
+    assert space.random_unevaluated(every, random.Random(0)) is None
