@@ -32,19 +32,8 @@ from skipsearch.costs import format_profile, profile_costs
 from skipsearch.data import load_prompts
 from skipsearch.decoding import DecodeStats, DraftPolicy, generate
 from skipsearch.models import encode_prompt, model_from_config
-from skipsearch.skipping import SkipSet
 
-
-def parse_skip_sets(text: str, num_layers: int) -> list[SkipSet]:
-    """'a20;a16,20,24|m22' -> attention 20; attention 16, 20, 24 and MLP 22."""
-    sets = []
-    for spec in text.split(";"):
-        attn, mlp = [], []
-        for part in spec.split("|"):
-            ids = [int(i) for i in part[1:].split(",") if i]
-            (attn if part.startswith("a") else mlp).extend(ids)
-        sets.append(SkipSet.of(attn, mlp, num_layers))
-    return sets
+from decode_speed import parse_skip_sets
 
 
 def long_prompts(tokenizer, texts: list[str], target_tokens: int) -> list[list[int]]:

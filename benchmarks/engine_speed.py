@@ -40,6 +40,16 @@ def read_bandwidth(device: torch.device, megabytes: int = 1024, repeats: int = 1
     return data.numel() * 4 * repeats / (time.perf_counter() - start)
 
 
+def hf_compile_config(device: torch.device):
+    """transformers compiles a static-cache generate by itself only on accelerators; on a CPU it must be told to.
+    CUDA graphs ("reduce-overhead", its default) exist only on CUDA."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead" if device.type == "cuda" else "default")
+    config._compile_all_devices = True
+    return config
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one full forward reads (the embedding reads one row, so it is left out unless tied)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -76,7 +86,8 @@ def main() -> None:
     policy = DraftPolicy(max_draft_tokens=args.max_draft_tokens, adaptive=False)
     decoders = {"HF eager greedy": hf_decoder(model, n, eos)}
     if not args.no_hf_compile:
-        decoders["HF static cache + compile"] = hf_decoder(model, n, eos, cache_implementation="static")
+        decoders["HF static cache + compile"] = hf_decoder(model, n, eos, cache_implementation="static",
+                                                           compile_config=hf_compile_config(device))
     compiled = {"skipsearch plain eager": (None, False), "skipsearch plain compiled": (None, True)}
     for skip in parse_skip_sets(args.skip_sets, model.config.num_hidden_layers):
         compiled[f"self-spec {skip} eager"] = (skip, False)

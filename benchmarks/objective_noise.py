@@ -21,12 +21,12 @@ import argparse
 import json
 import math
 import multiprocessing
-import platform
 import random
 import statistics
 import time
 
 from skipsearch import load_model
+from skipsearch.costs import device_name
 from skipsearch.data import load_prompts
 from skipsearch.decoding import DraftPolicy, generate
 from skipsearch.models import encode_prompt
@@ -96,7 +96,7 @@ def main() -> None:
             worker.terminate()
 
     result = {
-        "machine": platform.processor() or platform.machine(), "load": args.load, "trials": args.trials,
+        "machine": device_name(loaded.model.device), "load": args.load, "trials": args.trials,
         "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
         "unpaired": summary(unpaired), "paired": summary(paired),
         "paired_interval_ratio_high_over_low_median": statistics.median(widths),

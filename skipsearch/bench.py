@@ -228,7 +228,8 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: s
     ax.set_xlabel("speedup over HF greedy (x; geometric mean of paired runs, bars: 95% interval)")
     ax.set_ylabel("decoding method")
     ax.legend(loc="lower right", fontsize=8)
-    ax.set_title(f"Decoding speed: {settings.get('model', '')} on {settings.get('device', '')}, "
+    where = settings.get("device_name") or settings.get("device", "")
+    ax.set_title(f"Decoding speed: {settings.get('model', '')} on {where}, "
                  f"{settings.get('num_prompts', '?')} prompts x {settings.get('max_new_tokens', '?')} new tokens",
                  fontsize=9)
     save_figure(fig, png_path)

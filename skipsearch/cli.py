@@ -408,7 +408,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import models
     from .bench import bench_verdict, format_table, run_bench, write_outputs
     from .config import load_skip_config
-    from .costs import CostProfile, contexts_for, load_projections, profile_costs
+    from .costs import CostProfile, contexts_for, device_name, load_projections, profile_costs
     from .data import load_prompts
 
     prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
@@ -451,7 +451,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     settings = {"model": loaded.name_or_path, "device": str(loaded.device), "dtype": loaded.dtype_name,
                 "dataset": args.dataset, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                 "repeats": args.repeats, "config": str(args.config) if args.config else None,
-                "torch_threads": torch.get_num_threads(), "project_with": [str(p) for p in args.project_with or ()]}
+                "device_name": device_name(loaded.device), "torch_threads": torch.get_num_threads(),
+                "project_with": [str(p) for p in args.project_with or ()]}
     json_path, png_path = write_outputs(rows, args.output_dir, settings, verdict)
     print(f"wrote {json_path} and {png_path}")
     return 0
@@ -523,8 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     opt = commands.add_parser(
         "optimize", help="search for the skip set that decodes fastest", formatter_class=formatter,
-        description="Run (or resume) an Optuna study over attention/MLP skip sets, export the best as JSON and "
-                    "plot the study. Re-running the same command resumes the study up to --n-trials.",
+        description="Run (or resume) an Optuna study over attention/MLP skip sets, each measured paired with plain "
+                    "decoding; re-measure the best few, export the one confirmed faster (else plain decoding) as "
+                    "JSON and plot the study. Re-running the same command resumes the study up to --n-trials.",
     )
     _add_prompt_flags(opt, num_prompts=4, max_new_tokens=32)
     search = opt.add_argument_group("search")

@@ -99,18 +99,22 @@ def save_skip_config(config: SkipConfig, path: str | Path) -> None:
     write_atomic(path, json.dumps(config.to_json(), indent=2) + "\n")
 
 
+def read_json(path: str | Path, what: str) -> Any:
+    """A JSON file's content; a missing, unreadable or malformed file is a ValueError that names `what`."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{what} {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read {what} {str(path)!r}: {error}") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{what} {str(path)!r} is not valid JSON: {error}") from None
+
+
 def load_skip_config(path: str | Path, model: nn.Module | None = None) -> SkipConfig:
     """Read a skip config; with `model`, also check it was made for this model's architecture and size."""
     path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"skip config {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read skip config {str(path)!r}: {error}") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"skip config {str(path)!r} is not valid JSON: {error}") from None
-    config = parse_skip_config(data, source=str(path))
+    config = parse_skip_config(read_json(path, "skip config"), source=str(path))
     if model is not None:
         config.check_model(model)
     return config

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .config import write_atomic
+from .config import read_json, write_atomic
 from .decoding import DecodeStats, DraftPolicy, generate, synchronize
 from .kvcache import SpeculativeCache
 from .skipping import SkipSet, draft_mode
@@ -178,12 +178,7 @@ class CostProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ValueError(f"cost profile {str(path)!r} does not exist") from None
-        except (OSError, json.JSONDecodeError) as error:
-            raise ValueError(f"cannot read cost profile {str(path)!r}: {error}") from None
+        data = read_json(path, "cost profile")
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
             raise ValueError(f"{path}: not a skipsearch cost profile (expected \"format\": \"{PROFILE_FORMAT}\")")
         try:
@@ -269,14 +264,16 @@ def profile_costs(
     longest = contexts[-1] + max_verify_tokens
     ids = torch.randint(0, model.config.vocab_size, (1, longest), generator=generator).to(device)
     positions = torch.arange(longest, device=device).view(1, -1)
-    # One prefill at the longest context: a shorter one is the same cache rolled back.
-    cache = SpeculativeCache(model.config, longest, device)
-    model(input_ids=ids[:, : contexts[-1]], past_key_values=cache, use_cache=True, logits_to_keep=1)
     every = range(num_layers)
     drafts = {"full": SkipSet(), "no_attn": SkipSet.of(every, (), num_layers),
               "no_mlp": SkipSet.of((), every, num_layers)}
     measured = []
     for context in tqdm(contexts, desc="profiling contexts", disable=not show_progress):
+        # A cache sized as the decoder sizes it, per call: attention over a static cache reads every slot
+        # (stale ones masked), so a cache sized for the longest context would price every context alike.
+        cache = SpeculativeCache(model.config, context + max_verify_tokens, device)
+        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
         def forward(n_tokens: int) -> None:
             model(input_ids=ids[:, context : context + n_tokens], position_ids=positions[:, context : context + n_tokens],
                   past_key_values=cache, use_cache=True, logits_to_keep=0 if n_tokens > 1 else 1)

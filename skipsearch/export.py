@@ -156,7 +156,8 @@ def _search_settings(study: optuna.Study, trial_number: int | None) -> dict:
     return {
         "study_name": study.study_name, "trial_number": trial_number, "sampler": info["sampler"],
         "dataset": info["dataset"], "num_prompts": info["num_prompts"], "max_new_tokens": info["max_new_tokens"],
-        "device": info["device"], "dtype": info["dtype"], "confirm_repeats": record.get("repeats"),
+        "device": info["device"], "device_name": info.get("device_name"), "dtype": info["dtype"],
+        "confirm_repeats": record.get("repeats"),
         "created_at": datetime.now(timezone.utc).isoformat(),
     }
 

@@ -113,7 +113,8 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding")
     ax.set_xlabel("skipped share of all sublayers (0 to 1)")
     ax.set_ylabel(("predicted" if key == "predicted_speedup" else "measured") + " speedup (x plain decoding)")
-    ax.set_title(f"{study.study_name}: speedup vs skipped share\n{label}", fontsize=9)
+    where = study.user_attrs[STUDY_ATTR].get("device_name") or study.user_attrs[STUDY_ATTR].get("device", "")
+    ax.set_title(f"{study.study_name} on {where}: speedup vs skipped share\n{label}", fontsize=9)
     ax.legend(loc="best", fontsize=8)
     return fig
 

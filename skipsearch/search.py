@@ -29,7 +29,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from .config import ModelInfo
 from .constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them without importing optuna
-from .costs import CostProfile, contexts_for, profile_costs
+from .costs import CostProfile, contexts_for, device_name, profile_costs
 from .decoding import DecodeStats, DraftPolicy, GenerationOutput, generate
 from .measure import Interval, paired_runs, ratio_interval
 from .storage import (WORKER_ATTR, Heartbeat, disk_full, explain_stale_trials, make_storage,
@@ -501,7 +501,8 @@ def run_study(
     info = {
         "model": asdict(model_info), "objective": settings.objective, "sampler": settings.sampler,
         "dataset": settings.dataset, "num_prompts": settings.num_prompts, "max_new_tokens": settings.max_new_tokens,
-        "seed": settings.seed, "device": str(model.device), "dtype": dtype, "draft": asdict(policy),
+        "seed": settings.seed, "device": str(model.device), "device_name": device_name(model.device), "dtype": dtype,
+        "draft": asdict(policy),
         "space": asdict(space),
     }
     existing = study.user_attrs.get(STUDY_ATTR)

@@ -3,12 +3,11 @@ SWIFT publish, `{"<name>": {"attention": [...], "mlp": [...]}}` (0-based layer i
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import FORMAT as CONFIG_FORMAT, ModelInfo, parse_skip_config
+from .config import FORMAT as CONFIG_FORMAT, ModelInfo, parse_skip_config, read_json
 from .skipping import SkipSet
 
 MODEL_SHAPE = ("architecture", "num_hidden_layers", "hidden_size")
@@ -66,15 +65,7 @@ def read_warm_starts(spec: str) -> list[NamedSkipSet]:
     if not path.is_file() and ":" in spec:
         head, tail = spec.rsplit(":", 1)
         path, name = Path(head), tail
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"warm-start file {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read warm-start file {str(path)!r}: {error}") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"warm-start file {str(path)!r} is not valid JSON: {error}") from None
-    sets = parse_skip_sets(data, str(path))
+    sets = parse_skip_sets(read_json(path, "warm-start file"), str(path))
     if name is None:
         return sets
     chosen = [s for s in sets if s.name == name]
