@@ -150,6 +150,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     if args.config and (args.skip_attn or args.skip_mlp):
         raise UsageError("give either --config or --skip-attn/--skip-mlp, not both")
+    if args.autoregressive and (args.config or args.skip_attn or args.skip_mlp):
+        raise UsageError("--autoregressive decodes plainly: it takes no --config, --skip-attn or --skip-mlp")
+    if not args.prompt.strip():
+        raise UsageError("--prompt is empty: give the text to answer")
     loaded = _load(args)
     num_layers = loaded.model.config.num_hidden_layers
     base_policy = DraftPolicy()
@@ -596,7 +600,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also run HF assistant_early_exit at this layer (LayerSkip-style)")
     bench.add_argument("--prompt-lookup-tokens", type=_non_negative_int, default=10,
                        help="HF prompt lookup decoding's n-gram draft length (0: leave it out)")
-    bench.add_argument("--repeats", type=_positive_int, default=3, help="timed passes; the median is reported")
+    bench.add_argument("--repeats", type=_positive_int, default=3,
+                       help="times every prompt is decoded by every method (back to back, rotating order); speedups "
+                            "are geometric means of the paired runs with a 95%% interval")
     bench.add_argument("--cost-profile", type=Path, default=None,
                        help="cost profile for the predicted speedup (default: profile this device)")
     bench.add_argument("--project-with", type=Path, action="append", metavar="PROFILE",
@@ -631,8 +637,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(run=cmd_profile)
 
     exp = commands.add_parser("export", help="write a trial's skip config as JSON", formatter_class=formatter,
-                              description="Write the best trial (or --trial N) of a study as a skip-config JSON.")
-    exp.add_argument("--trial", type=_non_negative_int, default=None, help="trial number (default: the best)")
+                              description="Write the study's decision as a skip-config JSON: the skip set its confirmation "
+                                          "found faster than plain decoding, else plain decoding; or trial N with "
+                                          "--trial N.")
+    exp.add_argument("--trial", type=_non_negative_int, default=None, help="trial number (default: the study's confirmed decision)")
     exp.add_argument("--format", choices=("skipsearch", "dv"), default="skipsearch",
                      help="skipsearch: the skip-config JSON; dv: Draft & Verify / SWIFT's skip_layers.json format "
                           "({\"<model>\": {\"attention\": [...], \"mlp\": [...]}})")

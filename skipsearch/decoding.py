@@ -110,9 +110,9 @@ class DecodeStats:
         return self.accepted / self.drafted if self.drafted else None
 
     @property
-    def mean_accepted_tokens(self) -> float:
-        """Accepted draft tokens per verification round."""
-        return self.accepted / self.rounds if self.rounds else 0.0
+    def mean_accepted_tokens(self) -> float | None:
+        """Accepted draft tokens per verification round; None when nothing was drafted, like the acceptance rate."""
+        return self.accepted / self.rounds if self.drafted else None
 
     @property
     def tokens_per_second(self) -> float:

@@ -112,9 +112,17 @@ def config_from_trial(study: optuna.Study, trial: FrozenTrial) -> SkipConfig:
     if "skip_attn" not in trial.user_attrs:
         raise ValueError(f"trial {trial.number} of study {study.study_name!r} has no skip set")
     attrs = trial.user_attrs
-    metrics = _metrics(info["objective"], trial.values[0] if len(trial.values) == 1 else None, attrs)
-    metrics["confirmed"] = False
-    metrics["verdict"] = f"trial {trial.number} exported on request: its figures come from the search, unconfirmed"
+    record = study.user_attrs.get(CONFIRM_ATTR) or {"candidates": []}
+    confirmed = next((c for c in record["candidates"] if c["trial"] == trial.number), None)
+    if confirmed is not None:  # the confirmation's figures are the better-measured ones
+        metrics = _metrics(info["objective"], confirmed["score"], confirmed)
+        metrics["confirmed"] = True
+        metrics["verdict"] = (f"trial {trial.number} exported on request; its confirmation measured "
+                              f"{_figure(confirmed, speedup_key(study))}")
+    else:
+        metrics = _metrics(info["objective"], trial.values[0] if len(trial.values) == 1 else None, attrs)
+        metrics["confirmed"] = False
+        metrics["verdict"] = f"trial {trial.number} exported on request: its figures come from the search, unconfirmed"
     return _config(study, SkipSet.of(attrs["skip_attn"], attrs["skip_mlp"]), metrics, trial.number)
 
 

@@ -47,8 +47,8 @@ def _highlight(study: optuna.Study) -> tuple[dict | None, str]:
     high = shown[key + "_high"]
     figure = f"{shown[key]:.2f}x ({shown[key + '_low']:.2f}-{'inf' if high is None else format(high, '.2f')})"
     if decision.pays:
-        return shown, f"exported: trial {shown['trial']}, {figure} as fast as plain decoding"
-    return shown, f"plain decoding exported; best confirmed skip set (not exported): trial {shown['trial']}, {figure}"
+        return shown, f"exported skip set, trial {shown['trial']}: {figure} as fast as plain decoding"
+    return shown, f"best confirmed skip set, trial {shown['trial']} (not exported, plain decoding is): {figure}"
 
 
 def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
@@ -69,7 +69,7 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
     fig, axes = plt.subplots(2, 1, figsize=(max(6, num_layers * 0.3), 3.9), constrained_layout=True)
     fig.suptitle(f"{study.study_name}: which sublayers the draft skips", fontsize=11)
     for ax, data, title, bar_label in (
-        (axes[0], best_map, f"{label}: skipped sublayers", "this skip set"),
+        (axes[0], best_map, label, "this skip set"),
         (axes[1], frequency, f"share of the top {len(top)} skipping trials that skip each sublayer", "share of trials"),
     ):
         image = ax.imshow(data, aspect="auto", cmap="Reds", vmin=0, vmax=1)
@@ -109,7 +109,7 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     shown, label = _highlight(study)
     if shown is not None:
         ax.plot([shown["skipped_fraction"]], [shown[key]], marker="*", markersize=14, color="tab:red",
-                linestyle="none", label=label.split(":")[0])
+                linestyle="none", label=label.split(",")[0])
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding")
     ax.set_xlabel("skipped share of all sublayers (0 to 1)")
     ax.set_ylabel(("predicted" if key == "predicted_speedup" else "measured") + " speedup (x plain decoding)")

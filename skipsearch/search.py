@@ -38,6 +38,8 @@ from .skipping import SkipSet, draft_mode
 
 STUDY_ATTR = "skipsearch"
 CONFIRM_ATTR = "skipsearch_confirmation"
+# Trial attributes about how a trial came about, not what it measured: a repeated proposal does not copy them.
+_BOOKKEEPING_ATTRS = frozenset({"warm_start", "worker", "retry_of", "explored", "fail_reason"})
 
 
 @dataclass(frozen=True)
@@ -367,7 +369,7 @@ def make_objective(
             # Decoding the same set again would only add noise: the sampler gets the value it already had.
             first = earlier[key]
             for name, value in first.user_attrs.items():
-                if name not in ("warm_start", "worker"):
+                if name not in _BOOKKEEPING_ATTRS:  # measurements only: how the first trial came about is its own
                     trial.set_user_attr(name, value)
             trial.set_user_attr("repeat_of", first.number)
             return tuple(first.values) if len(first.values) > 1 else first.values[0]
@@ -710,9 +712,11 @@ def _progress(study: optuna.Study, total: int, enabled: bool) -> Iterator[Callab
 
     def callback(study: optuna.Study, trial: FrozenTrial) -> None:
         bar.n = min(total, len(distinct_trials(study)))
-        best = best_trial(study)
+        # Plain decoding's own trial scores about 1 by construction: the bar shows the best set that skips something.
+        best = next(iter(confirmation_candidates(study, 1)), None)
         if best is not None:
-            bar.set_postfix_str(f"best so far {_best_label(best)} (trial {best.number}, unconfirmed)", refresh=False)
+            bar.set_postfix_str(f"best skip set so far {_best_label(best)} (trial {best.number}, unconfirmed)",
+                                refresh=False)
         bar.refresh()
 
     try:
@@ -735,7 +739,10 @@ def _first_line(error: BaseException) -> str:
 
 
 def _check_resumable(name: str, existing: dict[str, Any], wanted: dict[str, Any]) -> None:
-    for key, label in (("model", "model"), ("objective", "--objective"), ("space", "search space")):
+    # Anything that changes what a trial measures: a resumed study must measure its new trials as it did the old.
+    for key, label in (("model", "model"), ("objective", "--objective"), ("space", "search space"),
+                       ("dataset", "--dataset"), ("num_prompts", "--num-prompts"), ("seed", "--seed (it picks the prompts)"),
+                       ("max_new_tokens", "--max-new-tokens"), ("draft", "drafting settings"), ("dtype", "--dtype")):
         have, want = existing.get(key), wanted[key]
         if key == "model":
             have = {k: have[k] for k in ("architecture", "num_hidden_layers", "hidden_size")}

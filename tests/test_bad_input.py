@@ -77,6 +77,9 @@ def workspace(tmp_path, tiny_model_dir):
 
 CASES = [
     # (argv with {dir} = workspace and {model} = tiny model, expected message)
+    (["generate", "--model", "{model}", "--prompt", "hi", "--autoregressive", "--skip-attn", "1"],
+     "--autoregressive decodes plainly"),
+    (["generate", "--model", "{model}", "--prompt", "  "], "--prompt is empty"),
     (["generate", "--model", "{dir}/no-such-model", "--prompt", "hi"], "cannot load model"),
     (["generate", "--model", "{dir}/not-a-model", "--prompt", "hi"], "has no config.json"),
     (["generate", "--prompt", "hi", "--config", "{dir}/malformed.json"], "is not valid JSON"),

@@ -76,6 +76,13 @@ def test_a_confirmed_skip_set_is_exported_with_its_interval(tmp_path):
     assert config.metrics["confirmed"] is True and config.search["trial_number"] == 1
 
 
+def test_export_of_a_confirmed_trial_carries_its_confirmed_figures(tmp_path):
+    study = fake_study(tmp_path, [1.0, 1.3, 0.9], confirmed=[candidate(1, 0.76, 0.72, 0.79, [1])])
+    config = export_trial(study, tmp_path / "t1.json", trial_number=1)
+    assert config.metrics["confirmed"] is True and config.metrics["speedup_low"] == 0.72
+    assert "its confirmation measured 0.76x" in config.metrics["verdict"]
+
+
 def test_export_of_a_named_trial_is_marked_unconfirmed(tmp_path):
     study = fake_study(tmp_path, [1.0, 1.3, 0.9], confirmed=[])
     config = export_trial(study, tmp_path / "t2.json", trial_number=2)

@@ -105,7 +105,8 @@ def test_journal_study_recovers_a_killed_workers_trial(tiny_model_dir, tmp_path,
     [orphan] = [t for t in study.get_trials(states=(TrialState.RUNNING,))]
 
     code = main(["optimize", "--model", str(tiny_model_dir), "--storage", storage, "--study-name", "killed",
-                 "--n-trials", "4", "--studies-dir", str(tmp_path / "studies"), *SMALL])
+                 "--n-trials", "4", "--studies-dir", str(tmp_path / "studies"), *SMALL,
+                 "--max-new-tokens", "64"])  # as the killed worker measured: a resumed study keeps its settings
     out = capsys.readouterr().out
     assert code == 0 and "exported" in out
     study = optuna.load_study(study_name="killed", storage=make_storage(storage))

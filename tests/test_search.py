@@ -116,10 +116,15 @@ def test_study_runs_resumes_exports_and_plots(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
 
 
-def test_resuming_with_another_model_is_refused(tmp_path):
-    run(tiny_model(), tmp_path, n_trials=1)
+def test_resuming_with_another_model_or_other_measurement_settings_is_refused(tmp_path):
+    model = tiny_model()
+    run(model, tmp_path, n_trials=1)
     with pytest.raises(ValueError, match="another model"):
         run(tiny_model(num_layers=6), tmp_path, n_trials=2)
+    with pytest.raises(ValueError, match="another --max-new-tokens"):
+        run(model, tmp_path, n_trials=2, max_new_tokens=6)
+    with pytest.raises(ValueError, match="another --num-prompts"):
+        run(model, tmp_path, n_trials=2, num_prompts=3)
 
 
 def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, monkeypatch):
