@@ -227,10 +227,11 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: s
     ax.axvline(1.0, color="gray", linestyle="--", linewidth=1, label="HF greedy (1.0x)", zorder=0)
     ax.set_xlabel("speedup over HF greedy (x; geometric mean of paired runs, bars: 95% interval)")
     ax.set_ylabel("decoding method")
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # beside the bars, never over one
     where = settings.get("device_name") or settings.get("device", "")
     ax.set_title(f"Decoding speed: {settings.get('model', '')} on {where}, "
-                 f"{settings.get('num_prompts', '?')} prompts x {settings.get('max_new_tokens', '?')} new tokens",
+                 f"{settings.get('num_prompts', '?')} prompts x {settings.get('max_new_tokens', '?')} new tokens"
+                 f" x {settings.get('repeats', '?')} repeats",
                  fontsize=9)
     save_figure(fig, png_path)
     return json_path, png_path

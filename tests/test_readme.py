@@ -28,5 +28,5 @@ def test_readme_custom_generate_example_runs(tmp_path, monkeypatch, default_mode
     monkeypatch.chdir(tmp_path)
     exec(compile(example, "README.md", "exec"), {})
     out = capsys.readouterr().out.strip()
-    assert "tokens, acceptance rate 0." in out.splitlines()[-1] or "acceptance rate 1.0" in out.splitlines()[-1]
+    assert re.fullmatch(r"\d+ tokens, acceptance (0\.\d\d|1\.00)", out.splitlines()[-1])  # attention 20 drafts
     assert len(out.splitlines()[0]) > 10  # the streamer printed the text
