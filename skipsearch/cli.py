@@ -103,7 +103,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     group.add_argument(
-        "--dtype", default=None, choices=DTYPE_NAMES, help="(default: bfloat16 on CUDA, float32 on CPU)"
+        "--dtype", default=None, choices=DTYPE_NAMES, help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)"
     )
 
 
