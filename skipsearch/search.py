@@ -359,8 +359,9 @@ def make_objective(
     space: SearchSpace, evaluator: Evaluator, objective: str, min_match: float, n_trials: int | None = None
 ) -> Callable[[optuna.Trial], float | tuple[float, float]]:
     def run_trial(trial: optuna.Trial) -> float | tuple[float, float]:
-        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")  # journal recovery reads it
         skip = space.suggest(trial)
+        # Journal recovery reads it; set once the trial's point is whole, so a retry re-runs the same point.
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         trial.set_user_attr("skip_attn", list(skip.attn))
         trial.set_user_attr("skip_mlp", list(skip.mlp))
         key = skip_key({"skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp)})

@@ -4,8 +4,10 @@ Optuna's journal file for many processes on one machine; heartbeats for crash re
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import datetime
@@ -64,8 +66,7 @@ def make_storage(url: str, heartbeat: Heartbeat | None = None, must_exist: bool 
                     heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
                         max_retry=heartbeat.max_retries),
                 )
-            return optuna.storages.RDBStorage(url, engine_kwargs=_engine_options(url), skip_table_creation=must_exist,
-                                              **options)
+            return _open_rdb(url, must_exist, options)
     except ImportError as error:
         raise ValueError(f"storage {_redact(url)!r} needs a database driver that is not installed ({error})") from None
     except ValueError:
@@ -73,6 +74,21 @@ def make_storage(url: str, heartbeat: Heartbeat | None = None, must_exist: bool 
     except Exception as error:  # SQLAlchemy's errors: bad URL, unreachable server, bad credentials
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"cannot open storage {_redact(url)!r}: {reason}") from None
+
+
+def _open_rdb(url: str, must_exist: bool, options: dict[str, Any], attempts: int = 5) -> optuna.storages.RDBStorage:
+    """Workers started together on a new database all create Optuna's tables at once; on PostgreSQL the losers
+    of that race get a unique-key error. The tables exist by then, so a short wait and a retry opens them."""
+    import sqlalchemy.exc
+
+    for attempt in range(attempts):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=_engine_options(url),
+                                              skip_table_creation=must_exist, **options)
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.5 + random.random())
 
 
 def _check_database(url: str, must_exist: bool) -> None:
