@@ -318,15 +318,6 @@ def open_study(
         raise ValueError(f"study {study_name!r} cannot be resumed with --objective {objective}: {error}") from None
 
 
-def best_trial(study: optuna.Study) -> FrozenTrial | None:
-    """The best finished trial; for a Pareto study, the fastest trial on the front."""
-    if not study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
-        return None
-    if len(study.directions) > 1:
-        return max(study.best_trials, key=lambda t: t.user_attrs.get("speedup") or 0.0)
-    return study.best_trial
-
-
 def finished_trials(study: optuna.Study) -> list[FrozenTrial]:
     return study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
 

@@ -7,26 +7,25 @@ from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
 from skipsearch.skipping import SkipSet
 
 
-def test_readme_inference_example_runs(tmp_path, monkeypatch, default_model, capsys):
+def run_readme_block(marker, tmp_path, monkeypatch, default_model):
+    """Run the README's python block containing `marker` as written, with a best.json that skips attention 20."""
     readme = Path(__file__).parent.parent / "README.md"
     blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
-    example = next(b for b in blocks if "load_skip_config" in b)
+    example = next(b for b in blocks if marker in b)
     config = SkipConfig(model=ModelInfo.of(default_model.model, "smollm2-135m-instruct"), skip=SkipSet.of([20], [], 30))
     save_skip_config(config, tmp_path / "studies" / "default" / "best.json")
     monkeypatch.chdir(tmp_path)
     exec(compile(example, "README.md", "exec"), {})
+
+
+def test_readme_inference_example_runs(tmp_path, monkeypatch, default_model, capsys):
+    run_readme_block("load_skip_config", tmp_path, monkeypatch, default_model)
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) >= 2 and "tok/s, acceptance" in out[-1] and out[0]
 
 
 def test_readme_custom_generate_example_runs(tmp_path, monkeypatch, default_model, capsys):
-    readme = Path(__file__).parent.parent / "README.md"
-    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), re.S)
-    example = next(b for b in blocks if "custom_generate=" in b)
-    config = SkipConfig(model=ModelInfo.of(default_model.model, "smollm2-135m-instruct"), skip=SkipSet.of([20], [], 30))
-    save_skip_config(config, tmp_path / "studies" / "default" / "best.json")
-    monkeypatch.chdir(tmp_path)
-    exec(compile(example, "README.md", "exec"), {})
+    run_readme_block("custom_generate=", tmp_path, monkeypatch, default_model)
     out = capsys.readouterr().out.strip()
     assert re.fullmatch(r"\d+ tokens, acceptance (0\.\d\d|1\.00)", out.splitlines()[-1])  # attention 20 drafts
     assert len(out.splitlines()[0]) > 10  # the streamer printed the text
