@@ -22,7 +22,7 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .engine import RECOMPILE_LIMIT, CompileSettings, Step, _forward, engine_for
+from .engine import CompileSettings, Step, _forward, engine_for
 from .kvcache import SpeculativeCache
 from .skipping import SkipSet
 
@@ -282,16 +282,15 @@ def generate(
     # Drafting with nothing skipped is the full model twice over: an empty set means plain decoding.
     max_draft = policy.max_draft_tokens if skip is not None and skip.size else 0
     settings = CompileSettings(compile_backend, compile_mode) if compile else None
-    engine = engine_for(model)
+    verify_width = max_draft + 1
     # Writes reach at most one verify width past the last committed token.
-    cache, drafter, verifier = engine.prepare(prompt.shape[1] + max_new_tokens + max_draft + 1,
-                                              skip if max_draft else None, settings)
-    compiled_before = engine.compile_time_s()
-    with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
-        output = _decode(model, cache, drafter, verifier, prompt, max_draft, max_new_tokens, policy, sampling,
-                         _eos_set(eos_token_id), generator, time_drafts,
-                         verify_width=max_draft + 1 if compile else None, hooks=hooks)
-    output.stats.compile_time_s = engine.compile_time_s() - compiled_before
+    cache, drafter, verifier = engine_for(model).prepare(prompt.shape[1] + max_new_tokens + verify_width,
+                                                         skip if max_draft else None, settings, verify_width)
+    uncompiled = [step for step in (drafter, verifier) if step is not None and step.compile_time_s is None]
+    output = _decode(model, cache, drafter, verifier, prompt, max_draft, max_new_tokens, policy, sampling,
+                     _eos_set(eos_token_id), generator, time_drafts,
+                     verify_width=verify_width if compile else None, hooks=hooks)
+    output.stats.compile_time_s = sum(step.compile_time_s or 0.0 for step in uncompiled)
     return output
 
 

@@ -1,19 +1,23 @@
 """The forwards the decoding loop runs, eager or compiled, kept per model so that calls and trials reuse them.
 
 For compiled decoding an `Engine` owns one `SpeculativeCache` (reused while calls fit in it,
-so compiled graphs see the same buffers) and, per skip set, a draft step and a verify step
-(eager decoding gets a fresh cache of exactly the call's length):
+so compiled graphs see the same buffers), a draft step per skip set and a verify step per
+verify width (eager decoding gets a fresh cache of exactly the call's length):
 - the draft step is a one-token forward of the draft view of the model (`draft_model`),
 - the verify step is a forward of the full model, `width` tokens wide; compiled, the width is
   fixed (max drafts + 1) and short rounds are padded: padded positions write stale slots past
   the query, which the causal mask hides.
-Compiled steps use `torch.compile(fullgraph=True, dynamic=False)`, with CUDA graphs
-(`mode="reduce-overhead"`) on CUDA. The engine lives on the model (`engine_for`), not in a global.
+Compiled steps use `torch.compile(fullgraph=True, dynamic=False)`: with CUDA graphs
+(`mode="reduce-overhead"`) on CUDA, and on a CPU with the weights frozen into the graph and
+autotuned C++ GEMMs (`CPU_INDUCTOR_OPTIONS`), so a compiled step reads the weights as they were
+when it compiled. The engine lives on the model (`engine_for`), not in a global.
 """
 
 from __future__ import annotations
 
 import time
+import types
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,7 +27,7 @@ from .kvcache import SpeculativeCache
 from .skipping import SkipSet, draft_model
 
 CACHE_BLOCK = 256  # capacities round up to this, so calls of similar lengths share one cache and one graph
-RECOMPILE_LIMIT = 64  # graphs per step kind: one per skip set and verify width; dynamo's default is 8
+MAX_DRAFT_STEPS = 8  # compiled draft steps kept per model, the most recently used skip sets
 
 
 def _forward(model: torch.nn.Module, cache: SpeculativeCache, ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
@@ -48,15 +52,24 @@ def _verify_step(model: torch.nn.Module, cache: SpeculativeCache) -> Callable[[t
     return verify_step
 
 
+# Batch-1 decoding on a CPU is matrix-vector products over the weights. MKL's, which inductor calls by default,
+# stream weights at about a third of the memory bandwidth; inductor's own C++ GEMM template (autotuned against
+# MKL, needs the weights frozen as constants, which it also prepacks) does far better: see BENCHMARKS.md.
+CPU_INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
 @dataclass(frozen=True)
 class CompileSettings:
     backend: str = "inductor"
-    mode: str | None = None  # None: "reduce-overhead" (CUDA graphs) for inductor on CUDA, the default elsewhere
+    # None: inductor's best for the device: CUDA graphs ("reduce-overhead") on CUDA, frozen weights and
+    # autotuned C++ GEMMs (CPU_INDUCTOR_OPTIONS) on a CPU. Any torch.compile mode name overrides that.
+    mode: str | None = None
 
-    def resolved_mode(self, device: torch.device) -> str | None:
-        if self.mode is None and self.backend == "inductor" and device.type == "cuda":
-            return "reduce-overhead"
-        return self.mode
+    def resolved(self, device: torch.device) -> tuple[str | None, dict | None]:
+        """torch.compile's `mode` and `options` (it takes one or the other) for `device`."""
+        if self.mode is not None or self.backend != "inductor":
+            return self.mode, None
+        return ("reduce-overhead", None) if device.type == "cuda" else (None, dict(CPU_INDUCTOR_OPTIONS))
 
 
 class Step:
@@ -65,9 +78,9 @@ class Step:
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
                  settings: CompileSettings | None):
         self.device = device
-        self.mode = settings.resolved_mode(device) if settings else None
+        self.mode, options = settings.resolved(device) if settings else (None, None)
         self.fn = fn if settings is None else torch.compile(
-            fn, backend=settings.backend, mode=self.mode, fullgraph=True, dynamic=False)
+            _own_code(fn), backend=settings.backend, mode=self.mode, options=options, fullgraph=True, dynamic=False)
         self.compile_time_s: float | None = None if settings else 0.0
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -86,17 +99,33 @@ class Step:
         return out
 
 
+def _own_code(fn: Callable) -> Callable:
+    """`fn` with a code object of its own.
+
+    Dynamo keeps compiled graphs per code object and fails a fullgraph compile once one code
+    object has `recompile_limit` graphs: draft steps of every skip set share `draft_step`'s code,
+    so a study would fail at its 9th compiled skip set. With its own code a step holds one
+    graph, which goes when the step is dropped.
+    """
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 @dataclass
 class Engine:
-    """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead."""
+    """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead.
+
+    Compiled draft steps are kept for the `MAX_DRAFT_STEPS` skip sets used last: a study decodes
+    most sets once (and repeats are answered without decoding), and each graph holds memory.
+    """
 
     model: torch.nn.Module
     cache: SpeculativeCache | None = None
-    steps: dict = field(default_factory=dict)
+    steps: OrderedDict = field(default_factory=OrderedDict)
 
-    def prepare(self, length: int, skip: SkipSet | None, settings: CompileSettings | None
+    def prepare(self, length: int, skip: SkipSet | None, settings: CompileSettings | None, verify_width: int
                 ) -> tuple[SpeculativeCache, Step | None, Step]:
-        """The cache (at least `length` slots), the draft step (None without a skip set) and the verify step."""
+        """The cache (at least `length` slots), the draft step (None without a skip set) and the verify step
+        (compiled for `verify_width` tokens; eager steps take any width)."""
         device = self.model.device
         if settings is None:
             cache = SpeculativeCache(self.model.config, length, device)
@@ -108,16 +137,17 @@ class Engine:
             self.steps.clear()  # they close over the old cache
         draft = self._step(("draft", skip, settings), lambda: _draft_step(draft_model(self.model, skip), self.cache),
                            settings) if skip else None
-        return self.cache, draft, self._step(("verify", settings), lambda: _verify_step(self.model, self.cache),
-                                             settings)
+        verify = self._step(("verify", verify_width, settings), lambda: _verify_step(self.model, self.cache), settings)
+        return self.cache, draft, verify
 
     def _step(self, key: tuple, make: Callable[[], Callable], settings: CompileSettings) -> Step:
         if key not in self.steps:
             self.steps[key] = Step(make(), self.model.device, settings)
+            drafts = [k for k in self.steps if k[0] == "draft"]
+            for old in drafts[: max(0, len(drafts) - MAX_DRAFT_STEPS)]:
+                del self.steps[old]
+        self.steps.move_to_end(key)
         return self.steps[key]
-
-    def compile_time_s(self) -> float:
-        return sum(step.compile_time_s or 0.0 for step in self.steps.values())
 
 
 def engine_for(model: torch.nn.Module) -> Engine:

@@ -313,3 +313,37 @@ def test_reference_logits_predict_each_reference_token():
     tokens = hf_greedy(model, prompt, 6, eos=None)
     logits = reference_logits(model, prompt, tokens)
     assert logits.shape[0] == len(tokens) and logits.argmax(-1).tolist() == tokens
+
+
+def test_a_process_compiles_more_skip_sets_than_dynamos_recompile_limit(monkeypatch):
+    """Each compiled step has its own code object: a study's many skip sets never hit dynamo's per-code limit."""
+    import skipsearch.engine as engine
+
+    model = tiny_model("llama", seed=6, dtype=torch.float64)
+    monkeypatch.setattr(engine, "MAX_DRAFT_STEPS", 2)
+    policy = DraftPolicy(max_draft_tokens=2, adaptive=False)
+    skips = [SkipSet.of([layer], [], NUM_LAYERS) for layer in range(NUM_LAYERS)]
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for skip in skips:
+            out = generate(model, [5, 9, 14], skip=skip, max_new_tokens=6, policy=policy, eos_token_id=None, **COMPILED)
+            assert out.tokens == hf_greedy(model, [5, 9, 14], 6, eos=None)
+            assert out.stats.compile_time_s > 0
+    kept = [key[1] for key in engine.engine_for(model).steps if key[0] == "draft"]
+    assert kept == skips[-2:]  # the most recently used sets, the older graphs released
+
+
+def test_cpu_inductor_freezes_weights_and_autotunes_gemms_and_decodes_exactly():
+    """The CPU default for inductor (what `--compile` runs) is timed in benchmarks/engine_speed.py; here it must be exact."""
+    from skipsearch.engine import CPU_INDUCTOR_OPTIONS, CompileSettings
+
+    assert CompileSettings().resolved(torch.device("cpu")) == (None, CPU_INDUCTOR_OPTIONS)
+    assert CPU_INDUCTOR_OPTIONS["freezing"] and CPU_INDUCTOR_OPTIONS["max_autotune"]
+    assert CompileSettings().resolved(torch.device("cuda")) == ("reduce-overhead", None)
+    assert CompileSettings(mode="default").resolved(torch.device("cpu")) == ("default", None)
+    model = tiny_model("llama", seed=7, num_layers=2)
+    prompt, skip = [5, 9, 14, 3], SkipSet.of([1], [], 2)
+    expected = hf_greedy(model, prompt, 10, eos=None)
+    for skip in (None, skip):
+        out = generate(model, prompt, skip=skip, max_new_tokens=10, policy=DraftPolicy(max_draft_tokens=3),
+                       eos_token_id=None, compile=True)
+        assert out.tokens == expected and out.stats.compile_time_s > 0
