@@ -110,6 +110,8 @@ CASES = [
     (["profile", "--output", "{dir}/studies"], "is a folder: name a file"),
     (["profile", "--output", "{dir}/good.json/profile.json"], "is a file, not a folder"),
     (["bench", "--output-dir", "{dir}/prompts.jsonl"], "is a file: name a folder"),
+    (["bench", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl/bench. cannot be written"),
+    (["profile", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl/cost-profile.json. cannot"),
     (["optimize", "--studies-dir", "{dir}/prompts.jsonl"], "prompts.jsonl. is a file"),
     # 2. rejected input writes nothing: no database, no Optuna tables added to someone else's
     (["optimize", "--seed", "-1"], r"--seed: expected an integer in \[0, 4294967295\]"),
