@@ -665,6 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--output", type=Path, default=None, help="(default: <studies-dir>/<study-name>/plots)")
     _add_study_flags(plot)
     plot.set_defaults(run=cmd_plot)
+    for sub in commands.choices.values():
+        # The tool's own errors start like argparse's ("python -m skipsearch plot: error: ..."): one form for both.
+        sub.set_defaults(prog=sub.prog)
     return parser
 
 
@@ -683,19 +686,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except ValueError as error:
-        print(f"skipsearch {args.command}: error: {error}", file=sys.stderr)
+        print(f"{args.prog}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"skipsearch {args.command}: interrupted", file=sys.stderr)
+        print(f"{args.prog}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:  # faults of the machine, not of the input: one line still, exit 1
         if disk_full(error):
-            print(f"skipsearch {args.command}: error: no space left on the device ({_first_line(error)}); "
+            print(f"{args.prog}: error: no space left on the device ({_first_line(error)}); "
                   "what finished is kept: free space and run the command again", file=sys.stderr)
             return 1
         if isinstance(error, OSError) and error.strerror:
             where = f": {error.filename}" if error.filename else ""
-            print(f"skipsearch {args.command}: error: {error.strerror}{where}", file=sys.stderr)
+            print(f"{args.prog}: error: {error.strerror}{where}", file=sys.stderr)
             return 1
         raise
 
