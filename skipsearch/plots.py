@@ -9,6 +9,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 import optuna
 from optuna.trial import TrialState
 
@@ -138,6 +139,19 @@ def _labelled(ax: plt.Axes, title: str, xlabel: str, ylabel: str) -> plt.Figure:
     return ax.figure
 
 
+def history(study: optuna.Study) -> plt.Figure:
+    """Optuna's optimization history (the first objective of a Pareto study), labelled, with whole trial numbers."""
+    multi = len(study.directions) > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # Optuna's matplotlib plots
+        ax = optuna.visualization.matplotlib.plot_optimization_history(
+            study, target=(lambda t: t.values[0]) if multi else None, target_name="speedup" if multi else "score")
+    # Matplotlib's default ticks put 0.5, 1.5, ... between trials when there are few of them.
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _labelled(ax, f"{study.study_name}: {_target_label(study)} per completed trial", "trial number",
+                     _target_label(study, units=True))
+
+
 def _sublayer_label(param: str) -> str:
     kind, layer = param.split("_")
     return f"layer {int(layer)} {'attention' if kind == 'attn' else 'MLP'}"
@@ -179,14 +193,9 @@ def write_plots(study: optuna.Study, folder: Path) -> list[Path]:
     """Write every plot that the study's trials allow; returns the files written."""
     folder.mkdir(parents=True, exist_ok=True)
     multi = len(study.directions) > 1
-    target = (lambda t: t.values[0]) if multi else None
-    target_name = "speedup" if multi else "score"
     vis = optuna.visualization.matplotlib
     figures = {
-        "history": lambda: _labelled(
-            vis.plot_optimization_history(study, target=target, target_name=target_name),
-            f"{study.study_name}: {_target_label(study)} per completed trial", "trial number",
-            _target_label(study, units=True)),
+        "history": lambda: history(study),
         "importances": lambda: importances(study),
         "skip_map": lambda: skip_map(study),
         "speedup_vs_skipped": lambda: speedup_vs_skipped(study),

@@ -70,6 +70,15 @@ def test_every_plot_has_a_title_and_labels(tmp_path, monkeypatch, objective, exp
         plt.close(fig)
 
 
+@pytest.mark.parametrize("objective", ["speed_x_acceptance", "pareto"])
+def test_history_ticks_are_whole_trial_numbers(objective):
+    fig = plots.history(synthetic_study(objective, n=5))  # few trials: matplotlib would tick 0.5, 1.5, ...
+    ticks = fig.axes[0].get_xticks()
+    assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+    assert fig.axes[0].get_xlabel() == "trial number"
+    plt.close(fig)
+
+
 def test_bench_bars_carry_their_numbers(tmp_path, monkeypatch):
     figures = []
     monkeypatch.setattr(bench, "save_figure", lambda fig, path: figures.append(fig))
