@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import warnings
@@ -157,17 +158,45 @@ def _sublayer_label(param: str) -> str:
     return f"layer {int(layer)} {'attention' if kind == 'attn' else 'MLP'}"
 
 
+# PED-ANOVA compares the parameters of the best `_PED_ANOVA_TOP` of the trials with those of all trials. Optuna's
+# documentation asks for at least 5 trials in that top group to make it stable, so 50 trials at the top 10%: below
+# that, the top group is one to four trials and the bars mostly show which sublayers those few happened to skip.
+_PED_ANOVA_TOP = 0.1
+IMPORTANCE_MIN_TRIALS = math.ceil(5 / _PED_ANOVA_TOP)
+
+
+def decoded_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """The distinct completed trials whose value came from decoding (not from the teacher-forced pre-screen)."""
+    return [t for t in distinct_trials(study) if t.state == TrialState.COMPLETE and "screened_out" not in t.user_attrs]
+
+
+def _trials(n: int) -> str:
+    return f"{n} decoded trial{'' if n == 1 else 's'}"
+
+
 def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     """The `top` sublayers whose skip decision explains most of the objective (PED-ANOVA), the rest as one bar.
 
-    One bar per parameter would be 2 x layers bars (56 on a 30-layer model), whose labels overlap.
+    One bar per parameter would be 2 x layers bars (56 on a 30-layer model), whose labels overlap. On fewer than
+    `IMPORTANCE_MIN_TRIALS` decoded trials the title says that the ranking is rough.
     """
     multi = len(study.directions) > 1
-    values = optuna.importance.get_param_importances(
-        study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(),
-        target=(lambda t: t.values[0]) if multi else None,
-    )
-    total = sum(values.values()) or 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # on very few trials Optuna warns that every importance is 0; the title says so
+        values = optuna.importance.get_param_importances(
+            study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(target_quantile=_PED_ANOVA_TOP),
+            target=(lambda t: t.values[0]) if multi else None, normalize=False,  # all 0 must not read as equal shares
+        )
+    decoded = len(decoded_trials(study))
+    if not any(values.values()):
+        fig, ax = plt.subplots(figsize=(7, 2.5), constrained_layout=True)
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, f"PED-ANOVA tells no sublayer apart from {_trials(decoded)}:\n"
+                          f"too few to say whose skipping matters (it wants {IMPORTANCE_MIN_TRIALS} or more)",
+                ha="center", va="center", fontsize=10)
+        ax.set_title(f"{study.study_name}: which sublayers' skipping matters: not known yet", fontsize=10)
+        return fig
+    total = sum(values.values())
     shares = {name: value / total for name, value in values.items()}
     ranked = sorted(shares.items(), key=lambda item: item[1], reverse=True)
     shown, rest = ranked[:top], ranked[top:]
@@ -185,7 +214,10 @@ def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     ax.set_xlabel(f"share of the importance for the {_target_label(study)} (PED-ANOVA, %)")
     ax.set_ylabel("sublayer (skipped or kept)")
     rest_text = f"; the other {len(rest)} share {sum(s for _, s in rest):.0%}" if rest else ""
-    ax.set_title(f"{study.study_name}: the {len(shown)} sublayers whose skipping matters most{rest_text}", fontsize=10)
+    rough = (f"\nonly {_trials(decoded)}: rough (PED-ANOVA wants {IMPORTANCE_MIN_TRIALS} or more, 5 in its "
+             f"top {_PED_ANOVA_TOP:.0%})" if decoded < IMPORTANCE_MIN_TRIALS else "")
+    ax.set_title(f"{study.study_name}: the {len(shown)} sublayers whose skipping matters most{rest_text}{rough}",
+                 fontsize=10)
     return fig
 
 

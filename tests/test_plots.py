@@ -70,6 +70,30 @@ def test_every_plot_has_a_title_and_labels(tmp_path, monkeypatch, objective, exp
         plt.close(fig)
 
 
+def test_importances_on_few_decoded_trials_say_they_are_rough():
+    assert plots.IMPORTANCE_MIN_TRIALS == 50
+    study = synthetic_study(n=49)
+    screened = study.trials[0]  # a pre-screened set is not decoded: it does not count
+    study.add_trial(optuna.trial.create_trial(params=screened.params, distributions=screened.distributions,
+                                              values=[0.01], user_attrs={**screened.user_attrs, "screened_out": "x"}))
+    fig = plots.importances(study)
+    title = fig.axes[0].get_title()
+    assert "only 49 decoded trials: rough (PED-ANOVA wants 50 or more" in title, title
+    assert len(fig.axes[0].patches) == 15  # still drawn
+    plt.close(fig)
+    fig = plots.importances(synthetic_study(n=50))
+    assert "rough" not in fig.axes[0].get_title()
+    plt.close(fig)
+
+
+def test_importances_of_a_single_trial_say_nothing_is_known_instead_of_equal_bars():
+    fig = plots.importances(synthetic_study(n=1))
+    [ax] = fig.axes
+    assert "not known yet" in ax.get_title() and not ax.patches
+    assert "1 decoded trial:" in ax.texts[0].get_text() and "50 or more" in ax.texts[0].get_text()
+    plt.close(fig)
+
+
 @pytest.mark.parametrize("objective", ["speed_x_acceptance", "pareto"])
 def test_history_ticks_are_whole_trial_numbers(objective):
     fig = plots.history(synthetic_study(objective, n=5))  # few trials: matplotlib would tick 0.5, 1.5, ...
