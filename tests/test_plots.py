@@ -94,6 +94,23 @@ def test_importances_of_a_single_trial_say_nothing_is_known_instead_of_equal_bar
     plt.close(fig)
 
 
+def test_pareto_importances_rank_by_high_speedup(monkeypatch):
+    """PED-ANOVA takes low values of a given target as the good ones: a Pareto study's speedup must be negated."""
+    seen = {}
+    real = optuna.importance.get_param_importances
+
+    def spy(study, **kwargs):
+        seen["target"] = kwargs["target"]
+        return real(study, **kwargs)
+
+    monkeypatch.setattr(optuna.importance, "get_param_importances", spy)
+    study = synthetic_study("pareto")
+    plt.close(plots.importances(study))
+    fastest = max(study.trials, key=lambda t: t.values[0])
+    slowest = min(study.trials, key=lambda t: t.values[0])
+    assert seen["target"](fastest) < seen["target"](slowest)
+
+
 @pytest.mark.parametrize("objective", ["speed_x_acceptance", "pareto"])
 def test_history_ticks_are_whole_trial_numbers(objective):
     fig = plots.history(synthetic_study(objective, n=5))  # few trials: matplotlib would tick 0.5, 1.5, ...
