@@ -111,6 +111,19 @@ def test_pareto_importances_rank_by_high_speedup(monkeypatch):
     assert seen["target"](fastest) < seen["target"](slowest)
 
 
+def test_plain_decodings_trial_is_not_counted_as_decoded_nor_drawn_as_a_search_estimate():
+    study = synthetic_study(n=5)
+    first = study.trials[0]
+    study.add_trial(optuna.trial.create_trial(
+        params={name: 1.0 for name in first.params}, distributions=first.distributions, values=[1.0],
+        user_attrs={"skip_attn": [], "skip_mlp": [], "skipped": 0, "skipped_fraction": 0.0, "speedup": 1.0,
+                    "speedup_low": 1.0, "speedup_high": 1.0, "acceptance_rate": None, "plain_decoding": "by definition"}))
+    assert len(plots.decoded_trials(study)) == 5
+    fig = plots.speedup_vs_skipped(study)
+    assert len(fig.axes[0].collections[0].get_offsets()) == 5  # the dashed line at 1.0 is plain decoding
+    plt.close(fig)
+
+
 @pytest.mark.parametrize("objective", ["speed_x_acceptance", "pareto"])
 def test_history_ticks_are_whole_trial_numbers(objective):
     fig = plots.history(synthetic_study(objective, n=5))  # few trials: matplotlib would tick 0.5, 1.5, ...
