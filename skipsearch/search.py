@@ -257,7 +257,8 @@ class Evaluator:
             if prediction is not None:
                 predictions.append(prediction)
             if report is not None:
-                acceptance = prompt_stats.acceptance_rate if skip.size else None
+                # This prompt's share of the objective: the pruner compares it with the best trial's, prompt by prompt.
+                acceptance = prompt_stats.acceptance_rate if skip.size and objective == "speed_x_acceptance" else None
                 value = prediction if objective == "modeled" else prompt_ratio * (1.0 if acceptance is None else acceptance)
                 if report(index, value):
                     break

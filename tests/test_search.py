@@ -59,6 +59,17 @@ def test_evaluator_pairs_every_skip_run_with_plain_decoding_and_reports_each_pro
     assert result.score("pareto") == (result.speedup.estimate, result.acceptance_rate)
 
 
+def test_each_prompts_report_is_that_prompts_share_of_the_objective():
+    evaluator = make_evaluator()
+    evaluator.prompts = PROMPTS[:1]  # one prompt, one pair: the prompt's ratio is the trial's speedup
+    skip = SkipSet.of([1], [2], 4)
+    for objective in ("speedup", "speed_x_acceptance"):
+        steps = []
+        result = evaluator.evaluate(skip, report=lambda step, value: steps.append(value) or False, objective=objective)
+        assert result.acceptance_rate < 1.0  # else the two objectives could not be told apart
+        assert steps == [pytest.approx(result.score(objective))]
+
+
 def test_evaluation_stops_when_the_pruner_says_so():
     evaluator = make_evaluator()
     result = evaluator.evaluate(SkipSet.of([1], [], 4), report=lambda step, value: True)
