@@ -100,7 +100,7 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     points = ax.scatter([t.user_attrs["skipped_fraction"] for t in decoded], [t.user_attrs[key] for t in decoded],
                         c=[1.0 if a is None else a for a in acceptance], cmap="viridis", vmin=0, vmax=1, s=22,
                         label="trial (search estimate)")
-    fig.colorbar(points, ax=ax, label="acceptance rate (accepted / drafted tokens; plain decoding: 1)")
+    fig.colorbar(points, ax=ax, label="acceptance rate (accepted / drafted tokens)")
     record = study.user_attrs.get(CONFIRM_ATTR) or {"candidates": []}
     confirmed = [c for c in record["candidates"] if c.get(key) is not None]
     if confirmed:
