@@ -202,11 +202,15 @@ def _study_name(text: str) -> str:
     return text
 
 
+def _add_studies_dir(group: argparse._ActionsContainer) -> None:
+    group.add_argument("--studies-dir", type=Path, default=Path("studies"),
+                       help="where studies, exported configs, plots, benchmarks and cost profiles live")
+
+
 def _add_study_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("study")
     group.add_argument("--study-name", type=_study_name, default="default", help="name of the Optuna study")
-    group.add_argument("--studies-dir", type=Path, default=Path("studies"),
-                       help="where studies, exported configs and plots live")
+    _add_studies_dir(group)
     group.add_argument("--storage", default=None,
                        help="an Optuna storage: a SQLAlchemy URL such as postgresql+psycopg2://user:pw@host/db "
                             "(many machines) or journal:<file> (many processes, one machine) "
@@ -417,7 +421,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
                            seed=args.seed)
-    _check_output_folder(args.output_dir, "--output-dir")
+    output_dir = args.output_dir or args.studies_dir / "bench"
+    _check_output_folder(output_dir, "--output-dir" if args.output_dir else "--studies-dir")
     if args.config:
         load_skip_config(args.config)  # a broken file is reported before the model loads
     if args.cost_profile:
@@ -457,7 +462,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "repeats": args.repeats, "config": str(args.config) if args.config else None,
                 "device_name": device_name(loaded.device), "torch_threads": torch.get_num_threads(),
                 "project_with": [str(p) for p in args.project_with or ()]}
-    json_path, png_path = write_outputs(rows, args.output_dir, settings, verdict)
+    json_path, png_path = write_outputs(rows, output_dir, settings, verdict)
     print(f"wrote {json_path} and {png_path}")
     return 0
 
@@ -468,7 +473,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from . import models
     from .costs import format_profile, profile_costs
 
-    _check_output_file(args.output, "--output")
+    output = args.output or args.studies_dir / "cost-profile.json"
+    _check_output_file(output, "--output" if args.output else "--studies-dir")
     if args.config_only:
         model = models.model_from_config(args.model, device=args.device, dtype=args.dtype)
     else:
@@ -477,9 +483,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
     weights = "random (built from the config alone)" if args.config_only else "real"
     profile = dataclasses.replace(profile, provenance={**profile.provenance, "model": args.model or models.DEFAULT_MODEL,
                                                        "weights": weights})
-    profile.save(args.output)
+    profile.save(output)
     print(format_profile(profile))
-    print(f"wrote {args.output}")
+    print(f"wrote {output}")
     return 0
 
 
@@ -609,7 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also print the config's speedup PREDICTED with this cost profile, e.g. a GPU's "
                             "(repeatable; a prediction, not a measurement; stored in bench.json)")
     bench.add_argument("--seed", type=_seed, default=0, help="seed of the prompt selection")
-    bench.add_argument("--output-dir", type=Path, default=Path("studies/bench"), help="where bench.json/.png go")
+    bench.add_argument("--output-dir", type=Path, default=None,
+                       help="where bench.json/.png go (default: <studies-dir>/bench)")
+    _add_studies_dir(bench)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_prompt_flags(bench, num_prompts=4, max_new_tokens=48)
     _add_model_flags(bench)
@@ -623,7 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "context lengths on this device and dtype, and what decoding pays besides forwards; "
                     "`optimize --objective modeled --cost-profile`, `bench` and `--project-with` read the file.",
     )
-    prof.add_argument("--output", type=Path, default=Path("studies/cost-profile.json"), help="profile JSON to write")
+    prof.add_argument("--output", type=Path, default=None,
+                      help="profile JSON to write (default: <studies-dir>/cost-profile.json)")
+    _add_studies_dir(prof)
     prof.add_argument("--contexts", type=_contexts, default=None,
                       help="context lengths (cached tokens) to time at, e.g. 128,1024,4096 (default: 128,1024 on a "
                            "CPU; on CUDA up to 32768 as the model's positions and the device's memory allow)")
@@ -655,6 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--output", type=Path, default=None, help="(default: <studies-dir>/<study-name>/plots)")
     _add_study_flags(plot)
     plot.set_defaults(run=cmd_plot)
+    for sub in commands.choices.values():
+        # The tool's own errors start like argparse's ("python -m skipsearch plot: error: ..."): one form for both.
+        sub.set_defaults(prog=sub.prog)
     return parser
 
 
@@ -673,19 +686,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except ValueError as error:
-        print(f"skipsearch {args.command}: error: {error}", file=sys.stderr)
+        print(f"{args.prog}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"skipsearch {args.command}: interrupted", file=sys.stderr)
+        print(f"{args.prog}: interrupted", file=sys.stderr)
         return 130
     except Exception as error:  # faults of the machine, not of the input: one line still, exit 1
         if disk_full(error):
-            print(f"skipsearch {args.command}: error: no space left on the device ({_first_line(error)}); "
+            print(f"{args.prog}: error: no space left on the device ({_first_line(error)}); "
                   "what finished is kept: free space and run the command again", file=sys.stderr)
             return 1
         if isinstance(error, OSError) and error.strerror:
             where = f": {error.filename}" if error.filename else ""
-            print(f"skipsearch {args.command}: error: {error.strerror}{where}", file=sys.stderr)
+            print(f"{args.prog}: error: {error.strerror}{where}", file=sys.stderr)
             return 1
         raise
 

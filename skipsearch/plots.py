@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import warnings
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 import optuna
 from optuna.trial import TrialState
 
@@ -90,13 +92,15 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
 def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     """Every decoded skip set's speedup from its trial, and the confirmed candidates with their intervals."""
     key = speedup_key(study)
-    decoded = [t for t in distinct_trials(study) if t.user_attrs.get(key) is not None]
+    # Plain decoding's trial is 1.0 by definition, not a search estimate: the dashed line draws it.
+    decoded = [t for t in distinct_trials(study)
+               if t.user_attrs.get(key) is not None and "plain_decoding" not in t.user_attrs]
     fig, ax = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
     acceptance = [t.user_attrs.get("acceptance_rate") for t in decoded]
     points = ax.scatter([t.user_attrs["skipped_fraction"] for t in decoded], [t.user_attrs[key] for t in decoded],
                         c=[1.0 if a is None else a for a in acceptance], cmap="viridis", vmin=0, vmax=1, s=22,
                         label="trial (search estimate)")
-    fig.colorbar(points, ax=ax, label="acceptance rate (accepted / drafted tokens; plain decoding: 1)")
+    fig.colorbar(points, ax=ax, label="acceptance rate (accepted / drafted tokens)")
     record = study.user_attrs.get(CONFIRM_ATTR) or {"candidates": []}
     confirmed = [c for c in record["candidates"] if c.get(key) is not None]
     if confirmed:
@@ -138,22 +142,66 @@ def _labelled(ax: plt.Axes, title: str, xlabel: str, ylabel: str) -> plt.Figure:
     return ax.figure
 
 
+def history(study: optuna.Study) -> plt.Figure:
+    """Optuna's optimization history (the first objective of a Pareto study), labelled, with whole trial numbers."""
+    multi = len(study.directions) > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # Optuna's matplotlib plots
+        ax = optuna.visualization.matplotlib.plot_optimization_history(
+            study, target=(lambda t: t.values[0]) if multi else None, target_name="speedup" if multi else "score")
+    # Matplotlib's default ticks put 0.5, 1.5, ... between trials when there are few of them.
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _labelled(ax, f"{study.study_name}: {_target_label(study)} per completed trial", "trial number",
+                     _target_label(study, units=True))
+
+
 def _sublayer_label(param: str) -> str:
     kind, layer = param.split("_")
     return f"layer {int(layer)} {'attention' if kind == 'attn' else 'MLP'}"
 
 
+# PED-ANOVA compares the parameters of the best `_PED_ANOVA_TOP` of the trials with those of all trials. Optuna's
+# documentation asks for at least 5 trials in that top group to make it stable, so 50 trials at the top 10%: below
+# that, the top group is one to four trials and the bars mostly show which sublayers those few happened to skip.
+_PED_ANOVA_TOP = 0.1
+IMPORTANCE_MIN_TRIALS = math.ceil(5 / _PED_ANOVA_TOP)
+
+
+def decoded_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """The distinct completed trials whose value came from decoding (not from the teacher-forced pre-screen, nor
+    plain decoding's, which is known without decoding)."""
+    return [t for t in distinct_trials(study) if t.state == TrialState.COMPLETE
+            and "screened_out" not in t.user_attrs and "plain_decoding" not in t.user_attrs]
+
+
+def _trials(n: int) -> str:
+    return f"{n} decoded trial{'' if n == 1 else 's'}"
+
+
 def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     """The `top` sublayers whose skip decision explains most of the objective (PED-ANOVA), the rest as one bar.
 
-    One bar per parameter would be 2 x layers bars (56 on a 30-layer model), whose labels overlap.
+    One bar per parameter would be 2 x layers bars (56 on a 30-layer model), whose labels overlap. On fewer than
+    `IMPORTANCE_MIN_TRIALS` decoded trials the title says that the ranking is rough.
     """
     multi = len(study.directions) > 1
-    values = optuna.importance.get_param_importances(
-        study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(),
-        target=(lambda t: t.values[0]) if multi else None,
-    )
-    total = sum(values.values()) or 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # on very few trials Optuna warns that every importance is 0; the title says so
+        values = optuna.importance.get_param_importances(
+            study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(target_quantile=_PED_ANOVA_TOP),
+            # PED-ANOVA takes a given target's low values as the good ones: the speedup, negated.
+            target=(lambda t: -t.values[0]) if multi else None, normalize=False,  # all 0 must not read as equal shares
+        )
+    decoded = len(decoded_trials(study))
+    if not any(values.values()):
+        fig, ax = plt.subplots(figsize=(7, 2.5), constrained_layout=True)
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, f"PED-ANOVA tells no sublayer apart from {_trials(decoded)}:\n"
+                          f"too few to say whose skipping matters (it wants {IMPORTANCE_MIN_TRIALS} or more)",
+                ha="center", va="center", fontsize=10)
+        ax.set_title(f"{study.study_name}: which sublayers' skipping matters: not known yet", fontsize=10)
+        return fig
+    total = sum(values.values())
     shares = {name: value / total for name, value in values.items()}
     ranked = sorted(shares.items(), key=lambda item: item[1], reverse=True)
     shown, rest = ranked[:top], ranked[top:]
@@ -171,7 +219,10 @@ def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     ax.set_xlabel(f"share of the importance for the {_target_label(study)} (PED-ANOVA, %)")
     ax.set_ylabel("sublayer (skipped or kept)")
     rest_text = f"; the other {len(rest)} share {sum(s for _, s in rest):.0%}" if rest else ""
-    ax.set_title(f"{study.study_name}: the {len(shown)} sublayers whose skipping matters most{rest_text}", fontsize=10)
+    rough = (f"\nonly {_trials(decoded)}: rough (PED-ANOVA wants {IMPORTANCE_MIN_TRIALS} or more, 5 in its "
+             f"top {_PED_ANOVA_TOP:.0%})" if decoded < IMPORTANCE_MIN_TRIALS else "")
+    ax.set_title(f"{study.study_name}: the {len(shown)} sublayers whose skipping matters most{rest_text}{rough}",
+                 fontsize=10)
     return fig
 
 
@@ -179,14 +230,9 @@ def write_plots(study: optuna.Study, folder: Path) -> list[Path]:
     """Write every plot that the study's trials allow; returns the files written."""
     folder.mkdir(parents=True, exist_ok=True)
     multi = len(study.directions) > 1
-    target = (lambda t: t.values[0]) if multi else None
-    target_name = "speedup" if multi else "score"
     vis = optuna.visualization.matplotlib
     figures = {
-        "history": lambda: _labelled(
-            vis.plot_optimization_history(study, target=target, target_name=target_name),
-            f"{study.study_name}: {_target_label(study)} per completed trial", "trial number",
-            _target_label(study, units=True)),
+        "history": lambda: history(study),
         "importances": lambda: importances(study),
         "skip_map": lambda: skip_map(study),
         "speedup_vs_skipped": lambda: speedup_vs_skipped(study),

@@ -139,7 +139,7 @@ class Evaluation:
     mean_accepted_tokens: float | None
     identical: bool
     skipped_fraction: float
-    prompts: int  # prompts decoded: fewer than the evaluator's when the pruner stopped the trial early
+    prompts: int  # prompts the figures cover: fewer than the evaluator's when the pruner stopped the trial early
     predicted_speedup: Interval | None = None  # from a cost profile, one prediction per prompt
 
     def score(self, objective: str) -> float | tuple[float, float]:
@@ -257,7 +257,8 @@ class Evaluator:
             if prediction is not None:
                 predictions.append(prediction)
             if report is not None:
-                acceptance = prompt_stats.acceptance_rate if skip.size else None
+                # This prompt's share of the objective: the pruner compares it with the best trial's, prompt by prompt.
+                acceptance = prompt_stats.acceptance_rate if skip.size and objective == "speed_x_acceptance" else None
                 value = prediction if objective == "modeled" else prompt_ratio * (1.0 if acceptance is None else acceptance)
                 if report(index, value):
                     break
@@ -269,6 +270,24 @@ class Evaluator:
             mean_accepted_tokens=total.mean_accepted_tokens if skip.size else None, identical=identical,
             skipped_fraction=skip.skipped_fraction(self.model.config.num_hidden_layers), prompts=done,
             predicted_speedup=_spread(predictions) if predictions else None,
+        )
+
+    def plain_decoding(self, report: Callable[[int, float], bool] | None = None) -> Evaluation:
+        """The empty skip set's evaluation, without decoding anything.
+
+        Skipping nothing is plain decoding: its speedup over plain decoding is 1 and its acceptance counts as 1
+        by definition, so every objective's value is exactly plain decoding's (1, or (1, 1) for pareto) and a
+        measurement would only add noise. `report` gets that value for every prompt, so that the pruner can
+        compare later trials prompt by prompt with plain decoding when plain decoding is the best trial.
+        (`evaluate(SkipSet())` still measures plain decoding against itself, for noise studies.)
+        """
+        exact = Interval(1.0, 1.0, 1.0, 0)
+        for index in range(len(self.prompts) if report is not None else 0):
+            report(index, 1.0)  # nothing to stop early: the value is exact
+        return Evaluation(
+            skip=SkipSet(), speedup=exact if self.timed else None, acceptance_rate=None, tokens_per_second=None,
+            baseline_tokens_per_second=None, mean_accepted_tokens=None, identical=True, skipped_fraction=0.0,
+            prompts=len(self.prompts), predicted_speedup=exact if self.profile is not None else None,
         )
 
     def _predict(self, skip: SkipSet, stats: DecodeStats) -> float | None:
@@ -374,20 +393,27 @@ def make_objective(
                 raise SurplusTrial(f"the study already had {n_trials} finished or running trials")
         trial.set_user_attr("skipped", skip.size)
         trial.set_user_attr("skipped_fraction", skip.skipped_fraction(space.num_layers))
+
+        def report(step: int, value: float) -> bool:
+            if objective == "pareto":
+                return False  # Optuna prunes single-objective studies only
+            trial.report(value, step)  # the step is the prompt's index: the pruner pairs prompts across trials
+            return trial.should_prune()
+
+        if not skip.size:
+            trial.set_user_attr("plain_decoding", "skips nothing: plain decoding, whose speedup is 1 and acceptance "
+                                                  "counts as 1 by definition; not decoded")
+            evaluation = evaluator.plain_decoding(report=report)
+            for name, value in evaluation.user_attrs().items():
+                trial.set_user_attr(name, value)
+            return evaluation.score(objective)
         try:
-            if skip.size and min_match > 0:
+            if min_match > 0:
                 match = evaluator.match_rate(skip)
                 trial.set_user_attr("match", match)
                 if match < min_match:
                     trial.set_user_attr("screened_out", f"teacher-forced match {match:.2f} < {min_match}")
                     return screened_score(match, objective)
-
-            def report(step: int, value: float) -> bool:
-                if objective == "pareto":
-                    return False  # Optuna prunes single-objective studies only
-                trial.report(value, step)  # the step is the prompt's index: the pruner pairs prompts across trials
-                return trial.should_prune()
-
             evaluation = evaluator.evaluate(skip, report=report, objective=objective)
         except SurplusTrial:
             raise
@@ -681,12 +707,14 @@ def study_summary(study: optuna.Study) -> str:
     """What the study evaluated, in the units `--n-trials` counts."""
     distinct = distinct_trials(study)
     warm = [t.number for t in distinct if t.user_attrs.get("warm_start")]
+    plain = [t.number for t in distinct if "plain_decoding" in t.user_attrs]
     screened = sum("screened_out" in t.user_attrs for t in distinct)
     early = sum("stopped_early" in t.user_attrs for t in distinct)
     repeats = sum("repeat_of" in t.user_attrs for t in finished_trials(study))
     failed = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
     parts = [f"{len(distinct)} distinct skip sets evaluated",
              f"warm starts: trials {', '.join(map(str, warm))}" if warm else "no warm starts",
+             *[f"trial {n}, the empty set, is plain decoding: scored 1 by definition, not decoded" for n in plain],
              f"{screened} stopped by the pre-screen", f"{early} stopped early by the pruner",
              f"{repeats} repeated proposals answered from earlier trials without decoding"]
     if failed:

@@ -110,6 +110,8 @@ CASES = [
     (["profile", "--output", "{dir}/studies"], "is a folder: name a file"),
     (["profile", "--output", "{dir}/good.json/profile.json"], "is a file, not a folder"),
     (["bench", "--output-dir", "{dir}/prompts.jsonl"], "is a file: name a folder"),
+    (["bench", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl/bench. cannot be written"),
+    (["profile", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl/cost-profile.json. cannot"),
     (["optimize", "--studies-dir", "{dir}/prompts.jsonl"], "prompts.jsonl. is a file"),
     # 2. rejected input writes nothing: no database, no Optuna tables added to someone else's
     (["optimize", "--seed", "-1"], r"--seed: expected an integer in \[0, 4294967295\]"),
@@ -161,6 +163,8 @@ def test_bad_input(argv, message, workspace, gpt2_dir, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert len(err.strip().splitlines()) == 1, err
+    # argparse's errors and the tool's own start alike: the command's prog, then "error:".
+    assert err.startswith(f"python -m skipsearch {argv[0]}: error: "), err
     assert "Traceback" not in err
     assert re.search(message, err), err
     assert "secret" not in err  # passwords never echoed
@@ -209,6 +213,7 @@ def test_bad_environment(env, argv, message, workspace, capsys, monkeypatch):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+    assert err.startswith(f"python -m skipsearch {argv[0]}: error: "), err
     assert snapshot(folder) == before
     assert hf_snapshot() == hf_before
 
@@ -218,4 +223,9 @@ def test_no_traceback_from_the_real_command(workspace):
     result = subprocess.run([sys.executable, "-m", "skipsearch", "generate", "--model", model, "--prompt", "hi",
                              "--config", str(folder / "other-model.json")], capture_output=True, text=True)
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip().startswith("skipsearch generate: error:")
+    assert result.stderr.strip().startswith("python -m skipsearch generate: error:")
+    # An error argparse finds reads the same way.
+    result = subprocess.run([sys.executable, "-m", "skipsearch", "generate", "--prompt", "hi", "--top-p", "2"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert result.stderr.startswith("python -m skipsearch generate: error: argument --top-p:")

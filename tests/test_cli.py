@@ -157,3 +157,24 @@ def test_bench_and_profile_bad_input(capsys, tmp_path, tiny_model_dir, argv, mes
     _, err = capsys.readouterr()
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_and_profile_write_under_the_studies_dir_unless_told_otherwise(capsys, tmp_path, tiny_model_dir,
+                                                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the old fixed defaults (studies/...) would land here
+    studies = tmp_path / "elsewhere"
+    code, out, _ = run(capsys, "profile", "--model", tiny_model_dir, "--studies-dir", studies, "--repeats", 1,
+                       "--contexts", "8", "--no-progress")
+    assert code == 0 and (studies / "cost-profile.json").is_file() and f"wrote {studies / 'cost-profile.json'}" in out
+    bench = ["bench", "--model", tiny_model_dir, "--studies-dir", studies, "--num-prompts", 1, "--max-new-tokens", 2,
+             "--repeats", 1, "--prompt-lookup-tokens", 0, "--no-progress"]
+    code, out, _ = run(capsys, *bench)
+    assert code == 0 and {p.name for p in (studies / "bench").iterdir()} == {"bench.json", "bench.png"}
+    assert not (tmp_path / "studies").exists()
+    # --output-dir / --output still win over the studies dir.
+    code, _, _ = run(capsys, *bench, "--output-dir", tmp_path / "mine")
+    assert code == 0 and (tmp_path / "mine" / "bench.json").is_file()
+    code, _, _ = run(capsys, "profile", "--model", tiny_model_dir, "--studies-dir", studies, "--output",
+                     tmp_path / "p.json", "--repeats", 1, "--contexts", "8", "--no-progress")
+    assert code == 0 and (tmp_path / "p.json").is_file()
+    assert not (tmp_path / "studies").exists()

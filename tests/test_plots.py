@@ -70,6 +70,69 @@ def test_every_plot_has_a_title_and_labels(tmp_path, monkeypatch, objective, exp
         plt.close(fig)
 
 
+def test_importances_on_few_decoded_trials_say_they_are_rough():
+    assert plots.IMPORTANCE_MIN_TRIALS == 50
+    study = synthetic_study(n=49)
+    screened = study.trials[0]  # a pre-screened set is not decoded: it does not count
+    study.add_trial(optuna.trial.create_trial(params=screened.params, distributions=screened.distributions,
+                                              values=[0.01], user_attrs={**screened.user_attrs, "screened_out": "x"}))
+    fig = plots.importances(study)
+    title = fig.axes[0].get_title()
+    assert "only 49 decoded trials: rough (PED-ANOVA wants 50 or more" in title, title
+    assert len(fig.axes[0].patches) == 15  # still drawn
+    plt.close(fig)
+    fig = plots.importances(synthetic_study(n=50))
+    assert "rough" not in fig.axes[0].get_title()
+    plt.close(fig)
+
+
+def test_importances_of_a_single_trial_say_nothing_is_known_instead_of_equal_bars():
+    fig = plots.importances(synthetic_study(n=1))
+    [ax] = fig.axes
+    assert "not known yet" in ax.get_title() and not ax.patches
+    assert "1 decoded trial:" in ax.texts[0].get_text() and "50 or more" in ax.texts[0].get_text()
+    plt.close(fig)
+
+
+def test_pareto_importances_rank_by_high_speedup(monkeypatch):
+    """PED-ANOVA takes low values of a given target as the good ones: a Pareto study's speedup must be negated."""
+    seen = {}
+    real = optuna.importance.get_param_importances
+
+    def spy(study, **kwargs):
+        seen["target"] = kwargs["target"]
+        return real(study, **kwargs)
+
+    monkeypatch.setattr(optuna.importance, "get_param_importances", spy)
+    study = synthetic_study("pareto")
+    plt.close(plots.importances(study))
+    fastest = max(study.trials, key=lambda t: t.values[0])
+    slowest = min(study.trials, key=lambda t: t.values[0])
+    assert seen["target"](fastest) < seen["target"](slowest)
+
+
+def test_plain_decodings_trial_is_not_counted_as_decoded_nor_drawn_as_a_search_estimate():
+    study = synthetic_study(n=5)
+    first = study.trials[0]
+    study.add_trial(optuna.trial.create_trial(
+        params={name: 1.0 for name in first.params}, distributions=first.distributions, values=[1.0],
+        user_attrs={"skip_attn": [], "skip_mlp": [], "skipped": 0, "skipped_fraction": 0.0, "speedup": 1.0,
+                    "speedup_low": 1.0, "speedup_high": 1.0, "acceptance_rate": None, "plain_decoding": "by definition"}))
+    assert len(plots.decoded_trials(study)) == 5
+    fig = plots.speedup_vs_skipped(study)
+    assert len(fig.axes[0].collections[0].get_offsets()) == 5  # the dashed line at 1.0 is plain decoding
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("objective", ["speed_x_acceptance", "pareto"])
+def test_history_ticks_are_whole_trial_numbers(objective):
+    fig = plots.history(synthetic_study(objective, n=5))  # few trials: matplotlib would tick 0.5, 1.5, ...
+    ticks = fig.axes[0].get_xticks()
+    assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+    assert fig.axes[0].get_xlabel() == "trial number"
+    plt.close(fig)
+
+
 def test_bench_bars_carry_their_numbers(tmp_path, monkeypatch):
     figures = []
     monkeypatch.setattr(bench, "save_figure", lambda fig, path: figures.append(fig))

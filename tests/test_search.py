@@ -6,8 +6,9 @@ from conftest import tiny_model
 from skipsearch.config import ModelInfo, load_skip_config
 from skipsearch.decoding import DraftPolicy
 from skipsearch.plots import write_plots
-from skipsearch.export import export_trial
-from skipsearch.search import Evaluator, SearchSpace, StudySettings, distinct_trials, make_sampler, run_study
+from skipsearch.export import decide, export_trial
+from skipsearch.search import (Evaluator, SearchSpace, StudySettings, distinct_trials, make_sampler, run_study,
+                               study_summary)
 from skipsearch.skipping import SkipSet
 
 PROMPTS = [[5, 9, 14, 3], [7, 2, 30, 31, 8]]
@@ -56,6 +57,17 @@ def test_evaluator_pairs_every_skip_run_with_plain_decoding_and_reports_each_pro
     assert result.tokens_per_second > 0 and result.baseline_tokens_per_second > 0
     assert result.score("speed_x_acceptance") == pytest.approx(result.speedup.estimate * result.acceptance_rate)
     assert result.score("pareto") == (result.speedup.estimate, result.acceptance_rate)
+
+
+def test_each_prompts_report_is_that_prompts_share_of_the_objective():
+    evaluator = make_evaluator()
+    evaluator.prompts = PROMPTS[:1]  # one prompt, one pair: the prompt's ratio is the trial's speedup
+    skip = SkipSet.of([1], [2], 4)
+    for objective in ("speedup", "speed_x_acceptance"):
+        steps = []
+        result = evaluator.evaluate(skip, report=lambda step, value: steps.append(value) or False, objective=objective)
+        assert result.acceptance_rate < 1.0  # else the two objectives could not be told apart
+        assert steps == [pytest.approx(result.score(objective))]
 
 
 def test_evaluation_stops_when_the_pruner_says_so():
@@ -198,3 +210,48 @@ def test_random_unevaluated_draws_a_set_not_yet_evaluated_or_none():
     drawn = space.random_unevaluated(every - {(left.attn, left.mlp)}, random.Random(0))
     assert drawn == left
     assert space.random_unevaluated(every, random.Random(0)) is None
+
+
+def tiny_profile():
+    from skipsearch.costs import CostProfile
+
+    return CostProfile.from_dict(dict(device="cpu", dtype="float32", architecture="LlamaForCausalLM",
+                                      num_hidden_layers=4, context_tokens=8, attn_s=1.0, mlp_s=1.0, rest_s=1.0,
+                                      verify_s=[9.0, 9.2, 9.4, 9.6]))
+
+
+@pytest.mark.parametrize("objective, sampler", [("speed_x_acceptance", "tpe"), ("speedup", "tpe"),
+                                                ("modeled", "tpe"), ("pareto", "nsga2")])
+def test_the_empty_set_is_plain_decoding_by_definition_and_never_exported(tmp_path, monkeypatch, objective, sampler):
+    decoded = []
+    original = Evaluator._decode
+    monkeypatch.setattr(Evaluator, "_decode", lambda self, prompt, skip: (decoded.append(skip),
+                                                                          original(self, prompt, skip))[1])
+    model = tiny_model()
+    study = run_study(model, ModelInfo.of(model, "tiny"), "float32", PROMPTS,
+                      settings(tmp_path, n_trials=3, objective=objective, sampler=sampler, confirm_top=5),
+                      SearchSpace(num_layers=4, skip_prior=0.4), DraftPolicy(max_draft_tokens=3), None,
+                      profile=tiny_profile() if objective == "modeled" else None)
+    plain = study.trials[0]  # the first warm start skips nothing
+    assert plain.user_attrs["skip_attn"] == plain.user_attrs["skip_mlp"] == [] and plain.state == TrialState.COMPLETE
+    assert "plain decoding" in plain.user_attrs["plain_decoding"] and "not decoded" in plain.user_attrs["plain_decoding"]
+    # Exactly plain decoding's value, for every objective: speedup 1, acceptance counted as 1.
+    assert plain.values == ([1.0, 1.0] if objective == "pareto" else [1.0])
+    key = "predicted_speedup" if objective == "modeled" else "speedup"
+    assert plain.user_attrs[key] == plain.user_attrs[key + "_low"] == plain.user_attrs[key + "_high"] == 1.0
+    assert plain.user_attrs["acceptance_rate"] is None and plain.user_attrs["paired_runs"] == 0
+    assert "stopped_early" not in plain.user_attrs and "match" not in plain.user_attrs
+    # The pruner gets plain decoding's value prompt by prompt (Optuna prunes single-objective studies only).
+    assert plain.intermediate_values == ({} if objective == "pareto" else {0: 1.0, 1: 1.0})
+    # Nothing decoded the empty set: plain decoding runs only as the reference and as the other half of each pair.
+    assert not [skip for skip in decoded if skip is not None and not skip.size]
+    # Confirmation and export only ever consider sets that skip something.
+    record = study.user_attrs["skipsearch_confirmation"]
+    assert record["candidates"] and all(c["skip_attn"] or c["skip_mlp"] for c in record["candidates"])
+    decision = decide(study)
+    config = export_trial(study, tmp_path / "best.json")
+    if decision.chosen is None:
+        assert config.skip == SkipSet() and config.search["trial_number"] is None
+    else:
+        assert config.skip.size and decision.chosen["trial"] != plain.number
+    assert "trial 0, the empty set, is plain decoding: scored 1 by definition, not decoded" in study_summary(study)

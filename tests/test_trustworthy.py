@@ -134,10 +134,14 @@ def test_a_repeated_skip_set_is_answered_without_decoding_and_n_trials_counts_di
     for trial in repeats:
         first = result.trials[trial.user_attrs["repeat_of"]]
         assert trial.values == first.values and trial.user_attrs["skip_attn"] == first.user_attrs["skip_attn"]
-    # Reference decoding (one per prompt), then each distinct set: one plain + one skip decode per prompt.
-    assert len(calls) == len(PROMPTS) + 2 * len(PROMPTS) * len(distinct)
+    # Reference decoding (one per prompt), then each distinct set: one plain + one skip decode per prompt; the
+    # empty set (the first warm start) is plain decoding, scored by definition without decoding.
+    [plain] = [t for t in distinct if "plain_decoding" in t.user_attrs]
+    assert plain.number == 0 and plain.user_attrs["skip_attn"] == plain.user_attrs["skip_mlp"] == []
+    assert len(calls) == len(PROMPTS) + 2 * len(PROMPTS) * (len(distinct) - 1)
     summary = study_summary(result)
     assert summary.startswith("6 distinct skip sets evaluated") and f"{len(repeats)} repeated proposals" in summary
+    assert "trial 0, the empty set, is plain decoding: scored 1 by definition, not decoded" in summary
 
 
 def test_an_exhausted_space_stops_the_study_and_says_so(capsys):
