@@ -23,7 +23,7 @@ from skipsearch import load_model
 from skipsearch.bench import hf_decoder, skipsearch_decoder, timed_runs
 from skipsearch.data import load_prompts
 from skipsearch.decoding import DraftPolicy, first_divergence, reference_logits, synchronize
-from skipsearch.engine import CPU_INDUCTOR_OPTIONS
+from skipsearch.engine import CPU_INDUCTOR_CONFIG
 from skipsearch.measure import ratio_interval
 from skipsearch.models import encode_prompt
 
@@ -42,14 +42,12 @@ def read_bandwidth(device: torch.device, megabytes: int = 1024, repeats: int = 1
     return data.numel() * 4 * repeats / (time.perf_counter() - start)
 
 
-def hf_compile_config(device: torch.device, options: dict | None = None):
+def hf_compile_config(device: torch.device):
     """transformers compiles a static-cache generate by itself only on accelerators; on a CPU it must be told to.
-    CUDA graphs ("reduce-overhead", its default) exist only on CUDA. With `options`, inductor gets those instead
-    of a mode (torch.compile takes one or the other)."""
+    CUDA graphs ("reduce-overhead", its default) exist only on CUDA."""
     from transformers import CompileConfig
 
-    mode = None if options else "reduce-overhead" if device.type == "cuda" else "default"
-    config = CompileConfig(fullgraph=True, mode=mode, options=options)
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead" if device.type == "cuda" else "default")
     config._compile_all_devices = True
     return config
 
@@ -90,7 +88,7 @@ def main() -> None:
           f"{len(prompts)} prompts x {n} new tokens, {args.repeats} repeats; every prompt decoded by every method back to "
           f"back in rotating order, speedups are geometric means of the paired per-run ratios (95% interval)")
     if device.type == "cpu" and args.backend == "inductor":
-        print(f"skipsearch compiled runs inductor with {CPU_INDUCTOR_OPTIONS} (\"our options\")")
+        print(f"skipsearch compiled runs inductor with {CPU_INDUCTOR_CONFIG} (\"our options\")")
 
     policy = DraftPolicy(max_draft_tokens=args.max_draft_tokens, adaptive=False)
     same_options = device.type == "cpu" and args.backend == "inductor" and not args.no_same_options
@@ -100,10 +98,9 @@ def main() -> None:
                                                            compile_config=hf_compile_config(device))
         if same_options:
             # transformers keeps one compiled forward per model and rebuilds it when the config changes: a copy of
-            # the model keeps both HF variants warm.
+            # the model keeps both HF variants warm. Its compiles (the warm-up below) run with our inductor config.
             decoders["HF static cache + compile, our options"] = hf_decoder(
-                copy.deepcopy(model), n, eos, cache_implementation="static",
-                compile_config=hf_compile_config(device, CPU_INDUCTOR_OPTIONS))
+                copy.deepcopy(model), n, eos, cache_implementation="static", compile_config=hf_compile_config(device))
     compiled = {"skipsearch plain eager": (None, False, None), "skipsearch plain compiled": (None, True, None)}
     if same_options:
         compiled["skipsearch plain compiled, inductor default"] = (None, True, "default")
@@ -125,8 +122,9 @@ def main() -> None:
         # HF's compiled forward is specialised to the prompt's length and recompiles for each new one: warm it on
         # every prompt, so the passes compare warm engines (ours compiles once for any prompt length).
         start = time.perf_counter()
-        for prompt in prompts:
-            decoders[name](prompt)
+        with torch._inductor.config.patch(CPU_INDUCTOR_CONFIG if name.endswith("our options") else {}):
+            for prompt in prompts:
+                decoders[name](prompt)
         compile_times[name] = time.perf_counter() - start
 
     runs = timed_runs(decoders, prompts, args.repeats, device, show_progress=True)

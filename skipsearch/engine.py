@@ -9,8 +9,11 @@ verify width (eager decoding gets a fresh cache of exactly the call's length):
   the query, which the causal mask hides.
 Compiled steps use `torch.compile(fullgraph=True, dynamic=False)`: with CUDA graphs
 (`mode="reduce-overhead"`) on CUDA, and on a CPU with the weights frozen into the graph and
-autotuned C++ GEMMs (`CPU_INDUCTOR_OPTIONS`), so a compiled step reads the weights as they were
-when it compiled. The engine lives on the model (`engine_for`), not in a global.
+autotuned C++ GEMMs (`CPU_INDUCTOR_CONFIG`), so a compiled step reads the weights as they were
+when it compiled. Inductor keeps the code it generates for the life of the process, and with
+frozen weights that code holds a prepacked copy of them: each compiled skip set keeps about a
+model's worth of memory (studies therefore compile in inductor's default mode on a CPU, see
+`search.Evaluator`). The engine lives on the model (`engine_for`), not in a global.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch._inductor.config
 
 from .kvcache import SpeculativeCache
 from .skipping import SkipSet, draft_model
@@ -54,22 +58,23 @@ def _verify_step(model: torch.nn.Module, cache: SpeculativeCache) -> Callable[[t
 
 # Batch-1 decoding on a CPU is matrix-vector products over the weights. MKL's, which inductor calls by default,
 # stream weights at about a third of the memory bandwidth; inductor's own C++ GEMM template (autotuned against
-# MKL, needs the weights frozen as constants, which it also prepacks) does far better: see BENCHMARKS.md.
-CPU_INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# MKL; it needs the weights frozen into the graph, and prepacks them) does far better: see BENCHMARKS.md. These are
+# inductor config values patched while a step compiles: passed as torch.compile's `options` they do not take effect.
+CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 @dataclass(frozen=True)
 class CompileSettings:
     backend: str = "inductor"
     # None: inductor's best for the device: CUDA graphs ("reduce-overhead") on CUDA, frozen weights and
-    # autotuned C++ GEMMs (CPU_INDUCTOR_OPTIONS) on a CPU. Any torch.compile mode name overrides that.
+    # autotuned C++ GEMMs (CPU_INDUCTOR_CONFIG) on a CPU. Any torch.compile mode name overrides that.
     mode: str | None = None
 
-    def resolved(self, device: torch.device) -> tuple[str | None, dict | None]:
-        """torch.compile's `mode` and `options` (it takes one or the other) for `device`."""
+    def resolved(self, device: torch.device) -> tuple[str | None, dict]:
+        """torch.compile's `mode` for `device`, and the inductor config to patch while compiling."""
         if self.mode is not None or self.backend != "inductor":
-            return self.mode, None
-        return ("reduce-overhead", None) if device.type == "cuda" else (None, dict(CPU_INDUCTOR_OPTIONS))
+            return self.mode, {}
+        return ("reduce-overhead", {}) if device.type == "cuda" else (None, dict(CPU_INDUCTOR_CONFIG))
 
 
 class Step:
@@ -78,9 +83,9 @@ class Step:
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
                  settings: CompileSettings | None):
         self.device = device
-        self.mode, options = settings.resolved(device) if settings else (None, None)
+        self.mode, self.inductor_config = settings.resolved(device) if settings else (None, {})
         self.fn = fn if settings is None else torch.compile(
-            _own_code(fn), backend=settings.backend, mode=self.mode, options=options, fullgraph=True, dynamic=False)
+            _own_code(fn), backend=settings.backend, mode=self.mode, fullgraph=True, dynamic=False)
         self.compile_time_s: float | None = None if settings else 0.0
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -92,7 +97,9 @@ class Step:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        out = self.fn(ids)
+        # The first call compiles; shapes are static and each step has its own code, so no later call recompiles.
+        with torch._inductor.config.patch(self.inductor_config):
+            out = self.fn(ids)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.compile_time_s = time.perf_counter() - start

@@ -59,6 +59,8 @@ def speedup_key(study: optuna.Study) -> str:
 def _figure(candidate: dict[str, Any], key: str) -> str:
     if key == "predicted_speedup":
         basis = f"predicted by the cost model from acceptance over {candidate['prompts']} prompts"
+    elif candidate["paired_runs"] < 2:
+        return f"{candidate[key]:.2f}x as fast as plain decoding (measured, one paired run: no interval)"
     else:
         basis = f"measured, {candidate['paired_runs']} paired runs"
     high = candidate[key + "_high"]

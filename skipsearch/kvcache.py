@@ -53,8 +53,10 @@ class SpeculativeCache(Cache):
             raise ValueError(f"unsupported attention layer types for the speculative cache: {unsupported}")
         self.capacity = capacity
         self.position = torch.zeros((), dtype=torch.long, device=device)
-        if not is_torchdynamo_compiling():
-            # A fixed address: compiled steps and CUDA graphs read it in place.
+        if torch.device(device).type == "cuda" and not is_torchdynamo_compiling():
+            # A fixed address, which CUDA graphs read in place. Not on a CPU: inductor's freezing (engine.py) would
+            # fold a static-address tensor that the graph does not write into a constant, the position of the
+            # compiling call; as an input it is read at every call.
             torch._dynamo.mark_static_address(self.position)
         super().__init__(layers=[PositionalLayer(capacity, self.position, SUPPORTED_LAYER_TYPES[t]) for t in layer_types])
 

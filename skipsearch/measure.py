@@ -34,6 +34,8 @@ class Interval:
         return self.low <= value <= self.high
 
     def __str__(self) -> str:
+        if self.pairs < 2:
+            return f"{self.estimate:.2f}x (one paired run: no interval)"
         return f"{self.estimate:.2f}x (95% interval {self.low:.2f}-{self.high:.2f}, {self.pairs} paired runs)"
 
 

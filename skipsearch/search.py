@@ -196,8 +196,11 @@ class Evaluator:
     _reference: list[list[int]] | None = field(default=None, repr=False)
 
     def _decode(self, prompt: list[int], skip: SkipSet | None) -> GenerationOutput:
+        # On a CPU a study compiles in inductor's default mode: frozen weights (generate's CPU default) keep a copy of
+        # the model per compiled skip set for the life of the process and take minutes each to compile.
+        mode = "default" if self.compile and self.model.device.type == "cpu" else None
         return generate(self.model, prompt, skip=skip, max_new_tokens=self.max_new_tokens, policy=self.policy,
-                        eos_token_id=self.eos_token_id, compile=self.compile)
+                        eos_token_id=self.eos_token_id, compile=self.compile, compile_mode=mode)
 
     def reference_tokens(self) -> list[list[int]]:
         """Plain greedy decoding of every prompt (untimed; it also warms the process up)."""

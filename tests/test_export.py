@@ -89,3 +89,10 @@ def test_export_of_a_named_trial_is_marked_unconfirmed(tmp_path):
     assert config.skip == SkipSet.of([2], [], 4) and config.metrics["confirmed"] is False
     with pytest.raises(ValueError, match="no trial 7"):
         export_trial(study, tmp_path / "t7.json", trial_number=7)
+
+
+def test_a_confirmation_of_one_paired_run_claims_no_interval(tmp_path):
+    single = dict(candidate(1, 0.9, 0.0, None, [1]), paired_runs=1)
+    text = decide(fake_study(tmp_path, [1.0, 1.1], confirmed=[single])).text
+    assert "0.90x as fast as plain decoding (measured, one paired run: no interval)" in text
+    assert "0.00" not in text and "unbounded" not in text

@@ -18,6 +18,8 @@ def test_identical_ratios_give_a_point_interval_and_one_ratio_an_unbounded_one()
     assert ratio_interval([1.3, 1.3]) == Interval(pytest.approx(1.3), pytest.approx(1.3), pytest.approx(1.3), 2)
     single = ratio_interval([1.3])
     assert single.low == 0.0 and single.high == math.inf
+    assert str(single) == "1.30x (one paired run: no interval)"
+    assert str(ratio_interval([1.3, 1.3])) == "1.30x (95% interval 1.30-1.30, 2 paired runs)"
 
 
 @pytest.mark.parametrize("bad", [[], [0.0], [-1.0, 1.0], [math.inf]])
