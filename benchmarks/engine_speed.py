@@ -98,9 +98,13 @@ def main() -> None:
                                                            compile_config=hf_compile_config(device))
         if same_options:
             # transformers keeps one compiled forward per model and rebuilds it when the config changes: a copy of
-            # the model keeps both HF variants warm. Its compiles (the warm-up below) run with our inductor config.
+            # the model keeps both HF variants warm. Dynamo would hand the copy the original's graphs (it guards on
+            # the module's type, not its identity), so the copy gets a class of its own; its compiles (the warm-up
+            # below) run with our inductor config.
+            twin = copy.deepcopy(model)
+            twin.__class__ = type(f"{type(model).__name__}Twin", (type(model),), {})
             decoders["HF static cache + compile, our options"] = hf_decoder(
-                copy.deepcopy(model), n, eos, cache_implementation="static", compile_config=hf_compile_config(device))
+                twin, n, eos, cache_implementation="static", compile_config=hf_compile_config(device))
     compiled = {"skipsearch plain eager": (None, False, None), "skipsearch plain compiled": (None, True, None)}
     if same_options:
         compiled["skipsearch plain compiled, inductor default"] = (None, True, "default")
