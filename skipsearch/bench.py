@@ -61,10 +61,11 @@ def hf_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int]
 
 def skipsearch_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, skip: SkipSet | None,
                        policy: DraftPolicy, time_drafts: bool = False, compile: bool = False,
-                       compile_mode: str | None = None) -> Decoder:
+                       compile_mode: str | None = None, compile_backend: str = "inductor") -> Decoder:
     def decode(prompt: list[int]) -> tuple[list[int], DecodeStats]:
         out = generate(model, prompt, skip=skip, max_new_tokens=max_new_tokens, policy=policy, eos_token_id=eos,
-                       time_drafts=time_drafts, compile=compile, compile_mode=compile_mode)
+                       time_drafts=time_drafts, compile=compile, compile_mode=compile_mode,
+                       compile_backend=compile_backend)
         return out.tokens, out.stats
 
     return decode
