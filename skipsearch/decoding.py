@@ -135,6 +135,7 @@ class DecodeStats:
             "mean_accepted_tokens": self.mean_accepted_tokens,
             "wall_time_s": self.wall_time_s,
             "prefill_time_s": self.prefill_time_s,
+            "compile_time_s": self.compile_time_s,  # inside wall_time_s: a first compiled call is slow for this
             "tokens_per_second": self.tokens_per_second,
         }
 

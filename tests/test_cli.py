@@ -24,6 +24,7 @@ def test_generate_json_matches_autoregressive(capsys, tiny_model_dir):
     assert drafted["token_ids"] == plain["token_ids"] and len(plain["token_ids"]) >= 1
     assert drafted["skip"] == {"attn": [1, 2], "mlp": [0]} and drafted["stats"]["drafted"] > 0
     assert plain["stats"]["drafted"] == 0 and isinstance(plain["text"], str)
+    assert plain["stats"]["compile_time_s"] == 0.0  # eager: the JSON says a slow first call was not a compile
 
 
 def test_generate_reads_a_config(capsys, tmp_path, tiny_model_dir):
