@@ -145,8 +145,9 @@ def main() -> None:
         over_hf = ratio_interval(run.ratios_over(hf))
         over_fast = ratio_interval(run.ratios_over(fastest_hf)) if fastest_hf is not None else None
         span = lambda i: "-" if i is None else f"{i.estimate:.2f}x ({i.low:.2f}-{i.high:.2f})"  # noqa: E731
+        compile_text = "-" if compile_s is None else f"{compile_s:.1f}"
         print(f"{name:48} {tokens / seconds:7.1f} {span(over_hf):>28} {span(over_fast):>24} "
-              f"{achieved / 1e9:7.1f} {100 * achieved / bandwidth:4.0f}% {same:9.2f} {'-' if compile_s is None else f'{compile_s:.1f}':>9}  "
+              f"{achieved / 1e9:7.1f} {100 * achieved / bandwidth:4.0f}% {same:9.2f} {compile_text:>9}  "
               f"{', '.join(f'{g:.3f}' for g in gaps) or '-'}")
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 import types
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -31,7 +30,6 @@ from .kvcache import SpeculativeCache
 from .skipping import SkipSet, draft_model
 
 CACHE_BLOCK = 256  # capacities round up to this, so calls of similar lengths share one cache and one graph
-MAX_DRAFT_STEPS = 8  # compiled draft steps kept per model, the most recently used skip sets
 
 
 def _forward(model: torch.nn.Module, cache: SpeculativeCache, ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
@@ -111,23 +109,18 @@ def _own_code(fn: Callable) -> Callable:
 
     Dynamo keeps compiled graphs per code object and fails a fullgraph compile once one code
     object has `recompile_limit` graphs: draft steps of every skip set share `draft_step`'s code,
-    so a study would fail at its 9th compiled skip set. With its own code a step holds one
-    graph, which goes when the step is dropped.
+    so a study would fail at its 9th compiled skip set. With its own code a step holds one graph.
     """
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 @dataclass
 class Engine:
-    """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead.
-
-    Compiled draft steps are kept for the `MAX_DRAFT_STEPS` skip sets used last: a study decodes
-    most sets once (and repeats are answered without decoding), and each graph holds memory.
-    """
+    """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead."""
 
     model: torch.nn.Module
     cache: SpeculativeCache | None = None
-    steps: OrderedDict = field(default_factory=OrderedDict)
+    steps: dict = field(default_factory=dict)
 
     def prepare(self, length: int, skip: SkipSet | None, settings: CompileSettings | None, verify_width: int
                 ) -> tuple[SpeculativeCache, Step | None, Step]:
@@ -150,10 +143,6 @@ class Engine:
     def _step(self, key: tuple, make: Callable[[], Callable], settings: CompileSettings) -> Step:
         if key not in self.steps:
             self.steps[key] = Step(make(), self.model.device, settings)
-            drafts = [k for k in self.steps if k[0] == "draft"]
-            for old in drafts[: max(0, len(drafts) - MAX_DRAFT_STEPS)]:
-                del self.steps[old]
-        self.steps.move_to_end(key)
         return self.steps[key]
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.ticker import MaxNLocator
 import optuna
+from matplotlib.ticker import MaxNLocator
 from optuna.trial import TrialState
 
 from .config import follow_umask
@@ -93,8 +93,7 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     """Every decoded skip set's speedup from its trial, and the confirmed candidates with their intervals."""
     key = speedup_key(study)
     # Plain decoding's trial is 1.0 by definition, not a search estimate: the dashed line draws it.
-    decoded = [t for t in distinct_trials(study)
-               if t.user_attrs.get(key) is not None and "plain_decoding" not in t.user_attrs]
+    decoded = [t for t in decoded_trials(study) if t.user_attrs.get(key) is not None]
     fig, ax = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
     acceptance = [t.user_attrs.get("acceptance_rate") for t in decoded]
     points = ax.scatter([t.user_attrs["skipped_fraction"] for t in decoded], [t.user_attrs[key] for t in decoded],

@@ -285,8 +285,9 @@ class Evaluator:
         (`evaluate(SkipSet())` still measures plain decoding against itself, for noise studies.)
         """
         exact = Interval(1.0, 1.0, 1.0, 0)
-        for index in range(len(self.prompts) if report is not None else 0):
-            report(index, 1.0)  # nothing to stop early: the value is exact
+        if report is not None:
+            for index in range(len(self.prompts)):
+                report(index, 1.0)  # nothing to stop early: the value is exact
         return Evaluation(
             skip=SkipSet(), speedup=exact if self.timed else None, acceptance_rate=None, tokens_per_second=None,
             baseline_tokens_per_second=None, mean_accepted_tokens=None, identical=True, skipped_fraction=0.0,
