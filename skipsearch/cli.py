@@ -268,7 +268,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from .export import export_trial, verdict
     from .plots import write_plots
     from .search import SearchSpace, StudySettings, make_sampler, run_study, study_summary
-    from .storage import Heartbeat, make_storage, study_user_attrs
+    from .storage import Heartbeat, make_storage, existing_study
     from .warmstart import read_warm_starts
 
     # Everything is checked before the storage is opened, so a rejected run leaves no database behind.
@@ -299,7 +299,11 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     if args.storage is None:
         args.studies_dir.mkdir(parents=True, exist_ok=True)  # the default SQLite file lives there
     storage = make_storage(_storage(args, must_exist=False), heartbeat)
-    _check_made_by_skipsearch(study_user_attrs(storage, args.study_name), args.study_name)
+    existing = existing_study(storage, args.study_name)
+    # A study with no trials yet may be one that a worker started beside this one has created a moment ago and
+    # not yet labelled; taking it over loses nothing.
+    if existing is not None and existing[1] > 0:
+        _check_made_by_skipsearch(existing[0], args.study_name)
     settings = StudySettings(
         study_name=args.study_name, storage=storage, objective=args.objective,
         sampler=args.sampler, seed=args.seed, n_trials=args.n_trials, timeout=args.timeout, min_match=args.min_match,

@@ -140,13 +140,14 @@ def load_study(study_name: str, storage: str | optuna.storages.BaseStorage, **kw
         raise ValueError(f"no study named {study_name!r} in that storage{known}") from None
 
 
-def study_user_attrs(storage: optuna.storages.BaseStorage, study_name: str) -> dict[str, Any] | None:
-    """The user attributes of study `study_name`, or None when the storage holds no such study (reads only)."""
+def existing_study(storage: optuna.storages.BaseStorage, study_name: str) -> tuple[dict[str, Any], int] | None:
+    """The user attributes and the number of trials of study `study_name`, or None when the storage holds no
+    such study (reads only)."""
     try:
         study_id = storage.get_study_id_from_name(study_name)
     except KeyError:
         return None
-    return storage.get_study_user_attrs(study_id)
+    return storage.get_study_user_attrs(study_id), storage.get_n_trials(study_id)
 
 
 WORKER_ATTR = "worker"  # "host:pid" of the process running a trial, set when the trial starts

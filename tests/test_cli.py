@@ -179,3 +179,16 @@ def test_bench_and_profile_write_under_the_studies_dir_unless_told_otherwise(cap
                      tmp_path / "p.json", "--repeats", 1, "--contexts", "8", "--no-progress")
     assert code == 0 and (tmp_path / "p.json").is_file()
     assert not (tmp_path / "studies").exists()
+
+
+def test_optimize_takes_over_an_empty_unlabelled_study(capsys, tmp_path, tiny_model_dir):
+    """A worker started beside another can find the study created but not yet labelled; it must not refuse it."""
+    import optuna
+
+    from skipsearch.search import STUDY_ATTR
+
+    optuna.create_study(study_name="cli", storage=f"sqlite:///{tmp_path}/cli.db", direction="maximize")
+    code, out, err = run(capsys, *optimize_args(tiny_model_dir, tmp_path, "--no-plots", n_trials=2))
+    assert code == 0, err
+    study = optuna.load_study(study_name="cli", storage=f"sqlite:///{tmp_path}/cli.db")
+    assert STUDY_ATTR in study.user_attrs and "exported" in out

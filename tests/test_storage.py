@@ -31,3 +31,17 @@ def test_bad_storage_urls_are_clear_errors(url, message):
 def test_passwords_are_redacted():
     assert _redact("postgresql+psycopg2://me:secret@host:5432/db") == "postgresql+psycopg2://me:***@host:5432/db"
     assert _redact("sqlite:///x.db") == "sqlite:///x.db"
+
+
+def test_existing_study_reads_labels_and_trial_count(tmp_path):
+    import optuna
+
+    from skipsearch.storage import existing_study, make_storage
+
+    storage = make_storage(f"sqlite:///{tmp_path}/s.db")
+    assert existing_study(storage, "s") is None
+    study = optuna.create_study(study_name="s", storage=storage)
+    assert existing_study(storage, "s") == ({}, 0)
+    study.set_user_attr("k", 1)
+    study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    assert existing_study(storage, "s") == ({"k": 1}, 2)
