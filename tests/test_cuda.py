@@ -1,0 +1,63 @@
+"""The CUDA paths: the eager loop, the compiled steps under CUDA graphs (inductor, mode "reduce-overhead") and bf16.
+
+Skipped where no GPU is visible (CI has none); run on a lent GPU machine as ../shared/gpu.md plans.
+"""
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from skipsearch.decoding import DraftPolicy, generate
+from skipsearch.skipping import SkipSet
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+NUM_LAYERS = 4
+CASES = [(None, DraftPolicy()), (SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4)),
+         (SkipSet.of([0, 3], [], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False))]
+
+
+def cuda_model(seed, dtype=torch.float32):
+    return tiny_model("llama", seed=seed, dtype=dtype).to("cuda")
+
+
+def hf_greedy(model, prompt, max_new_tokens):
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=1)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "reduce-overhead"])
+def test_cuda_greedy_equals_hf_greedy(compiled):
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here: TF32 would round the two paths apart
+    model = cuda_model(seed=3)
+    prompt = [5, 9, 14, 3, 7]
+    expected = hf_greedy(model, prompt, 24)
+    for skip, policy in CASES:
+        out = generate(model, prompt, skip=skip, max_new_tokens=24, policy=policy, eos_token_id=None, compile=compiled)
+        assert out.tokens == expected, (skip, policy)
+        assert out.stats.rounds > 0 and (skip is None or out.stats.drafted > 0)
+
+
+def test_cuda_graphs_are_not_recompiled_across_prompts_and_rounds():
+    from torch._dynamo.utils import counters
+
+    model = cuda_model(seed=4)
+    skip, policy = SkipSet.of([1], [0, 2], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False)
+    first = generate(model, [5, 9, 14], skip=skip, max_new_tokens=12, policy=policy, eos_token_id=None, compile=True)
+    assert first.stats.compile_time_s > 0
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for prompt in ([7], list(range(2, 40))):
+            out = generate(model, prompt, skip=skip, max_new_tokens=20, policy=policy, eos_token_id=None, compile=True)
+            assert out.tokens == hf_greedy(model, prompt, 20) and out.stats.compile_time_s == 0.0
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_cuda_bf16_decodes_and_times_with_synchronisation():
+    model = cuda_model(seed=5, dtype=torch.bfloat16)
+    skip, policy = SkipSet.of([1], [], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False)
+    for compiled in (False, True):
+        out = generate(model, [5, 9, 14], skip=skip, max_new_tokens=16, policy=policy, eos_token_id=None,
+                       compile=compiled)
+        assert len(out.tokens) == 16 and all(0 <= t < model.config.vocab_size for t in out.tokens)
+        assert out.stats.wall_time_s > 0 and out.stats.accepted <= out.stats.drafted
