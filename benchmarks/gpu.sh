@@ -28,7 +28,7 @@ for stage in "$@"; do
       ;;
     profiles)  # the cost model from each shape's config, random weights (costs do not depend on their values)
       for shape in smollm2-135m qwen2.5-1.5b llama-2-7b llama-3-8b llama-2-13b; do
-        timeout 150 python3 -m skipsearch profile --config-only --model "benchmarks/configs/$shape.json" \
+        timeout 95 python3 -m skipsearch profile --config-only --model "benchmarks/configs/$shape.json" \
           --dtype bfloat16 --no-progress --output "$OUT/profile-$shape.json" 2>&1 | tee "$OUT/profile-$shape.log" | tail -9
       done
       ;;
