@@ -130,7 +130,7 @@ def main() -> None:
     weights = weight_bytes(model)
     print(f"weights read per forward {weights / 1e9:.3f} GB; measured read bandwidth {bandwidth / 1e9:.1f} GB/s")
     header = (f"{'method':48} {'tok/s':>7} {'vs HF eager (95% interval)':>28} {'vs HF static+compile':>24} "
-              f"{'vs ours plain compiled':>24} {'GB/s':>7} {'% bw':>5} {'identical':>9} {'compile s':>9}  gaps")
+              f"{'vs ours plain compiled':>24} {'GB/s':>7} {'% bw':>5} {'identical':>9} {'accept':>6} {'compile s':>9}  gaps")
     print(header)
     for name, run in runs.items():
         seconds, tokens, stats = sum(run.seconds), sum(run.tokens), run.stats
@@ -148,8 +148,9 @@ def main() -> None:
         over_ours = ratio_interval(run.ratios_over(ours)) if ours is not None else None
         span = lambda i: "-" if i is None else f"{i.estimate:.2f}x ({i.low:.2f}-{i.high:.2f})"  # noqa: E731
         compile_text = "-" if compile_s is None else f"{compile_s:.1f}"
+        accept = "-" if stats.acceptance_rate is None else f"{stats.acceptance_rate:.2f}"
         print(f"{name:48} {tokens / seconds:7.1f} {span(over_hf):>28} {span(over_fast):>24} {span(over_ours):>24} "
-              f"{achieved / 1e9:7.1f} {100 * achieved / bandwidth:4.0f}% {same:9.2f} {compile_text:>9}  "
+              f"{achieved / 1e9:7.1f} {100 * achieved / bandwidth:4.0f}% {same:9.2f} {accept:>6} {compile_text:>9}  "
               f"{', '.join(f'{g:.3f}' for g in gaps) or '-'}")
 
 

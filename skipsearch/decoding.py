@@ -179,6 +179,11 @@ def _eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
     return frozenset(int(t) for t in eos_token_id)
 
 
+# Plain decoding reads its tokens back once per this many: fewer host syncs, at most this many - 1 wasted steps past EOS.
+PLAIN_TOKENS_PER_SYNC = 8
+_FIXED_LENGTH = DraftPolicy(adaptive=False)
+
+
 @dataclass
 class Draft:
     """What a draft round produced: the verify input `[last, d1..dk]` and, when sampling, the draft's distributions."""
@@ -329,6 +334,23 @@ def _decode(
             hooks.commit(tokens)
 
     while len(tokens) < max_new_tokens and tokens[-1] not in eos and not stopped:
+        if not max_draft and hooks is None:
+            # Plain decoding: every token is final, so several steps run back to back and are read back in one
+            # host sync; a sync per token is what bounds a fast GPU (BENCHMARKS.md, GPU). Tokens decoded past an
+            # EOS are dropped below.
+            n = min(PLAIN_TOKENS_PER_SYNC, max_new_tokens - len(tokens))
+            steps = draft_round(verifier, cache, last, cached, n, _FIXED_LENGTH, threshold, sampling, generator)
+            new_tokens, last = steps.ids[0, 1:].tolist(), steps.ids[0, -1:]
+            stats.rounds += n
+            stats.verify_sizes[1] += n
+            stats.verify_contexts.update((1, cached + j) for j in range(n))
+            for i, t in enumerate(new_tokens):
+                if t in eos:
+                    new_tokens = new_tokens[: i + 1]
+                    break
+            tokens.extend(new_tokens)
+            cached += n
+            continue
         budget = min(max_draft, max_new_tokens - len(tokens) - 1)
         if time_drafts and budget:
             synchronize(device)

@@ -349,3 +349,21 @@ def test_cpu_inductor_freezes_weights_and_autotunes_gemms_and_decodes_exactly():
         assert out.tokens == expected and out.stats.compile_time_s > 0
         assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0  # frozen, prepacked weights
         assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # GEMMs from inductor's C++ template
+
+
+def test_plain_decoding_reads_tokens_back_once_per_several_steps_and_stops_at_eos():
+    from unittest import mock
+
+    from skipsearch import decoding
+
+    model = MODELS["mistral"]
+    prompt, n = [5, 9, 14], 20
+    with mock.patch.object(decoding, "draft_round", wraps=decoding.draft_round) as rounds:
+        out = generate(model, prompt, skip=None, max_new_tokens=n, eos_token_id=None)
+    assert out.tokens == hf_greedy(model, prompt, n, eos=None)
+    assert rounds.call_count == -(-(n - 1) // decoding.PLAIN_TOKENS_PER_SYNC)  # after the prefill's token
+    assert out.stats.rounds == n - 1 and sum(out.stats.verify_contexts.values()) == n - 1
+    # An EOS inside a batch of steps ends the output there, as HF's does.
+    eos = out.tokens[4]
+    stopped = generate(model, prompt, skip=None, max_new_tokens=n, eos_token_id=eos)
+    assert stopped.tokens == hf_greedy(model, prompt, n, eos=eos) == out.tokens[: out.tokens.index(eos) + 1]
