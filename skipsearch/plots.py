@@ -57,7 +57,7 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
     """Layers x {attn, mlp}: the exported (or best confirmed) skip set, and how often each sublayer is skipped
     among the top trials."""
     num_layers = study.user_attrs[STUDY_ATTR]["model"]["num_hidden_layers"]
-    skipping = [t for t in distinct_trials(study) if t.state == TrialState.COMPLETE and t.user_attrs.get("skipped", 0)]
+    skipping = [t for t in decoded_trials(study) if t.user_attrs.get("skipped", 0)]  # pre-screen values are estimates
     shown, label = _highlight(study)
     best_map = np.zeros((2, num_layers))
     if shown is not None:
@@ -184,14 +184,21 @@ def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     `IMPORTANCE_MIN_TRIALS` decoded trials the title says that the ranking is rough.
     """
     multi = len(study.directions) > 1
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # on very few trials Optuna warns that every importance is 0; the title says so
-        values = optuna.importance.get_param_importances(
-            study, evaluator=optuna.importance.PedAnovaImportanceEvaluator(target_quantile=_PED_ANOVA_TOP),
-            # PED-ANOVA takes a given target's low values as the good ones: the speedup, negated.
-            target=(lambda t: -t.values[0]) if multi else None, normalize=False,  # all 0 must not read as equal shares
-        )
-    decoded = len(decoded_trials(study))
+    trials = decoded_trials(study)
+    decoded = len(trials)
+    # Only decoded values, each skip set once: a repeated proposal would count its set twice in the top group,
+    # and pre-screen estimates sit on another scale.
+    view = optuna.create_study(directions=study.directions)
+    view.add_trials(trials)
+    values = {}
+    if decoded >= 2:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # on few trials Optuna warns that every importance is 0; the title says so
+            values = optuna.importance.get_param_importances(
+                view, evaluator=optuna.importance.PedAnovaImportanceEvaluator(target_quantile=_PED_ANOVA_TOP),
+                # PED-ANOVA takes a given target's low values as the good ones: the speedup, negated.
+                target=(lambda t: -t.values[0]) if multi else None, normalize=False,  # all 0 is not equal shares
+            )
     if not any(values.values()):
         fig, ax = plt.subplots(figsize=(7, 2.5), constrained_layout=True)
         ax.set_axis_off()
@@ -246,6 +253,7 @@ def write_plots(study: optuna.Study, folder: Path) -> list[Path]:
         warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
         for name, make in figures.items():
             path = folder / f"{name}.png"
-            save_figure(make(), path)
+            with plt.rc_context():  # Optuna's plots switch matplotlib to its style: the caller's comes back after
+                save_figure(make(), path)
             written.append(path)
     return written

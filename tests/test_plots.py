@@ -158,3 +158,45 @@ def test_real_study_attributes_are_json_and_plots_are_written(tmp_path):
     written = plots.write_plots(study, tmp_path / "plots")
     assert {p.name for p in written} == {"history.png", "importances.png", "skip_map.png", "speedup_vs_skipped.png"}
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
+
+
+def test_writing_plots_leaves_the_callers_matplotlib_style_alone(tmp_path):
+    before = dict(plt.rcParams)
+    plots.write_plots(synthetic_study(n=6), tmp_path)
+    assert dict(plt.rcParams) == before
+
+
+def test_importances_count_each_decoded_skip_set_once(monkeypatch):
+    """A repeated proposal (answered without decoding) and a pre-screened trial must not weigh in PED-ANOVA."""
+    seen = {}
+    real = optuna.importance.get_param_importances
+
+    def spy(study, **kwargs):
+        seen["trials"] = study.get_trials()
+        return real(study, **kwargs)
+
+    monkeypatch.setattr(optuna.importance, "get_param_importances", spy)
+    study = synthetic_study(n=8)
+    first = study.trials[0]
+    study.add_trial(optuna.trial.create_trial(params=first.params, distributions=first.distributions,
+                                              values=first.values, user_attrs={**first.user_attrs, "repeat_of": 0}))
+    study.add_trial(optuna.trial.create_trial(params=first.params, distributions=first.distributions, values=[0.1],
+                                              user_attrs={**first.user_attrs, "screened_out": True}))
+    plt.close(plots.importances(study))
+    assert len(seen["trials"]) == 8
+
+
+def test_skip_map_ranks_only_decoded_trials():
+    study = synthetic_study(n=6)
+    without = plots.skip_map(study)
+    expected = without.axes[1].images[0].get_array().copy()
+    params = {name: 0.0 for name in study.trials[0].params}  # every sublayer skipped
+    skip = SearchSpace(num_layers=LAYERS, skip_prior=0.3).from_params(params)
+    study.add_trial(optuna.trial.create_trial(
+        params=params, distributions=study.trials[0].distributions, values=[99.0],
+        user_attrs={"skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp), "skipped": skip.size,
+                    "screened_out": True}))  # a pre-screen estimate, on another scale, at the top by value
+    fig = plots.skip_map(study)
+    assert (fig.axes[1].images[0].get_array() == expected).all()
+    plt.close(fig)
+    plt.close(without)
