@@ -45,8 +45,10 @@ _GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 class SelfSpeculative:
     """A `custom_generate` callable for transformers' `generate`; `stats` sums the decode statistics of its calls."""
 
-    def __init__(self, skip: SkipSet, policy: DraftPolicy, config: SkipConfig | None = None, tokenizer: Any = None):
+    def __init__(self, skip: SkipSet, policy: DraftPolicy, config: SkipConfig | None = None, tokenizer: Any = None,
+                 compile: bool = False, compile_backend: str = "inductor"):
         self.skip, self.policy, self.config, self.tokenizer = skip, policy, config, tokenizer
+        self.compile, self.compile_backend = compile, compile_backend
         self.stats = DecodeStats()
 
     # The parameters mirror transformers' `_sample`, which `generate` calls with them; `stop_strings` is extra on
@@ -75,6 +77,7 @@ class SelfSpeculative:
                 sampling=Sampling(do_sample=bool(generation_config.do_sample)), eos_token_id=None,
                 hooks=DecodeHooks(process=_processing(logits_processor), stop=_stopping(stopping_criteria),
                                   commit=(lambda tokens: streamer.put(torch.tensor(tokens))) if streamer else None),
+                compile=self.compile, compile_backend=self.compile_backend,
             )
         finally:
             if streamer is not None:
@@ -89,19 +92,21 @@ class SelfSpeculative:
 
 def self_speculative(
     config: SkipConfig | SkipSet | str | Path, policy: DraftPolicy | None = None, *, tokenizer: Any = None,
+    compile: bool = False,
 ) -> SelfSpeculative:
     """A `custom_generate` callable: `model.generate(**inputs, custom_generate=self_speculative(config))`.
 
     `config` is a skip config (or the path of its JSON, as `export` writes it), or a `SkipSet`
     with `policy` (default `DraftPolicy()`). A skip config's own draft policy is used unless
-    `policy` is given. `tokenizer` is needed only for `stop_strings`.
+    `policy` is given. `tokenizer` is needed only for `stop_strings`. `compile` runs the draft and
+    verify steps compiled, as `generate(..., compile=True)` does: the first call per skip set compiles.
     """
     if isinstance(config, (str, Path)):
         config = load_skip_config(config)
     if isinstance(config, SkipConfig):
-        return SelfSpeculative(config.skip, policy or config.draft, config, tokenizer)
+        return SelfSpeculative(config.skip, policy or config.draft, config, tokenizer, compile)
     if isinstance(config, SkipSet):
-        return SelfSpeculative(config, policy or DraftPolicy(), None, tokenizer)
+        return SelfSpeculative(config, policy or DraftPolicy(), None, tokenizer, compile)
     raise TypeError(f"self_speculative needs a SkipConfig, a skip-config path or a SkipSet, "
                     f"got {type(config).__name__}")
 
