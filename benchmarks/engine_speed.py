@@ -62,15 +62,17 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--model", default=None, help="Hugging Face name, folder or .gguf (default: the embedded model)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: bfloat16 on CUDA, else float32)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    parser.add_argument("--num-prompts", type=int, default=4, help="built-in prompts to decode (default: 4)")
     parser.add_argument("--prompt-offset", type=int, default=8, help="skip this many prompts (held out from tuning)")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--skip-sets", default="a20;a16,20,24")
-    parser.add_argument("--max-draft-tokens", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens per prompt (default: 48)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (default: 3)")
+    parser.add_argument("--skip-sets", default="a20;a16,20,24",
+                        help="skip sets separated by ';', each 'a' attention and/or '|m' MLP layer lists: "
+                             "'a20;a16,20,24|m22' is attention 20; attention 16, 20, 24 and MLP 22 (default: %(default)s)")
+    parser.add_argument("--max-draft-tokens", type=int, default=4, help="fixed draft length k (default: 4)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend for skipsearch compiled")
     parser.add_argument("--no-hf-compile", action="store_true", help="leave out HF static cache + torch.compile")
     parser.add_argument("--no-default-mode", action="store_true",

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The measurements of ../shared/gpu.md on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results).
+# The GPU measurements on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results and the method).
 #
 #   bash benchmarks/gpu.sh STAGE...     stages: info profiles cuda-tests tests speed
 #
-# The machine's image has torch, transformers and most of what skipsearch needs; the rest travels as wheels in .whl/.
+# The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
+# machine with network (Python 3.12 here; the `tests` stage also needs pytest-xdist and pytest-timeout there):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
+#     optuna alembic SQLAlchemy colorlog Mako datasets dill multiprocess gguf cmaes transformers
 # The default model's GGUF is larger than one transfer, so it travels in parts, .gpu/gguf.* (`split -b 46000000 FILE .gpu/gguf.`),
 # over consecutive calls to the same warm machine (see BENCHMARKS.md, "GPU"). Ignored folders of the repo are not kept
 # between calls there, so the parts, the installed wheels and the converted model are kept under $KEEP.
@@ -13,6 +16,9 @@ OUT=${OUT:-$PWD/.gpu/out}
 KEEP=${KEEP:-$HOME/skipsearch-gpu}
 mkdir -p "$OUT" "$KEEP/parts"
 site=$KEEP/site
+if [ ! -d "$site/optuna" ] && ! ls .whl/*.whl >/dev/null 2>&1; then
+  echo "benchmarks/gpu.sh: no wheels in .whl/: download what the GPU image lacks first (BENCHMARKS.md, GPU)" >&2; exit 2
+fi
 if [ ! -d "$site/optuna" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1
 fi

@@ -10,6 +10,7 @@ per-run ratios against HF greedy on the same prompt and repeat, with a 95% inter
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -196,8 +197,8 @@ def format_table(rows: list[BenchRow]) -> str:
     def span(low: float | None, high: float | None) -> str:
         return "-" if low is None else f"{low:.2f}-{'inf' if high is None else format(high, '.2f')}"
 
-    header = ["method", "tok/s", "speedup", "95% interval", "acceptance", "mean acc.", "identical",
-              "decode vs plain", "predicted"]
+    header = ["method", "tok/s", "vs HF greedy", "95% interval", "acceptance", "mean acc.", "identical",
+              "vs our plain loop (decode)", "predicted vs plain"]
     lines = [[r.method, fmt(r.tokens_per_second, ".1f"), fmt(r.speedup, ".2f") + "x", span(r.speedup_low, r.speedup_high),
               fmt(r.acceptance_rate, ".2f"),
               fmt(r.mean_accepted_tokens, ".2f"), "yes" if r.identical else "NO",
@@ -211,13 +212,16 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: s
     json_path, png_path = folder / "bench.json", folder / "bench.png"
     write_atomic(json_path, json.dumps({"settings": settings, "rows": [asdict(r) for r in rows],
                                         "verdict": verdict}, indent=2) + "\n")
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(rows) + 1.5), constrained_layout=True)
     ordered = rows[::-1]
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 0.25 * sum(len(r.method) // 28 for r in rows) + 1.5),
+                           constrained_layout=True)
     errors = None
     if all(r.speedup_low is not None for r in rows):  # unbounded intervals draw no upper whisker
         errors = [[r.speedup - r.speedup_low for r in ordered],
                   [(r.speedup_high or r.speedup) - r.speedup for r in ordered]]
-    bars = ax.barh([r.method for r in ordered], [r.speedup for r in ordered], color="tab:blue", xerr=errors,
+    # Long method names (a skip set's sublayers) wrapped: unwrapped, they squeeze the bars into a strip.
+    labels = [textwrap.fill(r.method, 28) for r in ordered]
+    bars = ax.barh(labels, [r.speedup for r in ordered], color="tab:blue", xerr=errors,
                    error_kw={"capsize": 3, "elinewidth": 1})
     # The number on each bar, and the token/s it comes from: readers compare bars by their values.
     texts = ax.bar_label(bars, labels=[f"{r.speedup:.2f}x ({r.tokens_per_second:.1f} tok/s)"
@@ -225,7 +229,8 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: s
                          padding=3, fontsize=8)
     for text in texts:  # readable where the 1.0x line crosses it
         text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 1})
-    ax.set_xlim(0, max(r.speedup for r in rows) * 1.45)
+    # Room right of the longest bar (or its whisker) for its label.
+    ax.set_xlim(0, max(r.speedup_high or r.speedup for r in rows) * 1.6)
     ax.axvline(1.0, color="gray", linestyle="--", linewidth=1, label="HF greedy (1.0x)", zorder=0)
     ax.set_xlabel("speedup over HF greedy (x; geometric mean of paired runs, bars: 95% interval)")
     ax.set_ylabel("decoding method")

@@ -187,7 +187,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, {s.rounds} rounds, "
             f"acceptance {'-' if s.acceptance_rate is None else format(s.acceptance_rate, '.2f')} "
-            f"({s.accepted}/{s.drafted}), skip {skip if skip else 'none'}"
+            f"({s.accepted}/{s.drafted}), skip {skip if skip is not None and skip.size else 'none (plain decoding)'}"
             + (f", compile {s.compile_time_s:.1f} s]" if args.compile else "]"),
             file=sys.stderr,
         )
@@ -513,7 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser(
         "generate", help="decode one prompt with self-speculative decoding", formatter_class=formatter,
-        description="Decode one prompt with self-speculative decoding (greedy output equals plain greedy decoding).",
+        description="Decode one prompt with self-speculative decoding (greedy output equals plain greedy decoding). "
+                    "The skip set comes from --config or --skip-attn/--skip-mlp; with neither, nothing is skipped and "
+                    "the prompt is decoded plainly.",
     )
     gen.add_argument("--prompt", required=True, type=_text, help="the user message")
     gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")

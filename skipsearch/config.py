@@ -130,6 +130,11 @@ def parse_skip_config(data: Any, source: str = "skip config") -> SkipConfig:
         return value
 
     if not isinstance(data, dict) or data.get("format") != FORMAT:
+        if isinstance(data, dict) and data and all(isinstance(v, dict) and {"attention", "mlp"} <= v.keys()
+                                                   for v in data.values()):
+            raise ValueError(f"{source}: a Draft & Verify / SWIFT skip file (as `export --format dv` writes), not a "
+                             "skipsearch skip config: give the JSON `export` writes by default, or pass this one to "
+                             "`optimize --warm-start`")
         raise ValueError(f"{source}: not a skipsearch skip config (expected \"format\": \"{FORMAT}\")")
     if data.get("version") != VERSION:
         raise ValueError(f"{source}: unsupported version {data.get('version')!r} (this skipsearch reads version {VERSION})")

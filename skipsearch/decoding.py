@@ -116,7 +116,9 @@ class DecodeStats:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+        """New tokens per second of decoding: a first compiled call's compile time is reported apart, not in here."""
+        seconds = self.wall_time_s - self.compile_time_s
+        return self.new_tokens / seconds if seconds > 0 else 0.0
 
     def add(self, other: DecodeStats) -> None:
         for name in ("new_tokens", "rounds", "drafted", "accepted", "wall_time_s", "prefill_time_s", "draft_time_s",

@@ -58,7 +58,9 @@ def _verify_step(model: torch.nn.Module, cache: SpeculativeCache) -> Callable[[t
 # stream weights at about a third of the memory bandwidth; inductor's own C++ GEMM template (autotuned against
 # MKL; it needs the weights frozen into the graph, and prepacks them) does far better: see BENCHMARKS.md. These are
 # inductor config values patched while a step compiles: passed as torch.compile's `options` they do not take effect.
-CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                       # Autotuning prints every GEMM's candidates to stderr; TORCH_LOGS still shows them on request.
+                       "autotune_num_choices_displayed": 0}
 
 
 @dataclass(frozen=True)

@@ -141,13 +141,26 @@ def _labelled(ax: plt.Axes, title: str, xlabel: str, ylabel: str) -> plt.Figure:
     return ax.figure
 
 
+def _measured_only(study: optuna.Study) -> optuna.Study:
+    """An in-memory copy of `study`, every trial at its own number, in which the trials whose value no decoding
+    measured (pre-screen estimates on another scale, repeated proposals) are failed, so Optuna's plots skip them."""
+    shown = {t.number for t in distinct_trials(study) if t.state == TrialState.COMPLETE
+             and "screened_out" not in t.user_attrs}
+    view = optuna.create_study(directions=study.directions)
+    view.add_trials([t if t.number in shown else optuna.trial.create_trial(state=TrialState.FAIL)
+                     for t in study.get_trials(deepcopy=False)])
+    return view
+
+
 def history(study: optuna.Study) -> plt.Figure:
-    """Optuna's optimization history (the first objective of a Pareto study), labelled, with whole trial numbers."""
+    """Optuna's optimization history of the measured trials (the first objective of a Pareto study), labelled,
+    with whole trial numbers."""
     multi = len(study.directions) > 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # Optuna's matplotlib plots
         ax = optuna.visualization.matplotlib.plot_optimization_history(
-            study, target=(lambda t: t.values[0]) if multi else None, target_name="speedup" if multi else "score")
+            _measured_only(study), target=(lambda t: t.values[0]) if multi else None,
+            target_name="Speedup" if multi else "Score")
     # Matplotlib's default ticks put 0.5, 1.5, ... between trials when there are few of them.
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return _labelled(ax, f"{study.study_name}: {_target_label(study)} per completed trial", "trial number",
@@ -225,8 +238,8 @@ def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     ax.set_xlabel(f"share of the importance for the {_target_label(study)} (PED-ANOVA, %)")
     ax.set_ylabel("sublayer (skipped or kept)")
     rest_text = f"; the other {len(rest)} share {sum(s for _, s in rest):.0%}" if rest else ""
-    rough = (f"\nonly {_trials(decoded)}: rough (PED-ANOVA wants {IMPORTANCE_MIN_TRIALS} or more, 5 in its "
-             f"top {_PED_ANOVA_TOP:.0%})" if decoded < IMPORTANCE_MIN_TRIALS else "")
+    rough = (f"\nonly {_trials(decoded)}: a rough ranking (it compares the best {_PED_ANOVA_TOP:.0%} of the trials "
+             f"with all of them, and wants {IMPORTANCE_MIN_TRIALS} or more)" if decoded < IMPORTANCE_MIN_TRIALS else "")
     ax.set_title(f"{study.study_name}: the {len(shown)} sublayers whose skipping matters most{rest_text}{rough}",
                  fontsize=10)
     return fig

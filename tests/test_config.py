@@ -70,3 +70,12 @@ def test_unreadable_files_are_clear_errors(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_skip_config(tmp_path / "bad.json")
+
+
+def test_a_draft_and_verify_file_is_named_as_such():
+    from skipsearch.config import parse_skip_config
+    from skipsearch.skipping import SkipSet
+    from skipsearch.warmstart import dv_json
+
+    with pytest.raises(ValueError, match="Draft & Verify / SWIFT skip file .*optimize --warm-start"):
+        parse_skip_config(dv_json("smollm2", SkipSet.of([3], [5], 30)))

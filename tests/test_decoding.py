@@ -176,8 +176,8 @@ def test_stats_rates_and_sum():
     stats.add(DecodeStats(new_tokens=2, rounds=1, drafted=0, accepted=0, wall_time_s=1.0))
     assert (stats.acceptance_rate, stats.mean_accepted_tokens, stats.tokens_per_second) == (0.75, 1.2, 4.0)
     assert DecodeStats().acceptance_rate is None and DecodeStats().mean_accepted_tokens is None  # nothing drafted
-    stats.add(DecodeStats(compile_time_s=2.5))
-    assert stats.compile_time_s == 2.5
+    stats.add(DecodeStats(wall_time_s=2.5, compile_time_s=2.5))
+    assert stats.compile_time_s == 2.5 and stats.tokens_per_second == 4.0  # compiling is not decoding
 
 
 def total_variation(samples: torch.Tensor, probs: torch.Tensor) -> float:

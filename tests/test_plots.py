@@ -78,7 +78,7 @@ def test_importances_on_few_decoded_trials_say_they_are_rough():
                                               values=[0.01], user_attrs={**screened.user_attrs, "screened_out": "x"}))
     fig = plots.importances(study)
     title = fig.axes[0].get_title()
-    assert "only 49 decoded trials: rough (PED-ANOVA wants 50 or more" in title, title
+    assert "only 49 decoded trials: a rough ranking" in title and "wants 50 or more" in title, title
     assert len(fig.axes[0].patches) == 15  # still drawn
     plt.close(fig)
     fig = plots.importances(synthetic_study(n=50))
@@ -200,3 +200,18 @@ def test_skip_map_ranks_only_decoded_trials():
     assert (fig.axes[1].images[0].get_array() == expected).all()
     plt.close(fig)
     plt.close(without)
+
+
+def test_history_shows_measured_trials_at_their_numbers():
+    """A pre-screen estimate and a repeated proposal are not points; the others keep their trial numbers."""
+    study = synthetic_study(n=4)
+    first = study.trials[0]
+    for attrs in ({"repeat_of": 0}, {"screened_out": True}):
+        study.add_trial(optuna.trial.create_trial(params=first.params, distributions=first.distributions,
+                                                  values=[50.0], user_attrs={**first.user_attrs, **attrs}))
+    study.add_trial(optuna.trial.create_trial(params=first.params, distributions=first.distributions,
+                                              values=[0.5], user_attrs=dict(first.user_attrs)))
+    fig = plots.history(study)
+    points = fig.axes[0].collections[0].get_offsets()
+    assert sorted(points[:, 0].tolist()) == [0, 1, 2, 3, 6] and points[:, 1].max() < 50
+    plt.close(fig)
