@@ -79,6 +79,9 @@ def decide(study: optuna.Study) -> Decision:
     if not candidates and record.get("top") == 0:
         return Decision(None, None, "confirmation was turned off (--confirm-top 0): plain decoding is exported")
     if not candidates:
+        if not any(t.user_attrs.get("skipped") for t in study.get_trials(deepcopy=False)):
+            return Decision(None, None, "no trial skipped anything (the search space allows no skipping, e.g. "
+                                        "--max-skip-fraction 0, or it stopped first): plain decoding is exported")
         return Decision(None, None, "no skip set got past the pre-screen and the pruner to be confirmed: "
                                     "plain decoding is exported")
     best = max(candidates, key=lambda c: c[key])

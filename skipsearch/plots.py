@@ -72,7 +72,8 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
     fig.suptitle(f"{study.study_name}: which sublayers the draft skips", fontsize=11)
     for ax, data, title, bar_label in (
         (axes[0], best_map, label, "this skip set"),
-        (axes[1], frequency, f"share of the top {len(top)} skipping trials that skip each sublayer", "share of trials"),
+        (axes[1], frequency, f"share of the top {len(top)} skipping trials that skip each sublayer" if top
+         else "no decoded trial skipped anything", "share of trials"),
     ):
         image = ax.imshow(data, aspect="auto", cmap="Reds", vmin=0, vmax=1)
         ax.set_yticks([0, 1], ["attn", "mlp"])

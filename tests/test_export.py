@@ -96,3 +96,11 @@ def test_a_confirmation_of_one_paired_run_claims_no_interval(tmp_path):
     text = decide(fake_study(tmp_path, [1.0, 1.1], confirmed=[single])).text
     assert "0.90x as fast as plain decoding (measured, one paired run: no interval)" in text
     assert "0.00" not in text and "unbounded" not in text
+
+
+def test_a_study_that_never_skipped_anything_says_so(tmp_path):
+    only_plain = fake_study(tmp_path, [1.0], confirmed=[])
+    assert "no trial skipped anything" in verdict(only_plain)[1]
+    (tmp_path / "p").mkdir()
+    pruned = fake_study(tmp_path / "p", [1.0, 0.5], confirmed=[])
+    assert "no skip set got past the pre-screen and the pruner" in verdict(pruned)[1]
