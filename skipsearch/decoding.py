@@ -181,9 +181,14 @@ def _eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
     return frozenset(int(t) for t in eos_token_id)
 
 
-# Plain decoding reads its tokens back once per this many: fewer host syncs, at most this many - 1 wasted steps past EOS.
-PLAIN_TOKENS_PER_SYNC = 8
 _FIXED_LENGTH = DraftPolicy(adaptive=False)
+
+
+def plain_steps_per_sync(device: torch.device) -> int:
+    """How many one-token steps plain decoding runs between host read-backs. On CUDA 8: a host sync per token is
+    what bounds a fast GPU (BENCHMARKS.md, GPU), and up to 7 steps past an EOS are the price. On a CPU 1: a sync
+    waits for nothing there, so batching would only add the steps past an EOS."""
+    return 8 if device.type == "cuda" else 1
 
 
 @dataclass
@@ -313,6 +318,7 @@ def _decode(
     width; otherwise it is exactly as wide as what was drafted.
     """
     device = prompt.device
+    steps_per_sync = plain_steps_per_sync(device)
     threshold = policy.confidence_threshold
     smoothed_acceptance = policy.target_acceptance
     stats = DecodeStats()
@@ -337,10 +343,9 @@ def _decode(
 
     while len(tokens) < max_new_tokens and tokens[-1] not in eos and not stopped:
         if not max_draft and hooks is None:
-            # Plain decoding: every token is final, so several steps run back to back and are read back in one
-            # host sync; a sync per token is what bounds a fast GPU (BENCHMARKS.md, GPU). Tokens decoded past an
-            # EOS are dropped below.
-            n = min(PLAIN_TOKENS_PER_SYNC, max_new_tokens - len(tokens))
+            # Plain decoding: every token is final, so steps can run back to back and be read back in one host
+            # sync. Tokens decoded past an EOS are dropped below.
+            n = min(steps_per_sync, max_new_tokens - len(tokens))
             steps = draft_round(verifier, cache, last, cached, n, _FIXED_LENGTH, threshold, sampling, generator)
             new_tokens, last = steps.ids[0, 1:].tolist(), steps.ids[0, -1:]
             stats.rounds += n

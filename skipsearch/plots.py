@@ -164,7 +164,7 @@ def history(study: optuna.Study) -> plt.Figure:
             target_name="Speedup" if multi else "Score")
     # Matplotlib's default ticks put 0.5, 1.5, ... between trials when there are few of them.
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    return _labelled(ax, f"{study.study_name}: {_target_label(study)} per completed trial", "trial number",
+    return _labelled(ax, f"{study.study_name}: {_target_label(study)} per measured trial", "trial number",
                      _target_label(study, units=True))
 
 

@@ -530,6 +530,9 @@ def run_study(
         "space": asdict(space),
     }
     existing = study.user_attrs.get(STUDY_ATTR)
+    if existing is None:
+        # Labelled at once, before any slow work: a worker started beside this one checks its settings against it.
+        study.set_user_attr(STUDY_ATTR, info)
     if settings.objective == "modeled":
         # The study keeps its profile, so a resumed study scores with the same costs.
         if existing is not None and "cost_profile" in existing and profile is None:
@@ -539,10 +542,10 @@ def run_study(
                                     show_progress=settings.show_progress_bar)
         profile.check_model(model)
         info["cost_profile"] = profile.to_dict()
-    if existing is None:
-        study.set_user_attr(STUDY_ATTR, info)
-    else:
+    if existing is not None:
         _check_resumable(settings.study_name, existing, info)
+    if existing is None or ("cost_profile" in info and "cost_profile" not in existing):
+        study.set_user_attr(STUDY_ATTR, info)  # with the cost profile, once one is known
     # Files and published sets first (also on resume), then the structured ones; only as many as the
     # budget, since a queued warm start is a trial too.
     for name, skip in settings.first_trials:

@@ -351,19 +351,25 @@ def test_cpu_inductor_freezes_weights_and_autotunes_gemms_and_decodes_exactly():
         assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # GEMMs from inductor's C++ template
 
 
-def test_plain_decoding_reads_tokens_back_once_per_several_steps_and_stops_at_eos():
+def test_plain_decoding_reads_tokens_back_once_per_several_steps_and_stops_at_eos(monkeypatch):
+    """On CUDA plain decoding runs several steps per host read-back; here the CPU is told to, and must stay exact."""
     from unittest import mock
 
     from skipsearch import decoding
 
+    assert decoding.plain_steps_per_sync(torch.device("cpu")) == 1  # a CPU sync waits for nothing: no steps past EOS
+    assert decoding.plain_steps_per_sync(torch.device("cuda")) == 8
+    monkeypatch.setattr(decoding, "plain_steps_per_sync", lambda device: 8)
     model = MODELS["mistral"]
     prompt, n = [5, 9, 14], 20
     with mock.patch.object(decoding, "draft_round", wraps=decoding.draft_round) as rounds:
         out = generate(model, prompt, skip=None, max_new_tokens=n, eos_token_id=None)
     assert out.tokens == hf_greedy(model, prompt, n, eos=None)
-    assert rounds.call_count == -(-(n - 1) // decoding.PLAIN_TOKENS_PER_SYNC)  # after the prefill's token
+    assert rounds.call_count == 3  # 19 tokens after the prefill's: 8 + 8 + 3
     assert out.stats.rounds == n - 1 and sum(out.stats.verify_contexts.values()) == n - 1
     # An EOS inside a batch of steps ends the output there, as HF's does.
-    eos = out.tokens[4]
+    eos = next(t for t in out.tokens if t != out.tokens[0])  # first met after the prefill's token
+    at = out.tokens.index(eos)
     stopped = generate(model, prompt, skip=None, max_new_tokens=n, eos_token_id=eos)
-    assert stopped.tokens == hf_greedy(model, prompt, n, eos=eos) == out.tokens[: out.tokens.index(eos) + 1]
+    assert stopped.tokens == hf_greedy(model, prompt, n, eos=eos) == out.tokens[: at + 1]
+    assert stopped.stats.rounds == min(n - 1, 8 * -(-at // 8))  # the steps past the EOS ran, and are counted
