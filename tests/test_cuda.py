@@ -1,6 +1,6 @@
 """The CUDA paths: the eager loop, the compiled steps under CUDA graphs (inductor, mode "reduce-overhead") and bf16.
 
-Skipped where no GPU is visible (CI has none); run on a lent GPU machine as ../shared/gpu.md plans.
+Skipped where no GPU is visible (CI has none); `bash benchmarks/gpu.sh cuda-tests` runs them on a GPU machine.
 """
 
 import pytest
