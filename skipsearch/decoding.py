@@ -184,6 +184,11 @@ def _eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
 _FIXED_LENGTH = DraftPolicy(adaptive=False)
 
 
+def _through_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
+    """`tokens` up to and including the first EOS among them."""
+    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
+
+
 def plain_steps_per_sync(device: torch.device) -> int:
     """How many one-token steps plain decoding runs between host read-backs. On CUDA 8: a host sync per token is
     what bounds a fast GPU (BENCHMARKS.md, GPU), and up to 7 steps past an EOS are the price. On a CPU 1: a sync
@@ -351,11 +356,7 @@ def _decode(
             stats.rounds += n
             stats.verify_sizes[1] += n
             stats.verify_contexts.update((1, cached + j) for j in range(n))
-            for i, t in enumerate(new_tokens):
-                if t in eos:
-                    new_tokens = new_tokens[: i + 1]
-                    break
-            tokens.extend(new_tokens)
+            tokens.extend(_through_eos(new_tokens, eos))
             cached += n
             continue
         budget = min(max_draft, max_new_tokens - len(tokens) - 1)
@@ -387,11 +388,7 @@ def _decode(
             step = policy.threshold_step if smoothed_acceptance < policy.target_acceptance else -policy.threshold_step
             threshold = min(1.0, max(0.0, threshold + step))
 
-        new_tokens = new_tokens[: max_new_tokens - len(tokens)]
-        for i, t in enumerate(new_tokens):
-            if t in eos:
-                new_tokens = new_tokens[: i + 1]
-                break
+        new_tokens = _through_eos(new_tokens[: max_new_tokens - len(tokens)], eos)
         if hooks is not None:
             committed = prompt.shape[1] + len(tokens) + len(new_tokens)  # the cuts above shorten the round
             history = torch.cat([history, draft.ids[0, 1 : 1 + accepted], last.view(-1)])[:committed]

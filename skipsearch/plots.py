@@ -142,15 +142,19 @@ def _labelled(ax: plt.Axes, title: str, xlabel: str, ylabel: str) -> plt.Figure:
     return ax.figure
 
 
-def _measured_only(study: optuna.Study) -> optuna.Study:
-    """An in-memory copy of `study`, every trial at its own number, in which the trials whose value no decoding
-    measured (pre-screen estimates on another scale, repeated proposals) are failed, so Optuna's plots skip them."""
-    shown = {t.number for t in distinct_trials(study) if t.state == TrialState.COMPLETE
-             and "screened_out" not in t.user_attrs}
+def _only(study: optuna.Study, trials: list[optuna.trial.FrozenTrial]) -> optuna.Study:
+    """An in-memory copy of `study` in which every trial but `trials` is failed, so that Optuna's plots and
+    importances skip them; each trial keeps its number."""
+    kept = {t.number for t in trials}
     view = optuna.create_study(directions=study.directions)
-    view.add_trials([t if t.number in shown else optuna.trial.create_trial(state=TrialState.FAIL)
+    view.add_trials([t if t.number in kept else optuna.trial.create_trial(state=TrialState.FAIL)
                      for t in study.get_trials(deepcopy=False)])
     return view
+
+
+def _measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
+    """The trials whose value was measured: not pre-screen estimates (another scale) nor repeated proposals."""
+    return [t for t in distinct_trials(study) if t.state == TrialState.COMPLETE and "screened_out" not in t.user_attrs]
 
 
 def history(study: optuna.Study) -> plt.Figure:
@@ -160,7 +164,7 @@ def history(study: optuna.Study) -> plt.Figure:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # Optuna's matplotlib plots
         ax = optuna.visualization.matplotlib.plot_optimization_history(
-            _measured_only(study), target=(lambda t: t.values[0]) if multi else None,
+            _only(study, _measured(study)), target=(lambda t: t.values[0]) if multi else None,
             target_name="Speedup" if multi else "Score")
     # Matplotlib's default ticks put 0.5, 1.5, ... between trials when there are few of them.
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -183,8 +187,7 @@ IMPORTANCE_MIN_TRIALS = math.ceil(5 / _PED_ANOVA_TOP)
 def decoded_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
     """The distinct completed trials whose value came from decoding (not from the teacher-forced pre-screen, nor
     plain decoding's, which is known without decoding)."""
-    return [t for t in distinct_trials(study) if t.state == TrialState.COMPLETE
-            and "screened_out" not in t.user_attrs and "plain_decoding" not in t.user_attrs]
+    return [t for t in _measured(study) if "plain_decoding" not in t.user_attrs]
 
 
 def _trials(n: int) -> str:
@@ -202,8 +205,7 @@ def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     decoded = len(trials)
     # Only decoded values, each skip set once: a repeated proposal would count its set twice in the top group,
     # and pre-screen estimates sit on another scale.
-    view = optuna.create_study(directions=study.directions)
-    view.add_trials(trials)
+    view = _only(study, trials)
     values = {}
     if decoded >= 2:
         with warnings.catch_warnings():

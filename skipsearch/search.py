@@ -544,8 +544,8 @@ def run_study(
         info["cost_profile"] = profile.to_dict()
     if existing is not None:
         _check_resumable(settings.study_name, existing, info)
-    if existing is None or ("cost_profile" in info and "cost_profile" not in existing):
-        study.set_user_attr(STUDY_ATTR, info)  # with the cost profile, once one is known
+    if "cost_profile" in info and "cost_profile" not in (existing or {}):
+        study.set_user_attr(STUDY_ATTR, info)  # now with the cost profile
     # Files and published sets first (also on resume), then the structured ones; only as many as the
     # budget, since a queued warm start is a trial too.
     for name, skip in settings.first_trials:

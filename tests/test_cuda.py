@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from test_decoding import hf_greedy
 from skipsearch.decoding import DraftPolicy, generate
 from skipsearch.skipping import SkipSet
 
@@ -20,18 +21,12 @@ def cuda_model(seed, dtype=torch.float32):
     return tiny_model("llama", seed=seed, dtype=dtype).to("cuda")
 
 
-def hf_greedy(model, prompt, max_new_tokens):
-    ids = torch.tensor([prompt], device=model.device)
-    out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=1)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "reduce-overhead"])
 def test_cuda_greedy_equals_hf_greedy(compiled):
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here: TF32 would round the two paths apart
     model = cuda_model(seed=3)
     prompt = [5, 9, 14, 3, 7]
-    expected = hf_greedy(model, prompt, 24)
+    expected = hf_greedy(model, prompt, 24, eos=None)
     for skip, policy in CASES:
         out = generate(model, prompt, skip=skip, max_new_tokens=24, policy=policy, eos_token_id=None, compile=compiled)
         assert out.tokens == expected, (skip, policy)
@@ -39,9 +34,7 @@ def test_cuda_greedy_equals_hf_greedy(compiled):
     # Plain decoding runs several steps per read-back on CUDA: an EOS inside them still ends the output there.
     eos = next(t for t in expected if t != expected[0])  # first met inside the steps after the prefill
     out = generate(model, prompt, max_new_tokens=24, eos_token_id=eos, compile=compiled)
-    ids = torch.tensor([prompt], device=model.device)
-    reference = model.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=eos, pad_token_id=eos)
-    assert out.tokens == reference[0, len(prompt):].tolist() == expected[: expected.index(eos) + 1]
+    assert out.tokens == hf_greedy(model, prompt, 24, eos=eos) == expected[: expected.index(eos) + 1]
 
 
 def test_cuda_graphs_are_not_recompiled_across_prompts_and_rounds():
@@ -55,7 +48,7 @@ def test_cuda_graphs_are_not_recompiled_across_prompts_and_rounds():
     with torch._dynamo.config.patch(error_on_recompile=True):
         for prompt in ([7], list(range(2, 40))):
             out = generate(model, prompt, skip=skip, max_new_tokens=20, policy=policy, eos_token_id=None, compile=True)
-            assert out.tokens == hf_greedy(model, prompt, 20) and out.stats.compile_time_s == 0.0
+            assert out.tokens == hf_greedy(model, prompt, 20, eos=None) and out.stats.compile_time_s == 0.0
     assert counters["stats"]["unique_graphs"] == graphs
 
 

@@ -16,7 +16,7 @@ SLIDING = tiny_model("mistral", seed=7, dtype=torch.float64, sliding_window=WIND
 
 
 def hf_greedy(model, prompt, max_new_tokens, eos=1):
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos)
     return out[0, len(prompt):].tolist()
 

@@ -172,7 +172,7 @@ def test_importances_count_each_decoded_skip_set_once(monkeypatch):
     real = optuna.importance.get_param_importances
 
     def spy(study, **kwargs):
-        seen["trials"] = study.get_trials()
+        seen["trials"] = study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
         return real(study, **kwargs)
 
     monkeypatch.setattr(optuna.importance, "get_param_importances", spy)
