@@ -22,7 +22,7 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .engine import CompileSettings, Step, _forward, engine_for
+from .engine import CompileSettings, Step, engine_for, forward_at_position, synchronize
 from .kvcache import SpeculativeCache
 from .skipping import SkipSet
 
@@ -168,11 +168,6 @@ class DecodeHooks:
     commit: Callable[[list[int]], None] | None = None
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
     if eos_token_id is None:
         return frozenset()
@@ -181,47 +176,52 @@ def _eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
     return frozenset(int(t) for t in eos_token_id)
 
 
-_FIXED_LENGTH = DraftPolicy(adaptive=False)
-
-
 def _through_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
     """`tokens` up to and including the first EOS among them."""
     return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
 
 
-def plain_steps_per_sync(device: torch.device) -> int:
-    """How many one-token steps plain decoding runs between host read-backs. On CUDA 8: a host sync per token is
-    what bounds a fast GPU (BENCHMARKS.md, GPU), and up to 7 steps past an EOS are the price. On a CPU 1: a sync
-    waits for nothing there, so batching would only add the steps past an EOS."""
-    return 8 if device.type == "cuda" else 1
+def host_reads_stall(device: torch.device) -> bool:
+    """Whether reading a value back stalls the device. On CUDA it does (the queue drains and the GPU idles until the
+    host launches again), so a round reads back once (adaptive cuts are decided on the device, over every draft of
+    the round) and plain decoding once per `PLAIN_STEPS_PER_READ` steps, whose steps past an EOS are dropped. On a
+    CPU a read waits for nothing: drafting stops at the first unsure token and plain decoding at an EOS."""
+    return device.type == "cuda"
+
+
+PLAIN_STEPS_PER_READ = 8
+
+
+def drafting_skip(skip: SkipSet | None, policy: DraftPolicy) -> SkipSet | None:
+    """The skip set to draft with, or None for plain decoding: no set, an empty set (drafting with nothing skipped
+    is the full model twice over) or no draft tokens. The one place that decides what plain decoding is."""
+    return skip if skip is not None and skip.size and policy.max_draft_tokens else None
 
 
 @dataclass
 class Draft:
-    """What a draft round produced: the verify input `[last, d1..dk]` and, when sampling, the draft's distributions."""
+    """What a draft round produced: the verify input `[last, d1..dk]`, how many of the drafts count (a device
+    scalar when the adaptive cut was made on the device), the forwards run, and when sampling the distributions."""
 
     ids: torch.Tensor  # (1, k + 1)
-    count: int
+    count: int | torch.Tensor
+    steps: int
     probs: torch.Tensor | None = None  # (k, vocab)
 
 
 def draft_round(
-    step: Step, cache: SpeculativeCache, last: torch.Tensor, start: int, budget: int, policy: DraftPolicy,
-    threshold: float, sampling: Sampling, generator: torch.Generator | None,
-    hooks: DecodeHooks | None = None, history: torch.Tensor | None = None,
+    step: Step, last: torch.Tensor, budget: int, policy: DraftPolicy, threshold: float, sampling: Sampling,
+    generator: torch.Generator | None, hooks: DecodeHooks | None = None, history: torch.Tensor | None = None,
 ) -> Draft:
-    """Draft up to `budget` tokens after `last` (at position `start`) with the draft step.
+    """Draft up to `budget` tokens after `last` with the draft step, stopping after the first unsure one (adaptive).
 
-    Fixed-length drafting stays on the device; adaptive drafting reads each draft's confidence
-    (one host sync per drafted token) to stop after an unsure one. With `hooks`, each draft's
-    logits are processed with `history` (the committed ids, `last` included) and the drafts so far.
+    Reads each draft's confidence back when adaptive (a host read per drafted token); fixed-length
+    drafting stays on the device. With `hooks`, each draft's logits are processed with `history`
+    (the committed ids, `last` included) and the drafts so far.
     """
-    tokens, probs = [last], []
-    for j in range(budget):
-        cache.seek(start + j)
-        logits = step(tokens[-1].view(1, 1))
-        if hooks is not None:
-            logits = hooks.process(torch.cat([history, *tokens[1:]]).view(1, -1), logits)
+    tokens, probs = [last.view(1)], []
+    for _ in range(budget):
+        logits = _draft_logits(step, tokens, hooks, history)
         if sampling.do_sample:
             probs.append(sampling.probabilities(logits)[0])
             tokens.append(torch.multinomial(probs[-1], 1, generator=generator))
@@ -233,30 +233,61 @@ def draft_round(
             confidence = probs[-1].max() if probs else torch.softmax(logits.float(), -1).max()
             if float(confidence) < threshold:
                 break
-    return Draft(torch.cat(tokens).view(1, -1), len(tokens) - 1, torch.stack(probs) if probs else None)
+    count = len(tokens) - 1
+    return Draft(torch.cat(tokens).view(1, -1), count, count, torch.stack(probs) if probs else None)
 
 
-def verify_greedy(logits: torch.Tensor, draft: Draft) -> tuple[int, list[int], torch.Tensor]:
-    """Keep the longest prefix of the drafts that the full model's argmax agrees with, then its own next token.
+def draft_round_on_device(step: Step, last: torch.Tensor, budget: int, policy: DraftPolicy, threshold: float,
+                          hooks: DecodeHooks | None = None, history: torch.Tensor | None = None) -> Draft:
+    """Greedy drafting with no host read: all `budget` drafts run, and the adaptive cut (after the first token
+    below `threshold`) is decided on the device; verification then counts only the drafts up to it. The committed
+    tokens and statistics are those of `draft_round`; the forwards past the cut are the price of not reading."""
+    tokens, confidences = [last.view(1)], []
+    for _ in range(budget):
+        logits = _draft_logits(step, tokens, hooks, history)
+        tokens.append(logits.argmax(-1))
+        if policy.adaptive:
+            confidences.append(torch.softmax(logits.float(), -1).amax(-1))
+    count = budget
+    if policy.adaptive and budget:
+        unsure = torch.cat(confidences) < threshold
+        count = torch.where(unsure.any(), unsure.int().argmax() + 1, budget)
+    return Draft(torch.cat(tokens).view(1, -1), count, budget)
 
-    Acceptance is decided on the device; the one host transfer of the round brings the count and
-    the tokens. Returns the accepted count, the committed tokens and the last of them on the device.
+
+def _draft_logits(step: Step, tokens: list[torch.Tensor], hooks: DecodeHooks | None, history: torch.Tensor | None
+                  ) -> torch.Tensor:
+    logits = step(tokens[-1].view(1, 1))
+    if hooks is not None:
+        logits = hooks.process(torch.cat([history, *tokens[1:]]).view(1, -1), logits)
+    return logits
+
+
+def verify_greedy(logits: torch.Tensor, draft: Draft) -> tuple[int, int, list[int], torch.Tensor]:
+    """Keep the longest prefix of the counted drafts that the full model's argmax agrees with, then its own token.
+
+    Acceptance is decided on the device; the round's one host read brings the accepted count,
+    the drafts counted and the tokens. Returns those and the last committed token on the device.
     """
-    targets = logits[: draft.count + 1].argmax(-1)
-    agree = (draft.ids[0, 1:] == targets[:-1]).int()
-    accepted = agree.cumprod(0).sum().view(1)
-    host = torch.cat([accepted, targets]).tolist()
+    k = draft.ids.shape[1] - 1
+    targets = logits[: k + 1].argmax(-1)
+    agree = draft.ids[0, 1:] == targets[:-1]
+    count = torch.as_tensor(draft.count, device=targets.device).view(1)
+    if isinstance(draft.count, torch.Tensor):
+        agree &= torch.arange(k, device=targets.device) < count
+    accepted = agree.int().cumprod(0).sum().view(1)
+    host = torch.cat([accepted, count, targets]).tolist()
     n = host[0]
-    return n, host[1 : n + 2], targets.gather(0, accepted)
+    return n, host[1], host[2 : n + 3], targets.gather(0, accepted)
 
 
 def verify_sampling(
     logits: torch.Tensor, draft: Draft, sampling: Sampling, generator: torch.Generator | None
-) -> tuple[int, list[int], torch.Tensor]:
+) -> tuple[int, int, list[int], torch.Tensor]:
     """Speculative rejection sampling of the drafts against the full model's distributions."""
     accepted, tokens, last = _rejection_sample(
         draft.ids[0, 1:], draft.probs, sampling.probabilities(logits[: draft.count + 1]), generator)
-    return accepted, tokens, last.clone()  # a fresh tensor, not a view into the round's samples
+    return accepted, draft.count, tokens, last.clone()  # a fresh tensor, not a view into the round's samples
 
 
 def _pad(ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -285,125 +316,185 @@ def generate(
     """Decode `max_new_tokens` (or up to EOS) for one prompt with self-speculative decoding.
 
     `skip=None`, an empty skip set or `policy.max_draft_tokens == 0` decodes autoregressively
-    through the same loop. `generator` seeds sampling; it must live on the model's device.
-    `compile` runs the draft and verify forwards through `torch.compile` (`compile_backend`,
-    `compile_mode`; CUDA graphs by default on CUDA); compiled steps are kept on the model and
-    reused by later calls with the same skip set. The prefill always runs eagerly.
+    through the same loop (`drafting_skip`). `generator` seeds sampling; it must live on the
+    model's device. `compile` runs the draft and verify forwards compiled (`compile_backend`,
+    `compile_mode`: engine.py's modes; CUDA graphs by default on CUDA); compiled steps are kept on
+    the model and reused by later calls with the same skip set. The prefill always runs eagerly.
     `hooks` put logits processing, stopping and streaming in the caller's hands (`DecodeHooks`).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    device = model.device
-    prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).view(1, -1)
+    prompt = torch.as_tensor(input_ids, dtype=torch.long, device=model.device).view(1, -1)
     if prompt.shape[1] == 0:
         raise ValueError("the prompt is empty: at least one token is needed")
-    # Drafting with nothing skipped is the full model twice over: an empty set means plain decoding.
-    max_draft = policy.max_draft_tokens if skip is not None and skip.size else 0
+    draft_skip = drafting_skip(skip, policy)
+    verify_width = policy.max_draft_tokens + 1 if draft_skip else 1
     settings = CompileSettings(compile_backend, compile_mode) if compile else None
-    verify_width = max_draft + 1
-    # Writes reach at most one verify width past the last committed token.
-    cache, drafter, verifier = engine_for(model).prepare(prompt.shape[1] + max_new_tokens + verify_width,
-                                                         skip if max_draft else None, settings, verify_width)
-    uncompiled = [step for step in (drafter, verifier) if step is not None and step.compile_time_s is None]
-    output = _decode(model, cache, drafter, verifier, prompt, max_draft, max_new_tokens, policy, sampling,
-                     _eos_set(eos_token_id), generator, time_drafts,
-                     verify_width=verify_width if compile else None, hooks=hooks)
-    output.stats.compile_time_s = sum(step.compile_time_s or 0.0 for step in uncompiled)
+    # Writes reach at most one verify width (or a batch of plain steps) past the last committed token.
+    length = prompt.shape[1] + max_new_tokens + max(verify_width, PLAIN_STEPS_PER_READ)
+    cache, drafter, verifier = engine_for(model).prepare(length, draft_skip, settings, verify_width)
+    loop = _Loop(model, cache, drafter, verifier, verify_width if compile else None, policy, sampling,
+                 _eos_set(eos_token_id), generator, hooks, time_drafts, host_reads_stall(model.device))
+    new_steps = [step for step in (drafter, verifier) if step is not None and step.setup_time_s is None]
+    output = _decode(loop, prompt, max_new_tokens)
+    output.stats.compile_time_s = sum(step.setup_time_s or 0.0 for step in new_steps)
     return output
 
 
-def _decode(
-    model: torch.nn.Module, cache: SpeculativeCache, drafter: Step | None, verifier: Step, prompt: torch.Tensor,
-    max_draft: int, max_new_tokens: int, policy: DraftPolicy, sampling: Sampling, eos: frozenset[int],
-    generator: torch.Generator | None, time_drafts: bool, verify_width: int | None, hooks: DecodeHooks | None = None,
-) -> GenerationOutput:
-    """The loop: prefill, then rounds of draft, verify, commit. The cache holds every committed token but `last`.
+@dataclass
+class _Loop:
+    """What one call decodes with, and the adaptive threshold's state, which moves from round to round."""
 
-    With `verify_width` (compiled steps: static shapes) every verification is padded to that
-    width; otherwise it is exactly as wide as what was drafted.
-    """
-    device = prompt.device
-    steps_per_sync = plain_steps_per_sync(device)
-    threshold = policy.confidence_threshold
-    smoothed_acceptance = policy.target_acceptance
-    stats = DecodeStats()
+    model: torch.nn.Module  # runs the prefill, eagerly
+    cache: SpeculativeCache
+    drafter: Step | None  # None: plain decoding
+    verifier: Step
+    verify_width: int | None  # compiled: every verification padded to this width
+    policy: DraftPolicy
+    sampling: Sampling
+    eos: frozenset[int]
+    generator: torch.Generator | None
+    hooks: DecodeHooks | None
+    time_drafts: bool
+    read_once: bool  # host reads stall the device: one read per round (`host_reads_stall`)
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    threshold: float = field(init=False)
+    smoothed_acceptance: float = field(init=False)
 
-    synchronize(device)
+    def __post_init__(self) -> None:
+        self.threshold = self.policy.confidence_threshold
+        self.smoothed_acceptance = self.policy.target_acceptance
+
+
+def _decode(loop: _Loop, prompt: torch.Tensor, max_new_tokens: int) -> GenerationOutput:
+    """Prefill, then rounds (or batches of plain steps) until `max_new_tokens`, an EOS or a stopping hook.
+    The cache holds every committed token but `last`, and its position is where `last` goes."""
+    synchronize(prompt.device)
     start_time = time.perf_counter()
-    cache.seek(0)
-    logits = _forward(model, cache, prompt, 1)
-    if hooks is not None:
-        logits = hooks.process(prompt, logits)
-    last = torch.multinomial(sampling.probabilities(logits)[0], 1, generator=generator) if sampling.do_sample \
-        else logits.argmax(-1)
-    tokens: list[int] = last.tolist()  # a host sync: the prefill time below is exact on CUDA too
-    stats.prefill_time_s = time.perf_counter() - start_time
-    cached = prompt.shape[1]  # positions in the cache; `last` sits at position `cached`
-    stopped, history = False, None
-    if hooks is not None:
-        history = torch.cat([prompt[0], last.view(-1)])  # the committed ids, on the device
-        stopped = hooks.stop(history.view(1, -1), 1) is not None
-        if hooks.commit is not None:
-            hooks.commit(tokens)
-
-    while len(tokens) < max_new_tokens and tokens[-1] not in eos and not stopped:
-        if not max_draft and hooks is None:
-            # Plain decoding: every token is final, so steps can run back to back and be read back in one host
-            # sync. Tokens decoded past an EOS are dropped below.
-            n = min(steps_per_sync, max_new_tokens - len(tokens))
-            steps = draft_round(verifier, cache, last, cached, n, _FIXED_LENGTH, threshold, sampling, generator)
-            new_tokens, last = steps.ids[0, 1:].tolist(), steps.ids[0, -1:]
-            stats.rounds += n
-            stats.verify_sizes[1] += n
-            stats.verify_contexts.update((1, cached + j) for j in range(n))
-            tokens.extend(_through_eos(new_tokens, eos))
-            cached += n
-            continue
-        budget = min(max_draft, max_new_tokens - len(tokens) - 1)
-        if time_drafts and budget:
-            synchronize(device)
-            draft_start = time.perf_counter()
-        draft = draft_round(drafter, cache, last, cached, budget, policy, threshold, sampling, generator,
-                            hooks, history) if budget else Draft(last.view(1, 1), 0)
-        if time_drafts and budget:
-            synchronize(device)
-            stats.draft_time_s += time.perf_counter() - draft_start
-
-        cache.seek(cached)  # verify overwrites whatever the draft wrote from here on
-        logits = verifier(_pad(draft.ids, verify_width) if verify_width else draft.ids)
-        if hooks is not None:
-            logits = hooks.process(torch.cat([history, draft.ids[0, 1:]]).view(1, -1), logits[: draft.count + 1])
-        if sampling.do_sample:
-            accepted, new_tokens, last = verify_sampling(logits, draft, sampling, generator)
+    last, tokens, history = _prefill(loop, prompt)
+    loop.stats.prefill_time_s = time.perf_counter() - start_time
+    stopped = history is not None and _hooks_stop(loop, history, tokens)
+    while len(tokens) < max_new_tokens and tokens[-1] not in loop.eos and not stopped:
+        context = prompt.shape[1] + len(tokens) - 1  # tokens in the cache
+        if loop.drafter is None and loop.hooks is None:
+            new_tokens, last = _plain_steps(loop, last, context, max_new_tokens - len(tokens))
         else:
-            accepted, new_tokens, last = verify_greedy(logits, draft)
-
-        stats.rounds += 1
-        stats.verify_sizes[draft.count + 1] += 1
-        stats.verify_contexts[draft.count + 1, cached] += 1
-        stats.drafted += draft.count
-        stats.accepted += accepted
-        if policy.adaptive and draft.count:
-            smoothed_acceptance = 0.5 * smoothed_acceptance + 0.5 * accepted / draft.count
-            step = policy.threshold_step if smoothed_acceptance < policy.target_acceptance else -policy.threshold_step
-            threshold = min(1.0, max(0.0, threshold + step))
-
-        new_tokens = _through_eos(new_tokens[: max_new_tokens - len(tokens)], eos)
-        if hooks is not None:
-            committed = prompt.shape[1] + len(tokens) + len(new_tokens)  # the cuts above shorten the round
-            history = torch.cat([history, draft.ids[0, 1 : 1 + accepted], last.view(-1)])[:committed]
-            keep = hooks.stop(history.view(1, -1), len(new_tokens))
-            if keep is not None:
-                stopped, new_tokens = True, new_tokens[:keep]
-            if hooks.commit is not None:
-                hooks.commit(new_tokens)
+            new_tokens, last, history, stopped = _round(loop, last, context, max_new_tokens - len(tokens), history)
         tokens.extend(new_tokens)
-        cached += accepted + 1
+    synchronize(prompt.device)
+    loop.stats.wall_time_s = time.perf_counter() - start_time
+    loop.stats.new_tokens = len(tokens)
+    return GenerationOutput(tokens, loop.stats, loop.threshold if loop.policy.adaptive else None)
 
-    synchronize(device)
-    stats.wall_time_s = time.perf_counter() - start_time
-    stats.new_tokens = len(tokens)
-    return GenerationOutput(tokens=tokens, stats=stats, final_threshold=threshold if policy.adaptive else None)
+
+def _prefill(loop: _Loop, prompt: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    """The prompt's forward and the first new token; with hooks, the committed ids too (on the device)."""
+    loop.cache.seek(0)
+    logits = forward_at_position(loop.model, loop.cache, prompt, logits_to_keep=1)
+    if loop.hooks is not None:
+        logits = loop.hooks.process(prompt, logits)
+    last = _next_token(loop, logits)
+    tokens = last.tolist()  # a host read: the prefill time is exact on CUDA too
+    history = torch.cat([prompt[0], last]) if loop.hooks is not None else None
+    return last, tokens, history
+
+
+def _next_token(loop: _Loop, logits: torch.Tensor) -> torch.Tensor:
+    if loop.sampling.do_sample:
+        return torch.multinomial(loop.sampling.probabilities(logits)[0], 1, generator=loop.generator)
+    return logits.argmax(-1)
+
+
+def _plain_steps(loop: _Loop, last: torch.Tensor, context: int, room: int) -> tuple[list[int], torch.Tensor]:
+    """Plain decoding: every token is final, so steps run back to back and are read back together.
+    Tokens decoded past an EOS are dropped (and their steps counted)."""
+    n = min(PLAIN_STEPS_PER_READ if loop.read_once else 1, room)
+    steps = [last]
+    for _ in range(n):
+        steps.append(_next_token(loop, loop.verifier(steps[-1].view(1, 1))))
+    new_tokens = torch.cat(steps[1:]).tolist()
+    loop.stats.rounds += n
+    loop.stats.verify_sizes[1] += n
+    loop.stats.verify_contexts.update((1, context + j) for j in range(n))
+    return _through_eos(new_tokens, loop.eos), steps[-1]
+
+
+def _round(loop: _Loop, last: torch.Tensor, context: int, room: int, history: torch.Tensor | None
+           ) -> tuple[list[int], torch.Tensor, torch.Tensor | None, bool]:
+    """One speculative round: draft, roll back, verify, commit. With no drafter (plain decoding with hooks)
+    or no room left for a draft, the round verifies `last` alone: a plain step."""
+    budget = min(loop.policy.max_draft_tokens, room - 1) if loop.drafter is not None else 0
+    draft = _timed_draft(loop, last, budget, history) if budget else Draft(last.view(1, 1), 0, 0)
+    loop.cache.advance(-draft.steps)  # verification overwrites what the drafts wrote
+    ids = _pad(draft.ids, loop.verify_width) if loop.verify_width else draft.ids
+    logits = loop.verifier(ids)
+    if loop.hooks is not None:
+        logits = loop.hooks.process(torch.cat([history, draft.ids[0, 1:]]).view(1, -1), logits[: draft.ids.shape[1]])
+    if loop.sampling.do_sample:
+        accepted, count, new_tokens, last = verify_sampling(logits, draft, loop.sampling, loop.generator)
+    else:
+        accepted, count, new_tokens, last = verify_greedy(logits, draft)
+    loop.cache.advance(accepted + 1 - ids.shape[1])  # past the committed tokens, `last` excluded
+    _record_round(loop, accepted, count, context)
+    new_tokens = _through_eos(new_tokens[:room], loop.eos)
+    stopped = False
+    if loop.hooks is not None:
+        committed = torch.cat([draft.ids[0, 1 : 1 + accepted], last.view(-1)])[: len(new_tokens)]
+        history = torch.cat([history, committed])
+        stopped, new_tokens = _hooks_commit(loop, history, new_tokens)
+    return new_tokens, last, history, stopped
+
+
+def _timed_draft(loop: _Loop, last: torch.Tensor, budget: int, history: torch.Tensor | None) -> Draft:
+    """The round's drafts: cut on the device where host reads stall it (greedy), else at the first unsure token.
+    With `time_drafts`, the drafting time is measured (two syncs: for cost accounting only)."""
+    if loop.time_drafts:
+        synchronize(last.device)
+        start = time.perf_counter()
+    if loop.read_once and not loop.sampling.do_sample:
+        draft = draft_round_on_device(loop.drafter, last, budget, loop.policy, loop.threshold, loop.hooks, history)
+    else:
+        draft = draft_round(loop.drafter, last, budget, loop.policy, loop.threshold, loop.sampling, loop.generator,
+                            loop.hooks, history)
+    if loop.time_drafts:
+        synchronize(last.device)
+        loop.stats.draft_time_s += time.perf_counter() - start
+    return draft
+
+
+def _record_round(loop: _Loop, accepted: int, count: int, context: int) -> None:
+    """Statistics of a round, from the values its one host read brought; then the adaptive threshold moves
+    toward keeping the smoothed acceptance at the target (Draft & Verify)."""
+    stats = loop.stats
+    stats.rounds += 1
+    stats.verify_sizes[count + 1] += 1
+    stats.verify_contexts[count + 1, context] += 1
+    stats.drafted += count
+    stats.accepted += accepted
+    if loop.policy.adaptive and count:
+        loop.smoothed_acceptance = 0.5 * loop.smoothed_acceptance + 0.5 * accepted / count
+        up = loop.smoothed_acceptance < loop.policy.target_acceptance
+        step = loop.policy.threshold_step if up else -loop.policy.threshold_step
+        loop.threshold = min(1.0, max(0.0, loop.threshold + step))
+
+
+def _hooks_stop(loop: _Loop, history: torch.Tensor, tokens: list[int]) -> bool:
+    """After the prefill: whether a stopping criterion fired on the first token; the streamer gets it."""
+    stopped = loop.hooks.stop(history.view(1, -1), 1) is not None
+    if loop.hooks.commit is not None:
+        loop.hooks.commit(tokens)
+    return stopped
+
+
+def _hooks_commit(loop: _Loop, history: torch.Tensor, new_tokens: list[int]) -> tuple[bool, list[int]]:
+    """A round's tokens through the stopping criteria (cut after the one that fired) and to the streamer."""
+    keep = loop.hooks.stop(history.view(1, -1), len(new_tokens))
+    stopped = keep is not None
+    if stopped:
+        new_tokens = new_tokens[:keep]
+    if loop.hooks.commit is not None:
+        loop.hooks.commit(new_tokens)
+    return stopped, new_tokens
 
 
 def _rejection_sample(

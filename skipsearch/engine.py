@@ -1,57 +1,56 @@
-"""The forwards the decoding loop runs, eager or compiled, kept per model so that calls and trials reuse them.
+"""The forwards the decoding loop runs ("steps"), eager or compiled, kept per model so that calls and trials reuse them.
 
-For compiled decoding an `Engine` owns one `SpeculativeCache` (reused while calls fit in it,
-so compiled graphs see the same buffers), a draft step per skip set and a verify step per
-verify width (eager decoding gets a fresh cache of exactly the call's length):
-- the draft step is a one-token forward of the draft view of the model (`draft_model`),
-- the verify step is a forward of the full model, `width` tokens wide; compiled, the width is
-  fixed (max drafts + 1) and short rounds are padded: padded positions write stale slots past
-  the query, which the causal mask hides.
-Compiled steps use `torch.compile(fullgraph=True, dynamic=False)`: with CUDA graphs
-(`mode="reduce-overhead"`) on CUDA, and on a CPU with the weights frozen into the graph and
-autotuned C++ GEMMs (`CPU_INDUCTOR_CONFIG`), so a compiled step reads the weights as they were
-when it compiled. Inductor keeps the code it generates for the life of the process, and with
-frozen weights that code holds a prepacked copy of them: each compiled skip set keeps about a
-model's worth of memory (studies therefore compile in inductor's default mode on a CPU, see
-`search.Evaluator`). The engine lives on the model (`engine_for`), not in a global.
+A step is one forward at the cache's write position that advances the position past what it wrote:
+the plain step (one token, full model), the draft step (one token, the draft path of a skip set)
+and the verify step (the full model over a round's tokens). How steps run (`CompileSettings`):
+- eager (no compile): the model's own forward on a fresh cache of exactly the call's length.
+- "regional" (CUDA's default, and what studies run on a CPU): every decoder layer runs through a
+  compiled function for its kind (full layer, attention only, MLP only) and width, shared by all
+  layers and all skip sets (`CompiledLayers`), so a new skip set compiles nothing. On CUDA each step
+  is then captured once as a CUDA graph over static buffers and replayed: one launch per step,
+  milliseconds to set up a new skip set, and no cudagraph-tree bookkeeping per call.
+- "frozen" (a CPU's default for `generate` and `bench`): the whole step compiled with the weights
+  frozen into the graph and inductor's autotuned C++ GEMMs (`CPU_INDUCTOR_CONFIG`), the fastest on a
+  CPU; a compile per skip set, and inductor keeps each one's prepacked weights for the process's life.
+- any torch.compile mode name: the whole step compiled in that mode, one compile per skip set.
+Compiled steps share one cache (reused while calls fit in it: graphs see the same buffers) and
+the engine keeps the draft steps of the `DRAFT_STEPS_KEPT` latest skip sets, so a study's memory
+stays flat. The engine lives on the model (`engine_for`), not in a global.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch._inductor.config
+from torch import nn
 
 from .kvcache import SpeculativeCache
-from .skipping import SkipSet, draft_model
+from .skipping import SkippedLayer, SkipSet, decoder_layers, draft_layers, draft_model, forget_draft, model_with_layers
 
 CACHE_BLOCK = 256  # capacities round up to this, so calls of similar lengths share one cache and one graph
+DRAFT_STEPS_KEPT = 8  # skip sets whose draft steps stay ready; older ones are freed
 
 
-def _forward(model: torch.nn.Module, cache: SpeculativeCache, ids: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-    """Logits (tokens kept, vocab) of one forward of `ids` written at the cache's position."""
-    positions = (cache.position + torch.arange(ids.shape[1], device=ids.device)).view(1, -1)
-    out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True,
-                logits_to_keep=logits_to_keep)
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def forward_at_position(model: nn.Module, cache: SpeculativeCache, ids: torch.Tensor, logits_to_keep: int = 0
+                        ) -> torch.Tensor:
+    """Logits (the last `logits_to_keep` rows; 0: all, as verification needs) of one forward of `ids` (1, width)
+    written at the cache's position, which then moves past them."""
+    width = ids.shape[1]
+    out = model(input_ids=ids, position_ids=cache.positions(width), attention_mask=cache.attention_mask(width),
+                past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+    cache.advance(width)
     return out.logits[0]
-
-
-def _draft_step(model: torch.nn.Module, cache: SpeculativeCache) -> Callable[[torch.Tensor], torch.Tensor]:
-    def draft_step(ids: torch.Tensor) -> torch.Tensor:
-        return _forward(model, cache, ids, 1)
-
-    return draft_step
-
-
-def _verify_step(model: torch.nn.Module, cache: SpeculativeCache) -> Callable[[torch.Tensor], torch.Tensor]:
-    def verify_step(ids: torch.Tensor) -> torch.Tensor:
-        return _forward(model, cache, ids, 0)
-
-    return verify_step
 
 
 # Batch-1 decoding on a CPU is matrix-vector products over the weights. MKL's, which inductor calls by default,
@@ -66,89 +65,207 @@ CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gem
 @dataclass(frozen=True)
 class CompileSettings:
     backend: str = "inductor"
-    # None: inductor's best for the device: CUDA graphs ("reduce-overhead") on CUDA, frozen weights and
-    # autotuned C++ GEMMs (CPU_INDUCTOR_CONFIG) on a CPU. Any torch.compile mode name overrides that.
+    # None: the device's best: "regional" on CUDA (CUDA graphs), "frozen" on a CPU with inductor. See the module doc.
     mode: str | None = None
 
-    def resolved(self, device: torch.device) -> tuple[str | None, dict]:
-        """torch.compile's `mode` for `device`, and the inductor config to patch while compiling."""
-        if self.mode is not None or self.backend != "inductor":
-            return self.mode, {}
-        return ("reduce-overhead", {}) if device.type == "cuda" else (None, dict(CPU_INDUCTOR_CONFIG))
+    def resolved(self, device: torch.device) -> str:
+        if self.mode is not None:
+            return self.mode
+        return "frozen" if device.type == "cpu" and self.backend == "inductor" else "regional"
 
 
 class Step:
-    """One forward kind, eager or compiled; the first compiled call's time is its compile time."""
+    """One forward kind, eager or compiled; the first call's time (compiling, capturing) is its setup time.
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device,
-                 settings: CompileSettings | None):
-        self.device = device
-        self.mode, self.inductor_config = settings.resolved(device) if settings else (None, {})
-        self.fn = fn if settings is None else torch.compile(
-            _own_code(fn), backend=settings.backend, mode=self.mode, fullgraph=True, dynamic=False)
-        self.compile_time_s: float | None = None if settings else 0.0
+    With `graph_pool` (CUDA), the first call captures the forward as a CUDA graph and every call
+    replays it: the returned logits are a static buffer, valid until the next step runs.
+    """
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], cache: SpeculativeCache, compiled: bool,
+                 inductor_config: dict | None = None, graph_pool: tuple | None = None):
+        self.fn, self.cache = fn, cache
+        self.device = cache.position.device
+        self.inductor_config = inductor_config or {}
+        self.graph_pool, self.graph = graph_pool, None
+        self.setup_time_s: float | None = None if compiled else 0.0
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.mode == "reduce-overhead":
-            # CUDA graphs reuse output buffers; each step's outputs are consumed before the next step runs.
-            torch.compiler.cudagraph_mark_step_begin()
-        if self.compile_time_s is not None:
+        if self.graph is not None:
+            self.ids.copy_(ids)
+            self.graph.replay()
+            return self.logits
+        if self.setup_time_s is not None:
             return self.fn(ids)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         start = time.perf_counter()
-        # The first call compiles; shapes are static and each step has its own code, so no later call recompiles.
         with torch._inductor.config.patch(self.inductor_config):
-            out = self.fn(ids)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.compile_time_s = time.perf_counter() - start
+            out = self._capture(ids) if self.graph_pool is not None else self.fn(ids)
+        synchronize(self.device)
+        self.setup_time_s = time.perf_counter() - start
         return out
+
+    def _capture(self, ids: torch.Tensor) -> torch.Tensor:
+        """Warm up on a side stream (compiling, autotuning), capture one call as a CUDA graph, replay it for this call.
+        The warm-ups write stale slots at the position and are rolled back; capturing runs nothing."""
+        position = self.cache.position.clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.fn(ids)
+                self.cache.position.copy_(position)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.ids, graph = ids.clone(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            self.logits = self.fn(self.ids)
+        self.graph = graph
+        graph.replay()
+        return self.logits
+
+
+def _run_layer(layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids, kv) -> torch.Tensor:
+    return layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids,
+                 past_key_values=kv, use_cache=True)
 
 
 def _own_code(fn: Callable) -> Callable:
     """`fn` with a code object of its own.
 
     Dynamo keeps compiled graphs per code object and fails a fullgraph compile once one code
-    object has `recompile_limit` graphs: draft steps of every skip set share `draft_step`'s code,
-    so a study would fail at its 9th compiled skip set. With its own code a step holds one graph.
+    object has `recompile_limit` graphs: each compiled function here gets its own code, so each
+    holds one graph, however many skip sets, layer kinds and models a process compiles.
     """
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-@dataclass
+class CompiledLayers:
+    """One compiled function per (layer kind, width), shared by every layer of a model and every skip set.
+
+    A layer is called with its own `PositionalLayer` as its cache, which ignores the layer index:
+    so no compiled code depends on which layer it runs, and dynamo does not specialise per layer.
+    """
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.functions: dict[tuple[type, int], Callable] = {}
+
+    def __call__(self, layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids, kv):
+        key = (type(layer), hidden.shape[1])
+        if key not in self.functions:
+            self.functions[key] = torch.compile(_own_code(_run_layer), backend=self.backend, fullgraph=True,
+                                                dynamic=False)
+        return self.functions[key](layer, hidden, mask, position_embeddings, position_ids, kv)
+
+
+class RegionalLayer(nn.Module):
+    """A decoder layer (or a draft wrapper of one) run by its kind's compiled function, with its own cache layer."""
+
+    def __init__(self, layer: nn.Module, kv, compiled: CompiledLayers):
+        super().__init__()
+        self.inner, self.kv, self.compiled = layer, kv, compiled
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, position_ids=None, **kwargs):
+        return self.compiled(self.inner, hidden_states, attention_mask, position_embeddings, position_ids, self.kv)
+
+
+def regional_view(model: nn.Module, skip: SkipSet | None, cache: SpeculativeCache, compiled: CompiledLayers
+                  ) -> nn.Module:
+    """The full model (`skip` None) or a draft path, every layer run through `compiled`."""
+    layers = draft_layers(model, skip) if skip else decoder_layers(model)
+    return model_with_layers(model, nn.ModuleList(
+        layer if isinstance(layer, SkippedLayer) else RegionalLayer(layer, cache.layers[i], compiled)
+        for i, layer in enumerate(layers)))
+
+
 class Engine:
     """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead."""
 
-    model: torch.nn.Module
-    cache: SpeculativeCache | None = None
-    steps: dict = field(default_factory=dict)
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.cache: SpeculativeCache | None = None
+        self.verify_steps: dict[tuple, Step] = {}
+        self.draft_steps: collections.OrderedDict[tuple, Step] = collections.OrderedDict()
+        self.layers: dict[str, CompiledLayers] = {}  # by backend
+        self.graph_pool = None
+
+    @property
+    def steps(self) -> dict[tuple, Step]:
+        """Every step kept: ("verify", width, settings) and ("draft", skip set, settings)."""
+        return {**{("verify", *key): step for key, step in self.verify_steps.items()},
+                **{("draft", *key): step for key, step in self.draft_steps.items()}}
 
     def prepare(self, length: int, skip: SkipSet | None, settings: CompileSettings | None, verify_width: int
                 ) -> tuple[SpeculativeCache, Step | None, Step]:
         """The cache (at least `length` slots), the draft step (None without a skip set) and the verify step
         (compiled for `verify_width` tokens; eager steps take any width)."""
-        device = self.model.device
+        model, device = self.model, self.model.device
         if settings is None:
-            cache = SpeculativeCache(self.model.config, length, device)
-            draft = Step(_draft_step(draft_model(self.model, skip), cache), device, None) if skip else None
-            return cache, draft, Step(_verify_step(self.model, cache), device, None)
-        if self.cache is None or not self.cache.matches(length, self.model.dtype, device):
+            cache = SpeculativeCache(model.config, length, device, model.dtype)
+            draft = Step(_step(draft_model(model, skip), cache), cache, compiled=False) if skip else None
+            return cache, draft, Step(_step(model, cache), cache, compiled=False)
+        self._fit_cache(length)
+        if (verify_width, settings) not in self.verify_steps:
+            self.verify_steps[verify_width, settings] = self._compiled_step(None, settings)
+        return self.cache, self._draft_step(skip, settings) if skip else None, self.verify_steps[verify_width, settings]
+
+    def _fit_cache(self, length: int) -> None:
+        model, device = self.model, self.model.device
+        if self.cache is None or not self.cache.matches(length, model.dtype, device):
             # Compiled graphs are specialised to the cache's shape: a capacity in blocks serves many lengths.
-            self.cache = SpeculativeCache(self.model.config, -(-length // CACHE_BLOCK) * CACHE_BLOCK, device)
-            self.steps.clear()  # they close over the old cache
-        draft = self._step(("draft", skip, settings), lambda: _draft_step(draft_model(self.model, skip), self.cache),
-                           settings) if skip else None
-        verify = self._step(("verify", verify_width, settings), lambda: _verify_step(self.model, self.cache), settings)
-        return self.cache, draft, verify
+            self.cache = SpeculativeCache(model.config, -(-length // CACHE_BLOCK) * CACHE_BLOCK, device, model.dtype)
+            for skip, _ in self.draft_steps:
+                forget_draft(model, skip)
+            self.verify_steps.clear()  # they close over the old cache
+            self.draft_steps.clear()
+            self.layers.clear()
+            self.graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
 
-    def _step(self, key: tuple, make: Callable[[], Callable], settings: CompileSettings) -> Step:
-        if key not in self.steps:
-            self.steps[key] = Step(make(), self.model.device, settings)
-        return self.steps[key]
+    def _draft_step(self, skip: SkipSet, settings: CompileSettings) -> Step:
+        key = (skip, settings)
+        if key in self.draft_steps:
+            self.draft_steps.move_to_end(key)
+            return self.draft_steps[key]
+        if settings.resolved(self.model.device) == "regional" and not self.draft_steps:
+            self._warm_layer_kinds(settings)
+        self.draft_steps[key] = step = self._compiled_step(skip, settings)
+        while len(self.draft_steps) > DRAFT_STEPS_KEPT:
+            (old_skip, _), _ = self.draft_steps.popitem(last=False)
+            forget_draft(self.model, old_skip)
+        return step
+
+    def _compiled_step(self, skip: SkipSet | None, settings: CompileSettings) -> Step:
+        mode, cache = settings.resolved(self.model.device), self.cache
+        if mode == "regional":
+            compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
+            return Step(_step(regional_view(self.model, skip, cache, compiled), cache), cache, compiled=True,
+                        graph_pool=self.graph_pool)
+        view = draft_model(self.model, skip) if skip else self.model
+        fn = torch.compile(_own_code(_step(view, cache)), backend=settings.backend,
+                           mode=None if mode == "frozen" else mode, fullgraph=True, dynamic=False)
+        return Step(fn, cache, compiled=True, inductor_config=CPU_INDUCTOR_CONFIG if mode == "frozen" else None)
+
+    def _warm_layer_kinds(self, settings: CompileSettings) -> None:
+        """Compile every one-token layer kind now, with the first skip set: no later set compiles anything.
+        Runs one draft forward of each kind at the position (stale slots) and rolls the position back."""
+        compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
+        position = self.cache.position.clone()
+        with torch.inference_mode():
+            for skip in (SkipSet(attn=(0,)), SkipSet(mlp=(0,)), None):
+                forward_at_position(regional_view(self.model, skip, self.cache, compiled), self.cache, ids)
+                self.cache.position.copy_(position)
+            for skip in (SkipSet(attn=(0,)), SkipSet(mlp=(0,))):
+                forget_draft(self.model, skip)
 
 
-def engine_for(model: torch.nn.Module) -> Engine:
+def _step(model: nn.Module, cache: SpeculativeCache) -> Callable[[torch.Tensor], torch.Tensor]:
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        return forward_at_position(model, cache, ids)
+
+    return step
+
+
+def engine_for(model: nn.Module) -> Engine:
     """The model's engine, made on first use and kept on the model (it lives and dies with it)."""
     engine = model.__dict__.get("_skipsearch_engine")
     if engine is None:

@@ -1,12 +1,16 @@
-"""A static KV cache whose roll-back is a position.
+"""A static KV cache whose roll-back is a position, and the attention masks for it, built on the device.
 
-Every layer holds the full capacity (prompt + new tokens + drafts), allocated once; a forward
-writes its keys and values at the cache's one shared write position and reads the whole
-buffer. Slots past the query are stale (a rejected draft, a previous call, an attention the
-draft skipped) and the model's own causal mask hides them, so rolling back is moving the
-position: no crop, no copy. Sliding-window layers are full-length too and the model's
-sliding-window mask does the windowing: transformers' `StaticSlidingWindowLayer` keeps only the
-window and rolls it, which cannot be rolled back.
+Every layer holds the full capacity (prompt + new tokens + drafts), allocated up front; a forward
+writes its keys and values at the cache's one write position and reads the whole buffer. Slots
+past the query are stale (a rejected draft, a previous call, an attention the draft skipped) and
+the attention mask hides them, so rolling back is moving the position: no crop, no copy.
+Sliding-window layers are full-length too and the mask does the windowing: transformers'
+`StaticSlidingWindowLayer` keeps only the window and rolls it, which cannot be rolled back.
+
+`position` is the one place the decoding position lives: a device scalar that steps advance on
+the device (`advance`), so no host count has to be kept in step with it. The masks are built
+from it on the device too (`attention_mask`), which spares transformers' mask code, and with it
+a host read of the position per multi-token forward on CUDA.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ class PositionalLayer(StaticLayer):
 
     A shared position is what lets the draft skip attention layers: a skipped layer is not
     written, yet the mask and the next write are placed by the position, not by that layer.
+    `update` ignores the layer index that attention passes, so a layer can also be handed its
+    own `PositionalLayer` as its cache: then no compiled code depends on which layer it runs
+    (engine.py shares one compiled function among all layers that way).
     """
 
     def __init__(self, max_cache_len: int, position: torch.Tensor, is_sliding: bool):
@@ -44,27 +51,66 @@ class PositionalLayer(StaticLayer):
 
 
 class SpeculativeCache(Cache):
-    """Full-length static layers (transformers' `StaticLayer`) sharing one write position; `seek` rolls back."""
+    """Full-length static layers (transformers' `StaticLayer`) sharing one write position on the device."""
 
-    def __init__(self, config, capacity: int, device: torch.device | str):
-        layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    def __init__(self, config, capacity: int, device: torch.device | str, dtype: torch.dtype | None = None):
+        text_config = config.get_text_config(decoder=True)
+        layer_types, _ = get_layer_types_and_kwargs(text_config)
         unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
         if unsupported:
             raise ValueError(f"unsupported attention layer types for the speculative cache: {unsupported}")
         self.capacity = capacity
+        self.layer_types = list(layer_types)
+        self.sliding_window = getattr(text_config, "sliding_window", None)
+        self.attn_implementation = getattr(text_config, "_attn_implementation", "sdpa")
         self.position = torch.zeros((), dtype=torch.long, device=device)
         if torch.device(device).type == "cuda" and not is_torchdynamo_compiling():
             # A fixed address, which CUDA graphs read in place. Not on a CPU: inductor's freezing (engine.py) would
             # fold a static-address tensor that the graph does not write into a constant, the position of the
             # compiling call; as an input it is read at every call.
             torch._dynamo.mark_static_address(self.position)
+        self.slots = torch.arange(capacity, device=device)
         super().__init__(layers=[PositionalLayer(capacity, self.position, SUPPORTED_LAYER_TYPES[t]) for t in layer_types])
+        if dtype is not None:
+            # Allocated now, not at the first write: a CUDA graph must not capture the allocation.
+            heads = text_config.num_key_value_heads
+            head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+            self.early_initialization(1, heads, head_dim, dtype, torch.device(device))
 
     def seek(self, position: int) -> None:
-        """Make `position` the next write position: later slots become stale, hidden by the causal mask."""
+        """Make `position` the next write position: later slots become stale, hidden by the mask."""
         if not 0 <= position <= self.capacity:
             raise ValueError(f"position {position} is outside the cache (capacity {self.capacity})")
         self.position.fill_(position)  # a kernel launch on CUDA, no host sync
+
+    def advance(self, tokens: int | torch.Tensor) -> None:
+        """Move the write position by `tokens` (negative rolls back), on the device: no host sync."""
+        self.position.add_(tokens)
+
+    def positions(self, width: int) -> torch.Tensor:
+        """Position ids (1, width) of a forward of `width` tokens at the write position."""
+        return (self.position + self.slots[:width]).view(1, -1)
+
+    def attention_mask(self, width: int) -> torch.Tensor | dict[str, torch.Tensor] | None:
+        """The mask for a forward of `width` tokens at the write position, in the form the model's forward takes
+        as prepared (a 4D tensor; a mapping by layer type for models with both kinds), or None where the attention
+        implementation wants none of ours (then the model builds its own)."""
+        if self.attn_implementation not in ("sdpa", "eager"):
+            return None
+        query = self.positions(width).view(-1, 1)
+        causal = self.slots <= query  # (width, capacity): a token sees itself and what precedes it
+        masks = {"full_attention": causal}
+        if "sliding_attention" in self.layer_types:
+            masks["sliding_attention"] = causal & (self.slots > query - self.sliding_window)
+        masks = {kind: self._as_model_mask(mask) for kind, mask in masks.items() if kind in self.layer_types}
+        return masks if len(masks) > 1 else next(iter(masks.values()))
+
+    def _as_model_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        allowed = allowed.view(1, 1, *allowed.shape)
+        if self.attn_implementation == "sdpa":
+            return allowed
+        dtype = self.layers[0].dtype if self.layers[0].is_initialized else torch.float32
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
     def matches(self, capacity: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether this cache can serve a call needing `capacity` slots of `dtype` on `device`."""

@@ -167,16 +167,28 @@ def _with_module(parent: nn.Module, name: str, child: nn.Module) -> nn.Module:
     return view
 
 
+def model_with_layers(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+    """A view of `model` whose decoder runs `layers`: same parameters, the model's own forward."""
+    decoder = model.get_decoder()
+    names = [name for name, child in model._modules.items() if child is decoder]
+    if not names:
+        raise ValueError(f"{type(model).__name__}: the decoder is not a direct submodule")
+    return _with_module(model, names[0], _with_module(decoder, "layers", layers))
+
+
 def draft_model(model: nn.Module, skip: SkipSet) -> nn.Module:
     """A view of `model` that drafts with `skip` skipped: same parameters, built once per skip set."""
     memo = _draft_cache(model)
     if ("model", skip) not in memo:
-        decoder = model.get_decoder()
-        names = [name for name, child in model._modules.items() if child is decoder]
-        if not names:
-            raise ValueError(f"{type(model).__name__}: the decoder is not a direct submodule")
-        memo[("model", skip)] = _with_module(model, names[0], _with_module(decoder, "layers", draft_layers(model, skip)))
+        memo[("model", skip)] = model_with_layers(model, draft_layers(model, skip))
     return memo[("model", skip)]
+
+
+def forget_draft(model: nn.Module, skip: SkipSet) -> None:
+    """Drop what `draft_layers` and `draft_model` keep for `skip`, so that a long study's memory stays flat."""
+    memo = _draft_cache(model)
+    memo.pop(("layers", skip), None)
+    memo.pop(("model", skip), None)
 
 
 @contextlib.contextmanager

@@ -337,8 +337,6 @@ def test_cpu_inductor_freezes_weights_and_autotunes_gemms_and_decodes_exactly():
 
     from skipsearch.engine import CompileSettings
 
-    assert CompileSettings().resolved(torch.device("cuda")) == ("reduce-overhead", {})
-    assert CompileSettings(mode="default").resolved(torch.device("cpu")) == ("default", {})
     model = tiny_model("llama", seed=7, num_layers=2)
     prompt = [5, 9, 14, 3]
     expected = hf_greedy(model, prompt, 10, eos=None)
@@ -357,15 +355,15 @@ def test_plain_decoding_reads_tokens_back_once_per_several_steps_and_stops_at_eo
 
     from skipsearch import decoding
 
-    assert decoding.plain_steps_per_sync(torch.device("cpu")) == 1  # a CPU sync waits for nothing: no steps past EOS
-    assert decoding.plain_steps_per_sync(torch.device("cuda")) == 8
-    monkeypatch.setattr(decoding, "plain_steps_per_sync", lambda device: 8)
+    assert not decoding.host_reads_stall(torch.device("cpu"))  # a CPU read waits for nothing: no steps past EOS
+    assert decoding.host_reads_stall(torch.device("cuda")) and decoding.PLAIN_STEPS_PER_READ == 8
+    monkeypatch.setattr(decoding, "host_reads_stall", lambda device: True)
     model = MODELS["mistral"]
     prompt, n = [5, 9, 14], 20
-    with mock.patch.object(decoding, "draft_round", wraps=decoding.draft_round) as rounds:
+    with mock.patch.object(decoding, "_plain_steps", wraps=decoding._plain_steps) as batches:
         out = generate(model, prompt, skip=None, max_new_tokens=n, eos_token_id=None)
     assert out.tokens == hf_greedy(model, prompt, n, eos=None)
-    assert rounds.call_count == 3  # 19 tokens after the prefill's: 8 + 8 + 3
+    assert batches.call_count == 3  # 19 tokens after the prefill's: 8 + 8 + 3
     assert out.stats.rounds == n - 1 and sum(out.stats.verify_contexts.values()) == n - 1
     # An EOS inside a batch of steps ends the output there, as HF's does.
     eos = next(t for t in out.tokens if t != out.tokens[0])  # first met after the prefill's token

@@ -1,0 +1,138 @@
+"""The engine's economy and the loop's host reads: what a study on a GPU depends on, checked on the CPU.
+
+- regional steps: one compiled function per layer kind, shared by every layer and skip set, so a
+  new skip set compiles nothing;
+- a long study's memory stays flat (the draft steps of old skip sets are freed);
+- the code path CUDA takes (`host_reads_stall`) reads back once per round, adaptive drafting
+  included, and gives the tokens and statistics of the CPU's path.
+"""
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from conftest import tiny_model
+from test_decoding import hf_greedy
+from skipsearch import decoding
+from skipsearch.decoding import DraftPolicy, generate
+from skipsearch.engine import DRAFT_STEPS_KEPT, CompileSettings, engine_for
+from skipsearch.skipping import SkipSet
+
+NUM_LAYERS = 4
+REGIONAL = dict(compile=True, compile_backend="aot_eager", compile_mode="regional")
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that bring a tensor's value to the host: each one is a sync on CUDA."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
+             torch.Tensor.__int__, torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_compile_modes_resolve_per_device():
+    assert CompileSettings().resolved(torch.device("cuda")) == "regional"
+    assert CompileSettings().resolved(torch.device("cpu")) == "frozen"
+    assert CompileSettings(backend="aot_eager").resolved(torch.device("cpu")) == "regional"
+    assert CompileSettings(mode="default").resolved(torch.device("cuda")) == "default"
+
+
+def test_regional_steps_compile_each_layer_kind_once_for_every_skip_set():
+    """After the first skip set, new sets (whatever layers they skip, attention, MLP or both) compile nothing."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model("llama", seed=8)
+    prompt, policy = [5, 9, 14, 3], DraftPolicy(max_draft_tokens=3)
+    expected = hf_greedy(model, prompt, 12, eos=None)
+    settings = dict(compile=True, compile_mode="regional")  # inductor: what a study runs on a CPU
+    first = generate(model, prompt, skip=SkipSet.of([1], [], NUM_LAYERS), max_new_tokens=12, policy=policy,
+                     eos_token_id=None, **settings)
+    assert first.tokens == expected and first.stats.compile_time_s > 0
+    graphs = counters["stats"]["unique_graphs"]
+    for attn, mlp in [([2], [1]), ([1, 2], [1, 2]), ([], [3]), ([0, 3], [2])]:
+        out = generate(model, prompt, skip=SkipSet.of(attn, mlp, NUM_LAYERS), max_new_tokens=12, policy=policy,
+                       eos_token_id=None, **settings)
+        assert out.tokens == expected and out.stats.drafted > 0
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_long_study_keeps_memory_flat():
+    """60 distinct skip sets through one engine: only the latest sets' draft steps and draft paths stay alive."""
+    model = tiny_model("llama", seed=9, num_layers=6)
+    policy = DraftPolicy(max_draft_tokens=2, adaptive=False)
+    sets = [SkipSet.of([a], [m], 6) for a in range(6) for m in range(6)] + [SkipSet.of([a, b], [], 6)
+                                                                           for a in range(6) for b in range(a + 1, 6)]
+    steps, views = [], []
+    for skip in sets[:60]:
+        generate(model, [5, 9, 14], skip=skip, max_new_tokens=4, policy=policy, eos_token_id=None, **REGIONAL)
+        engine = engine_for(model)
+        steps.append(weakref.ref(engine.draft_steps[skip, CompileSettings("aot_eager", "regional")]))
+        views.extend(weakref.ref(layer) for layer in model.__dict__["_skipsearch_drafts"]["layers", skip])
+    gc.collect()
+    assert len(engine.draft_steps) == DRAFT_STEPS_KEPT
+    assert sum(ref() is not None for ref in steps) == DRAFT_STEPS_KEPT
+    assert len(model.__dict__["_skipsearch_drafts"]) <= 2 * DRAFT_STEPS_KEPT
+    # The wrappers of skipped sublayers die with their skip set (the model's own layers live on, shared).
+    wrappers = [ref for ref in views if ref() is not None and not any(ref() is layer for layer in model.model.layers)]
+    assert len(wrappers) <= DRAFT_STEPS_KEPT * 6
+
+
+@pytest.mark.parametrize("policy", [DraftPolicy(max_draft_tokens=4), DraftPolicy(max_draft_tokens=6, adaptive=False),
+                                    DraftPolicy(max_draft_tokens=5, confidence_threshold=0.9)])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "regional"])
+def test_the_cuda_path_reads_back_once_per_round(monkeypatch, policy, compiled):
+    """With reads stalling the device (CUDA), a round reads back once, adaptive drafting included, and forwards
+    of several tokens read nothing (masks and positions are built on the device); plain decoding reads once per
+    batch of steps. Counted on the CPU through the same code. Eager steps run transformers' own code, counted too."""
+    monkeypatch.setattr(decoding, "host_reads_stall", lambda device: True)
+    model = tiny_model("qwen2", seed=10)
+    prompt, n = [5, 9, 14, 3, 8], 30
+    extra = REGIONAL if compiled else {}
+    generate(model, prompt, skip=SkipSet.of([1], [2], NUM_LAYERS), max_new_tokens=4, policy=policy, **extra)  # setup
+    with HostReads() as reads:
+        out = generate(model, prompt, skip=SkipSet.of([1], [2], NUM_LAYERS), max_new_tokens=n, policy=policy,
+                       eos_token_id=None, **extra)
+    assert out.tokens == hf_greedy(model, prompt, n, eos=None)
+    assert out.stats.drafted > 0 and reads.count == out.stats.rounds + 1  # and the prefill's first token
+    with HostReads() as reads:
+        plain = generate(model, prompt, max_new_tokens=n, eos_token_id=None, **extra)
+    assert plain.tokens == out.tokens and reads.count == 1 + -(-(n - 1) // decoding.PLAIN_STEPS_PER_READ)
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.6, 0.95])
+def test_the_adaptive_cut_on_the_device_commits_what_the_host_cut_does(monkeypatch, threshold):
+    """The CUDA path drafts the whole budget and cuts on the device; tokens, statistics and the threshold's
+    course are those of the CPU's path, which stops drafting at the first unsure token."""
+    model = tiny_model("llama", seed=11, dtype=torch.float64)
+    policy = DraftPolicy(max_draft_tokens=5, confidence_threshold=threshold)
+    run = dict(skip=SkipSet.of([2], [1], NUM_LAYERS), max_new_tokens=40, policy=policy, eos_token_id=None)
+    host = generate(model, [5, 9, 14, 3], **run)
+    monkeypatch.setattr(decoding, "host_reads_stall", lambda device: True)
+    device = generate(model, [5, 9, 14, 3], **run)
+    assert device.tokens == host.tokens == hf_greedy(model, [5, 9, 14, 3], 40, eos=None)
+    for name in ("rounds", "drafted", "accepted", "verify_sizes", "verify_contexts"):
+        assert getattr(device.stats, name) == getattr(host.stats, name), name
+    assert device.final_threshold == host.final_threshold
+    assert 0 < host.stats.drafted < host.stats.rounds * 5  # the cut did stop some rounds short
+
+
+def test_eager_attention_takes_the_additive_mask():
+    """Models on transformers' eager attention get a float mask (added to the scores), SDPA ones a boolean one."""
+    model = tiny_model("mistral", seed=12, dtype=torch.float64, sliding_window=6)
+    model.config._attn_implementation = "eager"
+    prompt = [5, 9, 14, 3]
+    for extra in ({}, REGIONAL):
+        out = generate(model, prompt, skip=SkipSet.of([1], [0], NUM_LAYERS), max_new_tokens=20,
+                       policy=DraftPolicy(max_draft_tokens=3), eos_token_id=None, **extra)
+        assert out.tokens == hf_greedy(model, prompt, 20, eos=None)
