@@ -5,10 +5,13 @@ torch.compile, `cache_implementation="static"`); skipsearch eager and compiled, 
 self-speculative for the given skip sets. Prints tokens/s, speedup over HF eager, identical
 outputs (share of prompts) with the top-2 logit gaps at divergences, compile times, and the
 weight bandwidth achieved (bytes of weights read per forward x forwards/s) beside the
-machine's measured read bandwidth (a large tensor summed), as gpt-fast prints it.
+machine's measured read bandwidth (a large tensor summed), as gpt-fast prints it, and on CUDA the
+host microseconds per token: wall time per token less the GPU's busy time per token (the kernels'
+time in a profiled run of the same decoding). benchmarks/host_overhead.py splits host work by part.
 
     python benchmarks/engine_speed.py                                  # default model, CPU, fp32
     python benchmarks/engine_speed.py --device cuda --dtype bfloat16 --max-new-tokens 128
+    python benchmarks/engine_speed.py --device cuda --dtype bfloat16 --config-only benchmarks/configs/llama-3-8b.json
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from skipsearch.data import load_prompts
 from skipsearch.decoding import DraftPolicy, first_divergence, reference_logits, synchronize
 from skipsearch.engine import CPU_INDUCTOR_CONFIG
 from skipsearch.measure import ratio_interval
-from skipsearch.models import encode_prompt
+from skipsearch.models import encode_prompt, model_from_config
 
 from decode_speed import parse_skip_sets
 
@@ -51,6 +54,27 @@ def hf_compile_config(device: torch.device):
     return config
 
 
+def gpu_busy_seconds(decode, prompt) -> float | None:
+    """Seconds the GPU spends in kernels while `decode(prompt)` runs (profiled; None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decode(prompt)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e6
+
+
+def random_prompts(vocab_size: int, count: int, length: int = 48) -> list[list[int]]:
+    """Prompts for a model with random weights: random ids, all of one length (HF's compiled path then compiles
+    once)."""
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(3, vocab_size, (length,), generator=generator).tolist() for _ in range(count)]
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of weights one full forward reads (the embedding reads one row, so it is left out unless tied)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -75,16 +99,25 @@ def main() -> None:
     parser.add_argument("--max-draft-tokens", type=int, default=4, help="fixed draft length k (default: 4)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend for skipsearch compiled")
     parser.add_argument("--no-hf-compile", action="store_true", help="leave out HF static cache + torch.compile")
-    parser.add_argument("--no-default-mode", action="store_true",
-                        help="on a CPU, leave out skipsearch compiled in inductor's default mode (weights not frozen)")
+    parser.add_argument("--no-regional", action="store_true",
+                        help="on a CPU, leave out skipsearch compiled as studies run it (regional: compiled layer "
+                             "kinds shared by every skip set; weights not frozen)")
+    parser.add_argument("--config-only", default=None, metavar="CONFIG",
+                        help="a model built from this config.json with random weights (speed does not depend on their "
+                             "values; outputs and acceptance do), on random prompts of one length")
     args = parser.parse_args()
 
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    model, eos = loaded.model, loaded.model.generation_config.eos_token_id
-    texts = load_prompts(num_prompts=args.prompt_offset + args.num_prompts, seed=0)[args.prompt_offset:]
-    prompts = [encode_prompt(loaded.tokenizer, p) for p in texts]
+    if args.config_only:
+        model = model_from_config(args.config_only, device=args.device, dtype=args.dtype)
+        name, eos = args.config_only, model.generation_config.eos_token_id
+        prompts = random_prompts(model.config.vocab_size, args.num_prompts)
+    else:
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        model, eos, name = loaded.model, loaded.model.generation_config.eos_token_id, loaded.name_or_path
+        texts = load_prompts(num_prompts=args.prompt_offset + args.num_prompts, seed=0)[args.prompt_offset:]
+        prompts = [encode_prompt(loaded.tokenizer, p) for p in texts]
     n, device = args.max_new_tokens, model.device
-    print(f"model {loaded.name_or_path} on {device} ({loaded.dtype_name}), torch threads {torch.get_num_threads()}, "
+    print(f"model {name} on {device} ({model.dtype}), torch threads {torch.get_num_threads()}, "
           f"{len(prompts)} prompts x {n} new tokens, {args.repeats} repeats; every prompt decoded by every method back to "
           f"back in rotating order, speedups are geometric means of the paired per-run ratios (95% interval)")
     if device.type == "cpu" and args.backend == "inductor":
@@ -93,17 +126,19 @@ def main() -> None:
     policy = DraftPolicy(max_draft_tokens=args.max_draft_tokens, adaptive=False)
     # HF's generate with CPU_INDUCTOR_CONFIG is not a row: in transformers 5.23 / torch 2.13 it fails in a generated
     # kernel (index out of bounds) once compiled with frozen weights; see BENCHMARKS.md.
-    default_mode = device.type == "cpu" and args.backend == "inductor" and not args.no_default_mode
+    regional_row = device.type == "cpu" and args.backend == "inductor" and not args.no_regional
     decoders = {"HF eager greedy": hf_decoder(model, n, eos)}
     if not args.no_hf_compile:
         decoders["HF static cache + compile"] = hf_decoder(model, n, eos, cache_implementation="static",
                                                            compile_config=hf_compile_config(device))
     compiled = {"skipsearch plain eager": (None, False, None), "skipsearch plain compiled": (None, True, None)}
-    if default_mode:
-        compiled["skipsearch plain compiled, inductor default"] = (None, True, "default")
+    if regional_row:
+        compiled["skipsearch plain compiled, regional (studies)"] = (None, True, "regional")
     for skip in parse_skip_sets(args.skip_sets, model.config.num_hidden_layers):
         compiled[f"self-spec {skip} eager"] = (skip, False, None)
         compiled[f"self-spec {skip} compiled"] = (skip, True, None)
+        if regional_row:
+            compiled[f"self-spec {skip} compiled, regional"] = (skip, True, "regional")
     compile_times = {}
     for name, (skip, use_compile, mode) in compiled.items():
         decode = skipsearch_decoder(model, n, eos, skip, policy, compile=use_compile, compile_mode=mode,
@@ -125,6 +160,7 @@ def main() -> None:
         compile_times[name] = time.perf_counter() - start
 
     runs = timed_runs(decoders, prompts, args.repeats, device, show_progress=True)
+    busy = {name: gpu_busy_seconds(decode, prompts[0]) for name, decode in decoders.items()}
     hf = runs["HF eager greedy"]
     fastest_hf = runs.get("HF static cache + compile")
     ours = runs.get("skipsearch plain compiled")  # what self-speculative decoding must beat on the same engine
@@ -132,7 +168,8 @@ def main() -> None:
     weights = weight_bytes(model)
     print(f"weights read per forward {weights / 1e9:.3f} GB; measured read bandwidth {bandwidth / 1e9:.1f} GB/s")
     header = (f"{'method':48} {'tok/s':>7} {'vs HF eager (95% interval)':>28} {'vs HF static+compile':>24} "
-              f"{'vs ours plain compiled':>24} {'GB/s':>7} {'% bw':>5} {'identical':>9} {'accept':>6} {'compile s':>9}  gaps")
+              f"{'vs ours plain compiled':>24} {'GB/s':>7} {'% bw':>5} {'host us/tok':>11} {'identical':>9} {'accept':>6} "
+              f"{'compile s':>9}  gaps")
     print(header)
     for name, run in runs.items():
         seconds, tokens, stats = sum(run.seconds), sum(run.tokens), run.stats
@@ -151,8 +188,12 @@ def main() -> None:
         span = lambda i: "-" if i is None else f"{i.estimate:.2f}x ({i.low:.2f}-{i.high:.2f})"  # noqa: E731
         compile_text = "-" if compile_s is None else f"{compile_s:.1f}"
         accept = "-" if stats.acceptance_rate is None else f"{stats.acceptance_rate:.2f}"
+        # Host time per token: the first prompt's wall time per token (first repeat) less the GPU's busy time.
+        first = run.seconds[0] / run.tokens[0]
+        host = "-" if busy[name] is None else f"{1e6 * (first - busy[name] / run.tokens[0]):.0f}"
         print(f"{name:48} {tokens / seconds:7.1f} {span(over_hf):>28} {span(over_fast):>24} {span(over_ours):>24} "
-              f"{achieved / 1e9:7.1f} {100 * achieved / bandwidth:4.0f}% {same:9.2f} {accept:>6} {compile_text:>9}  "
+              f"{achieved / 1e9:7.1f} {100 * achieved / bandwidth:4.0f}% {host:>11} {same:9.2f} {accept:>6} "
+              f"{compile_text:>9}  "
               f"{', '.join(f'{g:.3f}' for g in gaps) or '-'}")
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results and the method).
 #
-#   bash benchmarks/gpu.sh STAGE...     stages: info profiles cuda-tests tests speed
+#   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host speed speed-8b profiles
+# (the order of ../shared/gpu.md; each stage fits one 10-minute call, several fit together)
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
 # machine with network (Python 3.12 here; the `tests` stage also needs pytest-xdist and pytest-timeout there):
@@ -36,12 +37,6 @@ for stage in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
       python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, 'transformers', transformers.__version__, 'optuna', optuna.__version__, torch.cuda.get_device_name())"
       ;;
-    profiles)  # the cost model from each shape's config, random weights (costs do not depend on their values)
-      for shape in smollm2-135m qwen2.5-1.5b llama-2-7b llama-3-8b llama-2-13b; do
-        timeout 95 python3 -m skipsearch profile --config-only --model "benchmarks/configs/$shape.json" \
-          --dtype bfloat16 --no-progress --output "$OUT/profile-$shape.json" 2>&1 | tee "$OUT/profile-$shape.log" | tail -9
-      done
-      ;;
     cuda-tests)  # the CUDA paths alone (tiny models: the default model is not needed)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log" | tail -30
       ;;
@@ -49,10 +44,40 @@ for stage in "$@"; do
       python3 -c "from skipsearch.models import load_model; load_model()"  # convert once, before parallel workers
       timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 tests 2>&1 | tee "$OUT/tests.log" | tail -40
       ;;
-    speed)
+    setup)  # what a new skip set costs: regional graphs (inductor layers; eager layers) against a compile per set
+      for args in "--modes regional,default --sets 12" "--modes regional --backend eager --sets 12" \
+                  "--config-only benchmarks/configs/llama-2-7b.json --modes regional,default --sets 6"; do
+        timeout 400 python3 benchmarks/skip_set_setup.py --device cuda --dtype bfloat16 $args 2>&1 | tee -a "$OUT/setup.log" \
+          | grep "mode\|layers"
+      done
+      ;;
+    trials)  # a study's figure for a skip set against bench's, same prompts
+      timeout 400 python3 benchmarks/trial_vs_bench.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/trials.log" | grep -v "it/s\]$"
+      ;;
+    study)  # a 30-distinct-set study on the default model: wall time and verdict
+      /usr/bin/time -v timeout 560 python3 -m skipsearch optimize --study-name gpu30 --n-trials 30 --no-progress \
+        --studies-dir "$OUT/studies" 2>&1 | tee "$OUT/study.log" | grep -v "^\s" | tail -25
+      ;;
+    host)  # host work per token and per round, by part, through the CUDA graphs
+      timeout 300 python3 benchmarks/host_overhead.py --device cuda --dtype bfloat16 \
+        --models default,benchmarks/configs/llama-3-8b.json \
+        --modes eager,regional 2>&1 | tee "$OUT/host.log"
+      ;;
+    speed)  # engines on the default model, paired against HF's compiled static-cache path
       timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 4 \
         --max-new-tokens 128 --repeats 3 --skip-sets "a20;a16,20,24;a8,12,16,20,24|m22" 2>&1 | tee "$OUT/speed.log" \
         | grep -v "it/s\]$"
+      ;;
+    speed-8b)  # a Llama-3-8B shape with random weights: bandwidth and host time per token
+      timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 2 \
+        --max-new-tokens 128 --repeats 2 --config-only benchmarks/configs/llama-3-8b.json \
+        --skip-sets "a10,14,18,22,26|m12,20" 2>&1 | tee "$OUT/speed-8b.log" | grep -v "it/s\]$"
+      ;;
+    profiles)  # the cost model from each shape's config, random weights, timing the same graphs as decoding
+      for shape in smollm2-135m qwen2.5-1.5b llama-2-7b llama-3-8b llama-2-13b; do
+        timeout 95 python3 -m skipsearch profile --config-only --model "benchmarks/configs/$shape.json" \
+          --dtype bfloat16 --no-progress --output "$OUT/profile-$shape.json" 2>&1 | tee "$OUT/profile-$shape.log" | tail -9
+      done
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

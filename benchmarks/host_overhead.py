@@ -78,13 +78,13 @@ class ExclusiveTimers:
         return undo
 
 
-def tiny_model(dtype: torch.dtype):
+def tiny_model(dtype: torch.dtype, device: str):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
 
 
 def measure(model, prompt, skip, policy, compile_mode, new_tokens: int, repeats: int) -> dict[str, float]:
@@ -112,9 +112,13 @@ def measure(model, prompt, skip, policy, compile_mode, new_tokens: int, repeats:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="tiny,default", help="tiny (4 layers, hidden 64) and/or default")
+    parser.add_argument("--models", default="tiny,default",
+                        help="tiny (4 layers, hidden 64), default (the embedded model) and/or config .json files "
+                             "(random weights), comma-separated (default: %(default)s)")
     parser.add_argument("--modes", default="eager,regional",
                         help="eager and/or compile modes (regional, frozen, default) (default: %(default)s)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (default: float32)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per call (default: 64)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per row (default: 3)")
     args = parser.parse_args()
@@ -130,11 +134,15 @@ def main() -> None:
     print(header)
     for model_name in args.models.split(","):
         if model_name == "tiny":
-            model = tiny_model(torch.float32)
+            model = tiny_model(getattr(torch, args.dtype), args.device)
+        elif model_name.endswith(".json"):  # a shape: built from its config with random weights
+            from skipsearch.models import model_from_config
+
+            model = model_from_config(model_name, device=args.device, dtype=args.dtype)
         else:
             from skipsearch.models import load_model
 
-            model = load_model(device="cpu", dtype="float32").model
+            model = load_model(device=args.device, dtype=args.dtype).model
         prompt = list(range(10, 42))
         layers = model.config.num_hidden_layers
         rows = {"plain": (None, DraftPolicy()),
@@ -146,7 +154,7 @@ def main() -> None:
                             args.repeats)
                 cells = " ".join(f"{1e6 * r[p] / r['tokens']:7.1f} [{1e6 * r[p] / r['rounds']:5.0f}]"
                                  for p in [*PARTS, "loop"])
-                print(f"{model_name:8} {mode:9} {name:22} {1e6 * r['wall'] / r['tokens']:9.1f} {cells}", flush=True)
+                print(f"{model_name.rsplit('/', 1)[-1]:8} {mode:9} {name:22} {1e6 * r['wall'] / r['tokens']:9.1f} {cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -310,7 +310,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         dataset=args.dataset, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
         show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
         repeats=args.repeats, confirm_top=args.confirm_top, confirm_repeats=args.confirm_repeats,
-        first_trials=first_trials, heartbeat=heartbeat, compile=args.compile,
+        first_trials=first_trials, heartbeat=heartbeat, compile=args.compile or None,
     )
     study = run_study(loaded.model, model_info, loaded.dtype_name, encoded,
                       settings, space, policy, loaded.model.generation_config.eos_token_id, profile=profile)
@@ -600,8 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_draft_flags(opt)
     _add_model_flags(opt)
     opt.add_argument("--compile", action="store_true",
-                     help="torch.compile the draft and verify steps (CUDA graphs on CUDA; inductor's default mode on a "
-                          "CPU); each new skip set compiles once")
+                     help="compiled draft and verify steps on a CPU too (always on CUDA, as CUDA graphs): each layer "
+                          "kind compiles once for the whole study, a new skip set compiles nothing")
     opt.set_defaults(run=cmd_optimize)
 
     bench = commands.add_parser(

@@ -195,12 +195,13 @@ class Evaluator:
     compile: bool = False  # compiled draft and verify steps, reused by trials that share a skip set
     _reference: list[list[int]] | None = field(default=None, repr=False)
 
-    def _decode(self, prompt: list[int], skip: SkipSet | None) -> GenerationOutput:
-        # On a CPU a study compiles in inductor's default mode: frozen weights (generate's CPU default) keep a copy of
-        # the model per compiled skip set for the life of the process and take minutes each to compile.
-        mode = "default" if self.compile and self.model.device.type == "cpu" else None
-        return generate(self.model, prompt, skip=skip, max_new_tokens=self.max_new_tokens, policy=self.policy,
-                        eos_token_id=self.eos_token_id, compile=self.compile, compile_mode=mode)
+    def _decode(self, prompt: list[int], skip: SkipSet | None, max_new_tokens: int | None = None) -> GenerationOutput:
+        # Regional steps: a new skip set compiles nothing (on CUDA it is captured as CUDA graphs in milliseconds),
+        # and on CUDA they are what generate/bench --compile run. Frozen CPU steps (generate's CPU default) would
+        # compile each set for minutes and keep a copy of the model per set.
+        return generate(self.model, prompt, skip=skip, max_new_tokens=max_new_tokens or self.max_new_tokens,
+                        policy=self.policy, eos_token_id=self.eos_token_id, compile=self.compile,
+                        compile_mode="regional")
 
     def reference_tokens(self) -> list[list[int]]:
         """Plain greedy decoding of every prompt (untimed; it also warms the process up)."""
@@ -235,7 +236,9 @@ class Evaluator:
         reference = self.reference_tokens()
         repeats = repeats or self.repeats
         if self.compile and self.timed:
-            self._decode(self.prompts[0], skip)  # compiling a new skip set's steps must not land in a timed run
+            # Setting up a new skip set's steps (and compiling, for the first) must not land in a timed run; one
+            # round with a draft is enough to set everything up.
+            self._decode(self.prompts[0], skip, max_new_tokens=min(self.max_new_tokens, 3))
         total, ratios, plain_rates, skip_rates, predictions = DecodeStats(), [], [], [], []
         identical, done = True, 0
         for index, prompt in enumerate(self.prompts):
@@ -501,7 +504,9 @@ class StudySettings:
     # A sampler stuck on evaluated sets gets a random unevaluated one queued after this many repeats in a row;
     # when none can be drawn, the space counts as exhausted.
     explore_after_repeats: int = 10
-    compile: bool = False  # torch.compile the draft and verify steps (reused by trials sharing a skip set)
+    # Compiled (regional) draft and verify steps, as `generate --compile` runs them on CUDA; None: on CUDA only,
+    # where eager trials would time the host's Python rather than the GPU.
+    compile: bool | None = None
 
 
 def run_study(
@@ -556,7 +561,7 @@ def run_study(
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
                           eos_token_id=eos_token_id, profile=profile, repeats=settings.repeats,
                           timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar,
-                          compile=settings.compile)
+                          compile=settings.compile if settings.compile is not None else model.device.type == "cuda")
     stopped = ""
     if len(distinct_trials(study)) < settings.n_trials:
         objective = make_objective(space, evaluator, settings.objective, settings.min_match, settings.n_trials)

@@ -1,4 +1,4 @@
-"""The CUDA paths: the eager loop, the compiled steps under CUDA graphs (inductor, mode "reduce-overhead") and bf16.
+"""The CUDA paths: the eager loop, the compiled steps as hand-captured CUDA graphs (regional mode) and bf16.
 
 Skipped where no GPU is visible (CI has none); `bash benchmarks/gpu.sh cuda-tests` runs them on a GPU machine.
 """
@@ -21,7 +21,7 @@ def cuda_model(seed, dtype=torch.float32):
     return tiny_model("llama", seed=seed, dtype=dtype).to("cuda")
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "reduce-overhead"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graphs"])
 def test_cuda_greedy_equals_hf_greedy(compiled):
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here: TF32 would round the two paths apart
     model = cuda_model(seed=3)
@@ -60,3 +60,41 @@ def test_cuda_bf16_decodes_and_times_with_synchronisation():
                        compile=compiled)
         assert len(out.tokens) == 16 and all(0 <= t < model.config.vocab_size for t in out.tokens)
         assert out.stats.wall_time_s > 0 and out.stats.accepted <= out.stats.drafted
+
+
+def test_cuda_rounds_read_back_once_and_new_skip_sets_cost_no_compile():
+    """After the first skip set, a new set's setup is a capture (well under a second) and its rounds sync once each,
+    adaptive drafting included (torch.cuda's sync debug mode warns at every implicit sync)."""
+    import warnings
+
+    model = cuda_model(seed=6)
+    prompt, policy = [5, 9, 14, 3], DraftPolicy(max_draft_tokens=4)
+    generate(model, prompt, skip=SkipSet.of([1], [], NUM_LAYERS), max_new_tokens=8, policy=policy, compile=True)
+    for skip in (SkipSet.of([2], [1], NUM_LAYERS), SkipSet.of([], [0, 3], NUM_LAYERS)):
+        out = generate(model, prompt, skip=skip, max_new_tokens=24, policy=policy, eos_token_id=None, compile=True)
+        assert out.stats.compile_time_s < 1.0 and out.tokens == hf_greedy(model, prompt, 24, eos=None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = generate(model, prompt, skip=skip, max_new_tokens=24, policy=policy, eos_token_id=None,
+                               compile=True)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert out.stats.drafted > 0 and len(syncs) <= out.stats.rounds + 1, [str(w.message) for w in syncs[:3]]
+
+
+def test_cuda_memory_stays_flat_over_many_skip_sets():
+    """Evicted skip sets free their graphs: memory after 30 distinct sets is what it was after 10."""
+    model = cuda_model(seed=7)
+    policy = DraftPolicy(max_draft_tokens=3, adaptive=False)
+    sets = [SkipSet.of([a], [m], NUM_LAYERS) for a in range(NUM_LAYERS) for m in range(NUM_LAYERS)]
+    sets += [SkipSet.of([a, b], [], NUM_LAYERS) for a in range(NUM_LAYERS) for b in range(a + 1, NUM_LAYERS)]
+    allocated = []
+    for i, skip in enumerate(sets[:30]):
+        generate(model, [5, 9, 14], skip=skip, max_new_tokens=6, policy=policy, eos_token_id=None, compile=True)
+        if i in (9, 29):
+            torch.cuda.synchronize()
+            allocated.append(torch.cuda.memory_allocated())
+    assert allocated[1] <= allocated[0] + 2**20, allocated

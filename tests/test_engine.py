@@ -136,3 +136,16 @@ def test_eager_attention_takes_the_additive_mask():
         out = generate(model, prompt, skip=SkipSet.of([1], [0], NUM_LAYERS), max_new_tokens=20,
                        policy=DraftPolicy(max_draft_tokens=3), eos_token_id=None, **extra)
         assert out.tokens == hf_greedy(model, prompt, 20, eos=None)
+
+
+def test_models_with_full_and_sliding_layers_get_a_mask_per_layer_type():
+    """Qwen2 with sliding windows on its upper layers only: the device-built masks come as a mapping by layer type,
+    and decoding far past the window equals transformers' greedy output, eager and regional."""
+    model = tiny_model("qwen2", seed=13, dtype=torch.float64, use_sliding_window=True, sliding_window=5,
+                       max_window_layers=2)
+    assert len(set(model.config.layer_types)) == 2
+    prompt = [5, 9, 14, 3, 8, 2]
+    for extra in ({}, REGIONAL):
+        out = generate(model, prompt, skip=SkipSet.of([2], [1], NUM_LAYERS), max_new_tokens=24,
+                       policy=DraftPolicy(max_draft_tokens=3), eos_token_id=None, **extra)
+        assert out.tokens == hf_greedy(model, prompt, 24, eos=None)
