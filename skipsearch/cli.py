@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -13,12 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 # Nothing heavy at module level: `--help` must answer without importing torch, transformers or optuna.
-from .constants import DEFAULT_MODEL, DRAFT_DEFAULTS, DTYPE_NAMES
+from .constants import DEFAULT_MODEL, DTYPE_NAMES
+from .errors import first_line
+from .policy import DraftPolicy
 
 if TYPE_CHECKING:
     from . import models
     from .config import ModelInfo
-    from .decoding import DraftPolicy
     from .search import SearchSpace
     from .skipping import SkipSet
     from .warmstart import NamedSkipSet
@@ -109,7 +109,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_draft_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("drafting (defaults: the config's values, else the ones shown)")
-    d = argparse.Namespace(**DRAFT_DEFAULTS)
+    d = DraftPolicy()
     group.add_argument("--max-draft-tokens", type=_non_negative_int, default=None,
                        help=f"most tokens drafted per round (default: {d.max_draft_tokens})")
     group.add_argument("--fixed-draft", action="store_true",
@@ -123,8 +123,6 @@ def _add_draft_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _draft_policy(args: argparse.Namespace, base: DraftPolicy) -> DraftPolicy:
-    from .decoding import DraftPolicy
-
     return DraftPolicy(
         max_draft_tokens=base.max_draft_tokens if args.max_draft_tokens is None else args.max_draft_tokens,
         adaptive=base.adaptive and not args.fixed_draft,
@@ -145,7 +143,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from . import models
     from .config import load_skip_config
-    from .decoding import DraftPolicy, Sampling, generate
+    from .decoding import Sampling, generate
     from .skipping import SkipSet
 
     if args.config and (args.skip_attn or args.skip_mlp):
@@ -264,7 +262,6 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from .config import ModelInfo
     from .costs import CostProfile, load_projections
     from .data import load_prompts
-    from .decoding import DraftPolicy
     from .export import export_trial, verdict
     from .plots import write_plots
     from .search import SearchSpace, StudySettings, make_sampler, run_study, study_summary
@@ -702,7 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as error:  # faults of the machine, not of the input: one line still, exit 1
         if disk_full(error):
-            print(f"{args.prog}: error: no space left on the device ({_first_line(error)}); "
+            print(f"{args.prog}: error: no space left on the device ({first_line(error)}); "
                   "what finished is kept: free space and run the command again", file=sys.stderr)
             return 1
         if isinstance(error, OSError) and error.strerror:
@@ -711,7 +708,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         raise
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .config import read_json, write_atomic
 from .decoding import DecodeStats, DraftPolicy, generate, synchronize
+from .files import read_json, write_atomic
 from .kvcache import SpeculativeCache
 from .skipping import SkipSet, draft_mode
 

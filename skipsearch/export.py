@@ -18,8 +18,9 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from .config import ModelInfo, SkipConfig, save_skip_config, write_atomic
-from .decoding import DraftPolicy
+from .config import ModelInfo, SkipConfig, save_skip_config
+from .files import write_atomic
+from .policy import DraftPolicy
 from .search import CONFIRM_ATTR, STUDY_ATTR
 from .skipping import SkipSet
 from .warmstart import dv_json, dv_name

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -14,21 +12,16 @@ import optuna
 from matplotlib.ticker import MaxNLocator
 from optuna.trial import TrialState
 
-from .config import follow_umask
 from .export import decide, speedup_key
+from .files import replace_atomically
 from .search import CONFIRM_ATTR, STUDY_ATTR, distinct_trials
 
 
 def save_figure(fig: plt.Figure, path: Path) -> None:
     """Write `fig` as PNG atomically (a temp file renamed over `path`) and close it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        follow_umask(tmp)
-        os.replace(tmp, path)
+        replace_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     finally:
-        Path(tmp).unlink(missing_ok=True)
         plt.close(fig)
 
 

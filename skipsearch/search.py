@@ -31,6 +31,7 @@ from .config import ModelInfo
 from .constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them without importing optuna
 from .costs import CostProfile, contexts_for, device_name, profile_costs
 from .decoding import DecodeStats, DraftPolicy, GenerationOutput, generate
+from .errors import first_line
 from .measure import Interval, paired_runs, ratio_interval
 from .storage import (WORKER_ATTR, Heartbeat, disk_full, explain_stale_trials, make_storage,
                       recover_dead_workers_trials)
@@ -701,7 +702,7 @@ def _work(
             except Exception as error:
                 if disk_full(error):
                     raise OSError(errno.ENOSPC, f"no space left on the device while writing the study "
-                                                f"({_first_line(error)})") from None
+                                                f"({first_line(error)})") from None
                 raise
     if note:
         print(note)
@@ -759,10 +760,6 @@ def _best_label(trial: FrozenTrial) -> str:
         return "screened out"
     acceptance = attrs.get("acceptance_rate")
     return f"{attrs[key]:.2f}x, acceptance {'-' if acceptance is None else format(acceptance, '.2f')}"
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _check_resumable(name: str, existing: dict[str, Any], wanted: dict[str, Any]) -> None:

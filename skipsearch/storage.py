@@ -17,6 +17,8 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from .errors import first_line
+
 JOURNAL_PREFIX = "journal:"
 
 
@@ -72,8 +74,7 @@ def make_storage(url: str, heartbeat: Heartbeat | None = None, must_exist: bool 
     except ValueError:
         raise
     except Exception as error:  # SQLAlchemy's errors: bad URL, unreachable server, bad credentials
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"cannot open storage {_redact(url)!r}: {reason}") from None
+        raise ValueError(f"cannot open storage {_redact(url)!r}: {first_line(error)}") from None
 
 
 def _open_rdb(url: str, must_exist: bool, options: dict[str, Any], attempts: int = 5) -> optuna.storages.RDBStorage:
