@@ -1,25 +1,18 @@
-"""The Optuna study: propose skip sets, score them by real self-speculative decoding, export the best.
-
-Search space. Every sublayer that may be skipped gets one parameter u in [0, 1], and is
-skipped when u < `skip_prior`. A sampler drawing u uniformly therefore skips about
-`skip_prior` of the sublayers (15% by default) instead of half of them, which small and
-mid-size models never accept. `skip_prior=0.5` is the plain 2L-switch space of Draft & Verify.
-"""
+"""The Optuna study: propose skip sets (space.py), score them by real self-speculative decoding (evaluation.py),
+confirm the best."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import gc
-import math
 import os
 import random
 import socket
 import signal
-import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,280 +23,18 @@ from optuna.trial import FrozenTrial, TrialState
 from .config import ModelInfo
 from .constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them without importing optuna
 from .costs import CostProfile, contexts_for, device_name, profile_costs
-from .decoding import DecodeStats, DraftPolicy, GenerationOutput, generate
+from .decoding import DraftPolicy
 from .errors import first_line
-from .measure import Interval, paired_runs, ratio_interval
+from .evaluation import Evaluator
 from .storage import (WORKER_ATTR, Heartbeat, disk_full, explain_stale_trials, make_storage,
                       recover_dead_workers_trials)
-from .skipping import SkipSet, draft_mode
+from .skipping import SkipSet
+from .space import SearchSpace
 
 STUDY_ATTR = "skipsearch"
 CONFIRM_ATTR = "skipsearch_confirmation"
 # Trial attributes about how a trial came about, not what it measured: a repeated proposal does not copy them.
 _BOOKKEEPING_ATTRS = frozenset({"warm_start", "worker", "retry_of", "explored", "fail_reason"})
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    num_layers: int
-    keep_first_last: bool = True
-    max_skip_fraction: float = 0.5
-    skip_prior: float = 0.15
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.max_skip_fraction <= 1.0:
-            raise ValueError(f"max_skip_fraction must be in [0, 1], got {self.max_skip_fraction}")
-        if not 0.0 < self.skip_prior < 1.0:
-            raise ValueError(f"skip_prior must be in (0, 1), got {self.skip_prior}")
-        if self.keep_first_last and self.num_layers < 3:
-            raise ValueError("keep_first_last needs a model with at least 3 layers")
-
-    def sublayers(self) -> list[tuple[str, int]]:
-        first = 1 if self.keep_first_last else 0
-        last = self.num_layers - 1 if self.keep_first_last else self.num_layers
-        return [(kind, i) for i in range(first, last) for kind in ("attn", "mlp")]
-
-    @staticmethod
-    def param_name(kind: str, layer: int) -> str:
-        return f"{kind}_{layer:03d}"
-
-    @property
-    def max_skipped(self) -> int:
-        return math.floor(self.max_skip_fraction * 2 * self.num_layers)
-
-    @property
-    def size(self) -> int:
-        """How many distinct skip sets the space holds (the empty set included)."""
-        n = len(self.sublayers())
-        return sum(math.comb(n, k) for k in range(min(n, self.max_skipped) + 1))
-
-    def random_unevaluated(self, evaluated: set, rng: random.Random, draws: int = 1000) -> SkipSet | None:
-        """A skip set drawn like a uniform sampler would (the prior included) whose key is not in `evaluated`."""
-        for _ in range(draws):
-            skip = self.skip_set({sublayer: rng.random() for sublayer in self.sublayers()})
-            if (skip.attn, skip.mlp) not in evaluated:
-                return skip
-        return None
-
-    def suggest(self, trial: optuna.Trial) -> SkipSet:
-        draws = {(kind, i): trial.suggest_float(self.param_name(kind, i), 0.0, 1.0) for kind, i in self.sublayers()}
-        return self.skip_set(draws)
-
-    def skip_set(self, draws: dict[tuple[str, int], float]) -> SkipSet:
-        # Over the cap, keep the sublayers whose draws are furthest below the prior.
-        chosen = sorted((u, kind, i) for (kind, i), u in draws.items() if u < self.skip_prior)[: self.max_skipped]
-        return SkipSet.of(
-            [i for _, kind, i in chosen if kind == "attn"], [i for _, kind, i in chosen if kind == "mlp"], self.num_layers
-        )
-
-    def from_params(self, params: dict[str, float]) -> SkipSet:
-        return self.skip_set({(kind, i): params[self.param_name(kind, i)] for kind, i in self.sublayers()})
-
-    def params_for(self, skip: SkipSet) -> dict[str, float]:
-        """Parameters that make `suggest` return `skip` (for enqueued warm starts)."""
-        skipped = {("attn", i) for i in skip.attn} | {("mlp", i) for i in skip.mlp}
-        return {self.param_name(kind, i): 0.0 if (kind, i) in skipped else 1.0 for kind, i in self.sublayers()}
-
-    def warm_starts(self) -> list[SkipSet]:
-        """No skip, then structured sets that tend to be cheap to draft and often accepted."""
-        allowed = set(self.sublayers())
-        n, half = self.num_layers, self.num_layers // 2
-
-        def keep(kind: str, ids: Sequence[int]) -> list[int]:
-            return [i for i in ids if (kind, i) in allowed]
-
-        upper_attn = keep("attn", range(half, n, 2))
-        # From sparse to dense: small models accept only a few skipped sublayers, large ones many.
-        candidates = [
-            SkipSet(),
-            SkipSet.of(keep("attn", range(n - 3, n - 1)), (), n),
-            SkipSet.of(keep("attn", range(half, n, 4)), (), n),
-            SkipSet.of(upper_attn, (), n),
-            SkipSet.of(upper_attn, keep("mlp", range(half + 1, n, 4)), n),
-        ]
-        unique = []
-        for skip in candidates:
-            if skip not in unique and skip.size <= self.max_skipped:
-                unique.append(skip)
-        return unique
-
-
-@dataclass
-class Evaluation:
-    """What decoding the calibration prompts with one skip set showed, each speed paired with plain decoding."""
-
-    skip: SkipSet
-    speedup: Interval | None  # measured, paired; None where not timed (the modeled objective)
-    acceptance_rate: float | None  # None when nothing was drafted: plain decoding has no acceptance rate
-    tokens_per_second: float | None
-    baseline_tokens_per_second: float | None
-    mean_accepted_tokens: float | None
-    identical: bool
-    skipped_fraction: float
-    prompts: int  # prompts the figures cover: fewer than the evaluator's when the pruner stopped the trial early
-    predicted_speedup: Interval | None = None  # from a cost profile, one prediction per prompt
-
-    def score(self, objective: str) -> float | tuple[float, float]:
-        """The objective's value. Speed x acceptance counts plain decoding's acceptance as 1: nothing is rejected."""
-        if objective == "modeled":
-            if self.predicted_speedup is None:
-                raise ValueError("the modeled objective needs a cost profile")
-            return self.predicted_speedup.estimate
-        acceptance = 1.0 if self.acceptance_rate is None else self.acceptance_rate
-        if objective == "speedup":
-            return self.speedup.estimate
-        if objective == "pareto":
-            return self.speedup.estimate, acceptance
-        return self.speedup.estimate * acceptance
-
-    def user_attrs(self) -> dict[str, Any]:
-        """JSON-friendly trial attributes (Optuna stores them as JSON)."""
-        attrs: dict[str, Any] = {
-            "acceptance_rate": self.acceptance_rate, "tokens_per_second": self.tokens_per_second,
-            "baseline_tokens_per_second": self.baseline_tokens_per_second,
-            "mean_accepted_tokens": self.mean_accepted_tokens, "identical": self.identical,
-            "skipped_fraction": self.skipped_fraction, "skipped": self.skip.size, "prompts": self.prompts,
-        }
-        for key, interval in (("speedup", self.speedup), ("predicted_speedup", self.predicted_speedup)):
-            attrs[key] = interval.estimate if interval else None
-            attrs[f"{key}_low"] = interval.low if interval else None
-            # JSON has no infinity: one paired run bounds nothing above, stored as null.
-            attrs[f"{key}_high"] = interval.high if interval and math.isfinite(interval.high) else None
-        attrs["paired_runs"] = self.speedup.pairs if self.speedup else 0
-        return attrs
-
-
-@dataclass
-class Evaluator:
-    """Runs real self-speculative decoding of calibration prompts, each run paired with plain decoding.
-
-    Per prompt and repeat, plain decoding and the skip set decode the same prompt back to back, in
-    alternating order; a speedup is the geometric mean of those paired ratios with its interval.
-    With `timed=False` (the modeled objective) nothing is timed: only acceptance is measured and the
-    cost profile predicts the speedup, which makes the score deterministic.
-    """
-
-    model: torch.nn.Module
-    prompts: list[list[int]]
-    max_new_tokens: int
-    policy: DraftPolicy
-    eos_token_id: int | list[int] | None
-    profile: CostProfile | None = None
-    repeats: int = 1  # paired runs per prompt in a trial
-    timed: bool = True
-    clock: Callable[[], float] = time.perf_counter
-    show_progress: bool = False  # a bar while decoding the reference, which takes a while on big models
-    compile: bool = False  # compiled draft and verify steps, reused by trials that share a skip set
-    _reference: list[list[int]] | None = field(default=None, repr=False)
-
-    def _decode(self, prompt: list[int], skip: SkipSet | None) -> GenerationOutput:
-        # On a CPU a study compiles in inductor's default mode: frozen weights (generate's CPU default) keep a copy of
-        # the model per compiled skip set for the life of the process and take minutes each to compile.
-        mode = "default" if self.compile and self.model.device.type == "cpu" else None
-        return generate(self.model, prompt, skip=skip, max_new_tokens=self.max_new_tokens, policy=self.policy,
-                        eos_token_id=self.eos_token_id, compile=self.compile, compile_mode=mode)
-
-    def reference_tokens(self) -> list[list[int]]:
-        """Plain greedy decoding of every prompt (untimed; it also warms the process up)."""
-        if self._reference is None:
-            from tqdm.auto import tqdm
-
-            prompts = tqdm(self.prompts, desc="reference: plain decoding", unit="prompt", leave=False,
-                           disable=not self.show_progress)
-            self._reference = [self._decode(p, None).tokens for p in prompts]
-        return self._reference
-
-    @torch.inference_mode()
-    def match_rate(self, skip: SkipSet) -> float:
-        """Share of positions where the draft's argmax equals the full model's greedy token, teacher-forced:
-        one parallel forward per prompt (SWIFT's "matchness")."""
-        matched = total = 0
-        with draft_mode(self.model, skip):
-            for prompt, continuation in zip(self.prompts, self.reference_tokens()):
-                ids = torch.tensor([prompt + continuation], device=self.model.device)
-                guesses = self.model(ids).logits[0, len(prompt) - 1 : -1].argmax(-1)
-                matched += int((guesses == ids[0, len(prompt) :]).sum())
-                total += len(continuation)
-        return matched / total
-
-    def evaluate(self, skip: SkipSet, report: Callable[[int, float], bool] | None = None,
-                 objective: str = "speed_x_acceptance", repeats: int | None = None) -> Evaluation:
-        """Decode every prompt with `skip`, paired with plain decoding.
-
-        After each prompt, `report(prompt_index, that_prompt's_score)` is called; when it returns
-        True the evaluation stops there (the pruner's call) and covers the prompts done so far.
-        """
-        reference = self.reference_tokens()
-        repeats = repeats or self.repeats
-        if self.compile and self.timed:
-            self._decode(self.prompts[0], skip)  # compiling a new skip set's steps must not land in a timed run
-        total, ratios, plain_rates, skip_rates, predictions = DecodeStats(), [], [], [], []
-        identical, done = True, 0
-        for index, prompt in enumerate(self.prompts):
-            prompt_stats = DecodeStats()
-            if self.timed:
-                pairs = paired_runs(lambda: self._decode(prompt, None), lambda: self._decode(prompt, skip),
-                                    repeats, first_index=index, clock=self.clock)
-                outputs = [out for _, (out, _) in pairs]
-                for (plain, plain_s), (out, out_s) in pairs:
-                    plain_rates.append(len(plain.tokens) / plain_s)
-                    skip_rates.append(len(out.tokens) / out_s)
-                    ratios.append(skip_rates[-1] / plain_rates[-1])
-                prompt_ratio = ratio_interval(ratios[-repeats:]).estimate
-            else:
-                outputs, prompt_ratio = [self._decode(prompt, skip)], None
-            for out in outputs:
-                identical &= out.tokens == reference[index]
-                prompt_stats.add(out.stats)
-            total.add(prompt_stats)
-            done = index + 1
-            prediction = self._predict(skip, prompt_stats)
-            if prediction is not None:
-                predictions.append(prediction)
-            if report is not None:
-                # This prompt's share of the objective: the pruner compares it with the best trial's, prompt by prompt.
-                acceptance = prompt_stats.acceptance_rate if skip.size and objective == "speed_x_acceptance" else None
-                value = prediction if objective == "modeled" else prompt_ratio * (1.0 if acceptance is None else acceptance)
-                if report(index, value):
-                    break
-        return Evaluation(
-            skip=skip, speedup=ratio_interval(ratios) if ratios else None,
-            acceptance_rate=total.acceptance_rate if skip.size else None,
-            tokens_per_second=statistics.fmean(skip_rates) if skip_rates else None,
-            baseline_tokens_per_second=statistics.fmean(plain_rates) if plain_rates else None,
-            mean_accepted_tokens=total.mean_accepted_tokens if skip.size else None, identical=identical,
-            skipped_fraction=skip.skipped_fraction(self.model.config.num_hidden_layers), prompts=done,
-            predicted_speedup=_spread(predictions) if predictions else None,
-        )
-
-    def plain_decoding(self, report: Callable[[int, float], bool] | None = None) -> Evaluation:
-        """The empty skip set's evaluation, without decoding anything.
-
-        Skipping nothing is plain decoding: its speedup over plain decoding is 1 and its acceptance counts as 1
-        by definition, so every objective's value is exactly plain decoding's (1, or (1, 1) for pareto) and a
-        measurement would only add noise. `report` gets that value for every prompt, so that the pruner can
-        compare later trials prompt by prompt with plain decoding when plain decoding is the best trial.
-        (`evaluate(SkipSet())` still measures plain decoding against itself, for noise studies.)
-        """
-        exact = Interval(1.0, 1.0, 1.0, 0)
-        if report is not None:
-            for index in range(len(self.prompts)):
-                report(index, 1.0)  # nothing to stop early: the value is exact
-        return Evaluation(
-            skip=SkipSet(), speedup=exact if self.timed else None, acceptance_rate=None, tokens_per_second=None,
-            baseline_tokens_per_second=None, mean_accepted_tokens=None, identical=True, skipped_fraction=0.0,
-            prompts=len(self.prompts), predicted_speedup=exact if self.profile is not None else None,
-        )
-
-    def _predict(self, skip: SkipSet, stats: DecodeStats) -> float | None:
-        if self.profile is None:
-            return None
-        return self.profile.predict_speedup(skip, stats, adaptive=self.policy.adaptive)
-
-
-def _spread(values: list[float]) -> Interval:
-    """Deterministic per-prompt predictions summarised like measured ratios (their spread is over prompts)."""
-    return ratio_interval(values) if len(set(values)) > 1 else Interval(values[0], values[0], values[0], len(values))
 
 
 def make_sampler(name: str, seed: int | None, multi_objective: bool) -> optuna.samplers.BaseSampler:
