@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from .config import ModelInfo
     from .costs import CostProfile
     from .decoding import GenerationOutput
-    from .search import SearchSpace
     from .skipping import SkipSet
+    from .space import SearchSpace
     from .storage import Heartbeat
     from .warmstart import NamedSkipSet
 
@@ -270,12 +270,11 @@ def _check_output_folder(path: Path, flag: str) -> None:
         raise UsageError(f"{flag} {str(path)!r} cannot be written: {problem}")
 
 
-def _check_made_by_skipsearch(attrs: dict | None, name: str) -> None:
-    from .search import STUDY_ATTR
+def _not_made_by_skipsearch(name: str) -> UsageError:
+    from .records import STUDY_ATTR
 
-    if attrs is not None and STUDY_ATTR not in attrs:
-        raise UsageError(f"study {name!r} was not made by skipsearch (it has no {STUDY_ATTR!r} attribute): "
-                         "give another --study-name")
+    return UsageError(f"study {name!r} was not made by skipsearch (it has no {STUDY_ATTR!r} attribute): "
+                      "give another --study-name")
 
 
 @dataclass
@@ -328,7 +327,8 @@ def _prepare_optimization(args: argparse.Namespace) -> _Optimization:
     from .config import ModelInfo
     from .costs import CostProfile, load_projections
     from .data import load_prompts
-    from .search import SearchSpace, make_sampler
+    from .search import make_sampler
+    from .space import SearchSpace
     from .warmstart import read_warm_starts
 
     warm_files = [entry for spec in args.warm_start or () for entry in read_warm_starts(spec)]
@@ -357,6 +357,7 @@ def _prepare_optimization(args: argparse.Namespace) -> _Optimization:
 
 def _open_storage(args: argparse.Namespace) -> tuple[optuna.storages.BaseStorage, Heartbeat]:
     """The study's storage (made if missing), refused if it holds a study of that name not made by skipsearch."""
+    from .records import made_by_skipsearch
     from .storage import Heartbeat, existing_study, make_storage
 
     heartbeat = Heartbeat(args.heartbeat_interval, args.heartbeat_grace, args.max_retries)
@@ -366,27 +367,23 @@ def _open_storage(args: argparse.Namespace) -> tuple[optuna.storages.BaseStorage
     existing = existing_study(storage, args.study_name)
     # A study with no trials yet may be one that a worker started beside this one has created a moment ago and
     # not yet labelled; taking it over loses nothing.
-    if existing is not None and existing[1] > 0:
-        _check_made_by_skipsearch(existing[0], args.study_name)
+    if existing is not None and existing[1] > 0 and not made_by_skipsearch(existing[0]):
+        raise _not_made_by_skipsearch(args.study_name)
     return storage, heartbeat
 
 
 def _print_projections(study: optuna.Study, run: _Optimization, max_new_tokens: int, top: int = 3) -> None:
     """The best measured skip sets' predicted speedups with other devices' profiles (`--project-with`)."""
     from .costs import decode_stats, projection_lines
+    from .ranking import ranked
 
     model = run.loaded.model
-    multi = len(study.directions) > 1
-    trials = sorted((t for t in study.trials if t.state.name == "COMPLETE"), reverse=True,
-                    key=lambda t: (t.user_attrs.get("speedup") or 0.0) if multi else t.values[0])
-    measured, seen = [], set()
-    for trial in trials:
-        skip = run.space.from_params(trial.params)
-        if skip.size and skip not in seen and len(measured) < top:
-            seen.add(skip)
-            stats = decode_stats(model, run.prompts, skip, run.policy, max_new_tokens, model.generation_config.eos_token_id)
-            measured.append((f"trial {trial.number}, {skip} (measured here "
-                             f"{trial.user_attrs.get('speedup') or float('nan'):.2f}x)", skip, stats))
+    measured = []
+    for trial in ranked(study)[:top]:
+        stats = decode_stats(model, run.prompts, trial.skip, run.policy, max_new_tokens,
+                             model.generation_config.eos_token_id)
+        speedup = trial.figures.speedup.estimate if trial.figures.speedup else float("nan")
+        measured.append((f"trial {trial.number}, {trial.skip} (measured here {speedup:.2f}x)", trial.skip, stats))
     if not measured:
         print("--project-with: no completed trial skips anything, nothing to project")
         return
@@ -397,8 +394,9 @@ def _first_trials(files: list[NamedSkipSet], model: ModelInfo, space: SearchSpac
                   published: bool) -> tuple[tuple[str, SkipSet], ...]:
     """--warm-start sets (each must fit the model and the search space, else UsageError), then the published
     sets made for a model of this shape that the space can propose."""
+    from .config import MODEL_SHAPE
     from .published import matching_skip_sets
-    from .warmstart import MODEL_SHAPE, outside_space
+    from .warmstart import outside_space
 
     chosen = []
     for entry in files:
@@ -422,15 +420,17 @@ def _first_trials(files: list[NamedSkipSet], model: ModelInfo, space: SearchSpac
     return tuple(chosen)
 
 
-def _load_skipsearch_study(args: argparse.Namespace):
-    from .search import STUDY_ATTR
+def _load_skipsearch_study(args: argparse.Namespace) -> optuna.Study:
+    from .records import STUDY_ATTR, read_label
     from .storage import load_study
 
     study = load_study(args.study_name, _storage(args, must_exist=True))
-    _check_made_by_skipsearch(study.user_attrs, args.study_name)
-    info = study.user_attrs[STUDY_ATTR]
-    if not isinstance(info, dict) or not isinstance(info.get("model"), dict):
-        raise UsageError(f"study {args.study_name!r} has a damaged {STUDY_ATTR!r} attribute")
+    try:
+        label = read_label(study)
+    except ValueError:
+        raise UsageError(f"study {args.study_name!r} has a damaged {STUDY_ATTR!r} attribute") from None
+    if label is None:
+        raise _not_made_by_skipsearch(args.study_name)
     return study
 
 

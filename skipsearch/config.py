@@ -15,6 +15,7 @@ from .skipping import SkipSet, decoder_layers
 
 FORMAT = "skipsearch/skip-config"
 VERSION = 1
+MODEL_SHAPE = ("architecture", "num_hidden_layers", "hidden_size")  # what a config, a warm start or a study is for
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class SkipConfig:
     def check_model(self, model: nn.Module) -> None:
         """Raise ValueError unless this config was made for a model of `model`'s shape."""
         actual = ModelInfo.of(model, self.model.name_or_path)
-        for name in ("architecture", "num_hidden_layers", "hidden_size"):
+        for name in MODEL_SHAPE:
             want, have = getattr(self.model, name), getattr(actual, name)
             if want != have:
                 raise ValueError(

@@ -3,18 +3,18 @@ decoding, or (the modeled objective) measured acceptance priced by a cost profil
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from .costs import CostProfile
 from .decoding import DecodeStats, DraftPolicy, GenerationOutput, generate
 from .measure import Interval, paired_runs, ratio_interval
+from .ranking import objective_value
+from .records import Figures, Ratio
 from .skipping import SkipSet, draft_mode
 
 
@@ -33,34 +33,17 @@ class Evaluation:
     prompts: int  # prompts the figures cover: fewer than the evaluator's when the pruner stopped the trial early
     predicted_speedup: Interval | None = None  # from a cost profile, one prediction per prompt
 
-    def score(self, objective: str) -> float | tuple[float, float]:
-        """The objective's value. Speed x acceptance counts plain decoding's acceptance as 1: nothing is rejected."""
-        if objective == "modeled":
-            if self.predicted_speedup is None:
-                raise ValueError("the modeled objective needs a cost profile")
-            return self.predicted_speedup.estimate
-        acceptance = 1.0 if self.acceptance_rate is None else self.acceptance_rate
-        if objective == "speedup":
-            return self.speedup.estimate
-        if objective == "pareto":
-            return self.speedup.estimate, acceptance
-        return self.speedup.estimate * acceptance
+    def figures(self) -> Figures:
+        """The figures a study keeps of this evaluation."""
+        return Figures(speedup=Ratio.of(self.speedup), paired_runs=self.speedup.pairs if self.speedup else 0,
+                       predicted_speedup=Ratio.of(self.predicted_speedup), acceptance_rate=self.acceptance_rate,
+                       tokens_per_second=self.tokens_per_second,
+                       baseline_tokens_per_second=self.baseline_tokens_per_second,
+                       mean_accepted_tokens=self.mean_accepted_tokens, identical=self.identical, prompts=self.prompts)
 
-    def user_attrs(self) -> dict[str, Any]:
-        """JSON-friendly trial attributes (Optuna stores them as JSON)."""
-        attrs: dict[str, Any] = {
-            "acceptance_rate": self.acceptance_rate, "tokens_per_second": self.tokens_per_second,
-            "baseline_tokens_per_second": self.baseline_tokens_per_second,
-            "mean_accepted_tokens": self.mean_accepted_tokens, "identical": self.identical,
-            "skipped_fraction": self.skipped_fraction, "skipped": self.skip.size, "prompts": self.prompts,
-        }
-        for key, interval in (("speedup", self.speedup), ("predicted_speedup", self.predicted_speedup)):
-            attrs[key] = interval.estimate if interval else None
-            attrs[f"{key}_low"] = interval.low if interval else None
-            # JSON has no infinity: one paired run bounds nothing above, stored as null.
-            attrs[f"{key}_high"] = interval.high if interval and math.isfinite(interval.high) else None
-        attrs["paired_runs"] = self.speedup.pairs if self.speedup else 0
-        return attrs
+    def score(self, objective: str) -> float | tuple[float, float]:
+        """The objective's value (see ranking.py). Speed x acceptance counts plain decoding's acceptance as 1."""
+        return objective_value(self.figures(), objective)
 
 
 @dataclass
@@ -152,9 +135,10 @@ class Evaluator:
                 predictions.append(prediction)
             if report is not None:
                 # This prompt's share of the objective: the pruner compares it with the best trial's, prompt by prompt.
-                acceptance = prompt_stats.acceptance_rate if skip.size and objective == "speed_x_acceptance" else None
-                value = prediction if objective == "modeled" else prompt_ratio * (1.0 if acceptance is None else acceptance)
-                if report(index, value):
+                share = Figures(speedup=None if prompt_ratio is None else Ratio(prompt_ratio),
+                                predicted_speedup=None if prediction is None else Ratio(prediction),
+                                acceptance_rate=prompt_stats.acceptance_rate if skip.size else None)
+                if report(index, objective_value(share, objective)):
                     break
         return Evaluation(
             skip=skip, speedup=ratio_interval(ratios) if ratios else None,

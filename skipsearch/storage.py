@@ -151,7 +151,10 @@ def existing_study(storage: optuna.storages.BaseStorage, study_name: str) -> tup
     return storage.get_study_user_attrs(study_id), storage.get_n_trials(study_id)
 
 
+# Trial attributes of crash recovery (records.py reads them with the rest of a trial's record).
 WORKER_ATTR = "worker"  # "host:pid" of the process running a trial, set when the trial starts
+FAIL_REASON_ATTR = "fail_reason"  # why a trial failed, in words
+RETRY_ATTR = "retry_of"  # on a re-enqueued trial: the number of the failed trial it re-runs
 
 
 def worker_tag() -> str:
@@ -200,14 +203,14 @@ def recover_dead_workers_trials(study: optuna.Study, grace_s: float) -> list[int
         if reason is None:
             continue
         try:
-            storage.set_trial_user_attr(trial._trial_id, "fail_reason", f"worker lost: {reason}")
+            storage.set_trial_user_attr(trial._trial_id, FAIL_REASON_ATTR, f"worker lost: {reason}")
             if not storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
                 continue
         except optuna.exceptions.UpdateFinishedTrialError:
             continue  # it finished, or another worker failed it first
         failed.append(trial.number)
-        if "retry_of" not in trial.user_attrs and trial.params:
-            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+        if RETRY_ATTR not in trial.user_attrs and trial.params:
+            study.enqueue_trial(trial.params, user_attrs={RETRY_ATTR: trial.number})
     return failed
 
 
@@ -222,7 +225,7 @@ def explain_stale_trials(study: optuna.Study) -> None:
         worker = storage.get_trial_user_attrs(trial_id).get(WORKER_ATTR, "an unknown worker")
         try:
             storage.set_trial_user_attr(
-                trial_id, "fail_reason", f"worker lost: {worker} sent no heartbeat for {grace} s (killed?)")
+                trial_id, FAIL_REASON_ATTR, f"worker lost: {worker} sent no heartbeat for {grace} s (killed?)")
         except optuna.exceptions.UpdateFinishedTrialError:
             pass
     with warnings.catch_warnings():

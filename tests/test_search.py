@@ -253,7 +253,7 @@ def test_the_empty_set_is_plain_decoding_by_definition_and_never_exported(tmp_pa
     if decision.chosen is None:
         assert config.skip == SkipSet() and config.search["trial_number"] is None
     else:
-        assert config.skip.size and decision.chosen["trial"] != plain.number
+        assert config.skip.size and decision.chosen.trial != plain.number
     assert "trial 0, the empty set, is plain decoding: scored 1 by definition, not decoded" in study_summary(study)
 
 
