@@ -11,18 +11,20 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from .config import ModelInfo
-from .costs import CostProfile
 from .measure import Interval
 from .policy import DraftPolicy
 from .skipping import SkipSet
 from .space import SearchSpace
 from .storage import FAIL_REASON_ATTR, RETRY_ATTR, WORKER_ATTR
+
+if TYPE_CHECKING:  # costs.py imports the decode loop, which export and plots do without
+    from .costs import CostProfile
 
 STUDY_ATTR = "skipsearch"
 CONFIRM_ATTR = "skipsearch_confirmation"
@@ -190,6 +192,8 @@ class StudyLabel:
             values["draft"] = None if values["draft"] is None else DraftPolicy(**values["draft"])
             values["space"] = None if values["space"] is None else SearchSpace(**values["space"])
             if values["cost_profile"] is not None:
+                from .costs import CostProfile
+
                 values["cost_profile"] = CostProfile.from_dict(values["cost_profile"])
             if not isinstance(values["objective"], str):
                 raise TypeError("no objective")
