@@ -30,7 +30,7 @@ from skipsearch.costs import device_name
 from skipsearch.data import load_prompts
 from skipsearch.decoding import DraftPolicy, generate
 from skipsearch.models import encode_prompt
-from skipsearch.search import Evaluator
+from skipsearch.evaluation import Evaluator
 from skipsearch.skipping import SkipSet
 
 

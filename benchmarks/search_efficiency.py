@@ -41,7 +41,7 @@ def best_so_far(trials, counts, skipping_only):
     out = []
     for count in counts:
         scores = [t.values[0] for t in trials[:count] if t.state == TrialState.COMPLETE
-                  and (not skipping_only or t.user_attrs.get("skipped", 0) > 0)]
+                  and (not skipping_only or (t.skipped or 0) > 0)]
         out.append(max(scores) if scores else None)
     return out
 
@@ -75,18 +75,17 @@ def main() -> None:
                               space, DraftPolicy(), model.generation_config.eos_token_id)
             seconds = time.perf_counter() - start
             trials = distinct_trials(study)  # repeated proposals are answered without decoding: not counted
-            skipping = [t for t in trials if t.user_attrs.get("speedup") is not None and t.user_attrs.get("skipped", 0)]
-            fastest = max(skipping, key=lambda t: t.user_attrs["speedup"], default=None)
+            skipping = [t for t in trials if t.figures and t.figures.speedup is not None and t.skipped]
+            fastest = max(skipping, key=lambda t: t.figures.speedup.estimate, default=None)
             results[name] = {
                 "best_score": best_so_far(trials, counts, skipping_only=False),
                 "best_skipping_score": best_so_far(trials, counts, skipping_only=True),
-                "best_skipping_speedup": fastest.user_attrs["speedup"] if fastest else None,
-                "best_skipping_set": [fastest.user_attrs["skip_attn"], fastest.user_attrs["skip_mlp"]] if fastest else None,
-                "decoded to the end": sum("stopped_early" not in t.user_attrs and "screened_out" not in t.user_attrs
-                                          for t in trials),
-                "stopped early or screened out": sum("stopped_early" in t.user_attrs or "screened_out" in t.user_attrs
+                "best_skipping_speedup": fastest.figures.speedup.estimate if fastest else None,
+                "best_skipping_set": [list(fastest.skip.attn), list(fastest.skip.mlp)] if fastest else None,
+                "decoded to the end": sum(t.stopped_early is None and t.screened_out is None for t in trials),
+                "stopped early or screened out": sum(t.stopped_early is not None or t.screened_out is not None
                                                      for t in trials),
-                "mean_skipped": sum(t.user_attrs.get("skipped", 0) for t in trials) / len(trials),
+                "mean_skipped": sum(t.skipped or 0 for t in trials) / len(trials),
                 "wall_s": seconds,
             }
             print(name, json.dumps(results[name]), flush=True)

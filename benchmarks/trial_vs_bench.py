@@ -1,7 +1,7 @@
 """Does a study's figure for a skip set agree with what `bench` then measures? (a benchmark script)
 
 For each skip set, measures its paired speedup over plain decoding twice, on the same prompts:
-as a study's trial does (`search.Evaluator.evaluate`, compiled steps as `optimize` runs them) and as
+as a study's trial does (`evaluation.Evaluator.evaluate`, compiled steps as `optimize` runs them) and as
 `bench --compile` does (`bench.timed_runs` over skipsearch's plain and skip-set decoders). Prints
 both 95% intervals and whether they overlap. On CUDA both run the regional steps as CUDA graphs,
 the same steps; on a CPU the study runs regional steps and bench frozen ones (the CPU's
@@ -21,7 +21,7 @@ from skipsearch.data import load_prompts
 from skipsearch.decoding import DraftPolicy
 from skipsearch.measure import ratio_interval
 from skipsearch.models import encode_prompt, load_model
-from skipsearch.search import Evaluator
+from skipsearch.evaluation import Evaluator
 
 from decode_speed import parse_skip_sets
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "SkipConfig": "config", "load_skip_config": "config", "save_skip_config": "config",
     "self_speculative": "custom_generate",
-    "DecodeStats": "decoding", "DraftPolicy": "decoding", "GenerationOutput": "decoding", "Sampling": "decoding",
+    "DecodeStats": "decoding", "DraftPolicy": "policy", "GenerationOutput": "decoding", "Sampling": "decoding",
     "generate": "decoding",
     "LoadedModel": "models", "encode_prompt": "models", "load_model": "models",
     "SkipSet": "skipping", "draft_mode": "skipping",
@@ -20,8 +20,9 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from .config import SkipConfig, load_skip_config, save_skip_config
     from .custom_generate import self_speculative
-    from .decoding import DecodeStats, DraftPolicy, GenerationOutput, Sampling, generate
+    from .decoding import DecodeStats, GenerationOutput, Sampling, generate
     from .models import LoadedModel, encode_prompt, load_model
+    from .policy import DraftPolicy
     from .skipping import SkipSet, draft_mode
 
 

@@ -20,9 +20,10 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
-from .config import SkipConfig, write_atomic
+from .config import SkipConfig
 from .costs import CostProfile
 from .decoding import DecodeStats, DraftPolicy, first_divergence, generate, reference_logits, synchronize
+from .files import write_atomic
 from .measure import ratio_interval
 from .plots import save_figure
 from .skipping import SkipSet

@@ -5,22 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 # Nothing heavy at module level: `--help` must answer without importing torch, transformers or optuna.
-from .constants import DEFAULT_MODEL, DRAFT_DEFAULTS, DTYPE_NAMES
+from .constants import DEFAULT_MODEL, DTYPE_NAMES
+from .errors import first_line
+from .policy import DraftPolicy
 
 if TYPE_CHECKING:
+    import optuna
+
     from . import models
     from .config import ModelInfo
-    from .decoding import DraftPolicy
-    from .search import SearchSpace
+    from .costs import CostProfile
+    from .decoding import GenerationOutput
     from .skipping import SkipSet
+    from .space import SearchSpace
+    from .storage import Heartbeat
     from .warmstart import NamedSkipSet
 
 
@@ -109,7 +115,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def _add_draft_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("drafting (defaults: the config's values, else the ones shown)")
-    d = argparse.Namespace(**DRAFT_DEFAULTS)
+    d = DraftPolicy()
     group.add_argument("--max-draft-tokens", type=_non_negative_int, default=None,
                        help=f"most tokens drafted per round (default: {d.max_draft_tokens})")
     group.add_argument("--fixed-draft", action="store_true",
@@ -123,8 +129,6 @@ def _add_draft_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _draft_policy(args: argparse.Namespace, base: DraftPolicy) -> DraftPolicy:
-    from .decoding import DraftPolicy
-
     return DraftPolicy(
         max_draft_tokens=base.max_draft_tokens if args.max_draft_tokens is None else args.max_draft_tokens,
         adaptive=base.adaptive and not args.fixed_draft,
@@ -140,12 +144,23 @@ def _load(args: argparse.Namespace) -> models.LoadedModel:
     return models.load_model(args.model, device=args.device, dtype=args.dtype)
 
 
+def _encoded_prompts(loaded: models.LoadedModel, texts: list[str], args: argparse.Namespace,
+                     max_draft_tokens: int) -> list[list[int]]:
+    """The prompts as token ids, each checked to leave the model room for its new and drafted tokens."""
+    from . import models
+
+    encoded = [models.encode_prompt(loaded.tokenizer, text, raw=args.raw) for text in texts]
+    for ids in encoded:
+        models.check_context(loaded.model, len(ids), args.max_new_tokens, max_draft_tokens)
+    return encoded
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from . import models
     from .config import load_skip_config
-    from .decoding import DraftPolicy, Sampling, generate
+    from .decoding import Sampling, generate
     from .skipping import SkipSet
 
     if args.config and (args.skip_attn or args.skip_mlp):
@@ -173,7 +188,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sampling=sampling, eos_token_id=loaded.model.generation_config.eos_token_id, generator=generator,
         compile=args.compile,
     )
-    text = loaded.tokenizer.decode(output.tokens, skip_special_tokens=True)
+    _print_generation(args, loaded.tokenizer.decode(output.tokens, skip_special_tokens=True), output, skip)
+    return 0
+
+
+def _print_generation(args: argparse.Namespace, text: str, output: GenerationOutput, skip: SkipSet | None) -> None:
+    """The text (on stdout) and what decoding it took (on stderr), or both as one JSON line with --json."""
     if args.json:
         print(json.dumps({
             "text": text,
@@ -191,7 +211,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
             + (f", compile {s.compile_time_s:.1f} s]" if args.compile else "]"),
             file=sys.stderr,
         )
-    return 0
 
 
 def _study_name(text: str) -> str:
@@ -251,27 +270,67 @@ def _check_output_folder(path: Path, flag: str) -> None:
         raise UsageError(f"{flag} {str(path)!r} cannot be written: {problem}")
 
 
-def _check_made_by_skipsearch(attrs: dict | None, name: str) -> None:
-    from .search import STUDY_ATTR
+def _not_made_by_skipsearch(name: str) -> UsageError:
+    from .records import STUDY_ATTR
 
-    if attrs is not None and STUDY_ATTR not in attrs:
-        raise UsageError(f"study {name!r} was not made by skipsearch (it has no {STUDY_ATTR!r} attribute): "
-                         "give another --study-name")
+    return UsageError(f"study {name!r} was not made by skipsearch (it has no {STUDY_ATTR!r} attribute): "
+                      "give another --study-name")
+
+
+@dataclass
+class _Optimization:
+    """What `optimize` checked and loaded before it opens the study's storage."""
+
+    loaded: models.LoadedModel
+    model_info: ModelInfo
+    space: SearchSpace
+    policy: DraftPolicy
+    prompts: list[list[int]]
+    first_trials: tuple[tuple[str, SkipSet], ...]
+    profile: CostProfile | None
+    projections: list[tuple[str, CostProfile]]
+    folder: Path  # the study's exports and plots
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
-    from . import models
+    from .export import export_trial, verdict
+    from .plots import write_plots
+    from .search import StudySettings, run_study, study_summary
+
+    run = _prepare_optimization(args)
+    storage, heartbeat = _open_storage(args)
+    settings = StudySettings(
+        study_name=args.study_name, storage=storage, objective=args.objective,
+        sampler=args.sampler, seed=args.seed, n_trials=args.n_trials, timeout=args.timeout, min_match=args.min_match,
+        dataset=args.dataset, num_prompts=len(run.prompts), max_new_tokens=args.max_new_tokens,
+        show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
+        repeats=args.repeats, confirm_top=args.confirm_top, confirm_repeats=args.confirm_repeats,
+        first_trials=run.first_trials, heartbeat=heartbeat, compile=args.compile or None,
+    )
+    model = run.loaded.model
+    study = run_study(model, run.model_info, run.loaded.dtype_name, run.prompts, settings, run.space, run.policy,
+                      model.generation_config.eos_token_id, profile=run.profile)
+    config = export_trial(study, run.folder / "best.json")
+    print(f"study {args.study_name} in {_storage(args, must_exist=False)}: {study_summary(study)}")
+    print(verdict(study)[1])
+    print(f"exported {run.folder / 'best.json'}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
+    if run.projections:
+        _print_projections(study, run, args.max_new_tokens)
+    if not args.no_plots:
+        written = write_plots(study, run.folder / "plots")
+        print(f"plots: {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def _prepare_optimization(args: argparse.Namespace) -> _Optimization:
+    """Everything `optimize` needs, checked before the storage is opened, so a rejected run leaves no database."""
     from .config import ModelInfo
     from .costs import CostProfile, load_projections
     from .data import load_prompts
-    from .decoding import DraftPolicy
-    from .export import export_trial, verdict
-    from .plots import write_plots
-    from .search import SearchSpace, StudySettings, make_sampler, run_study, study_summary
-    from .storage import Heartbeat, make_storage, existing_study
+    from .search import make_sampler
+    from .space import SearchSpace
     from .warmstart import read_warm_starts
 
-    # Everything is checked before the storage is opened, so a rejected run leaves no database behind.
     warm_files = [entry for spec in args.warm_start or () for entry in read_warm_starts(spec)]
     prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
                            seed=args.seed)
@@ -289,68 +348,55 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     space = SearchSpace(num_layers=model_info.num_hidden_layers, keep_first_last=not args.allow_first_last,
                         max_skip_fraction=args.max_skip_fraction, skip_prior=args.skip_prior)
     first_trials = _first_trials(warm_files, model_info, space, published=not args.no_warm_starts)
-    encoded = [models.encode_prompt(loaded.tokenizer, p, raw=args.raw) for p in prompts]
-    for ids in encoded:
-        models.check_context(loaded.model, len(ids), args.max_new_tokens, policy.max_draft_tokens)
-    heartbeat = Heartbeat(args.heartbeat_interval, args.heartbeat_grace, args.max_retries)
+    encoded = _encoded_prompts(loaded, prompts, args, policy.max_draft_tokens)
     if profile is not None:
         profile.check_model(loaded.model)
     projections = load_projections(args.project_with or (), loaded.model)
+    return _Optimization(loaded, model_info, space, policy, encoded, first_trials, profile, projections, folder)
+
+
+def _open_storage(args: argparse.Namespace) -> tuple[optuna.storages.BaseStorage, Heartbeat]:
+    """The study's storage (made if missing), refused if it holds a study of that name not made by skipsearch."""
+    from .records import made_by_skipsearch
+    from .storage import Heartbeat, existing_study, make_storage
+
+    heartbeat = Heartbeat(args.heartbeat_interval, args.heartbeat_grace, args.max_retries)
     if args.storage is None:
         args.studies_dir.mkdir(parents=True, exist_ok=True)  # the default SQLite file lives there
     storage = make_storage(_storage(args, must_exist=False), heartbeat)
     existing = existing_study(storage, args.study_name)
     # A study with no trials yet may be one that a worker started beside this one has created a moment ago and
     # not yet labelled; taking it over loses nothing.
-    if existing is not None and existing[1] > 0:
-        _check_made_by_skipsearch(existing[0], args.study_name)
-    settings = StudySettings(
-        study_name=args.study_name, storage=storage, objective=args.objective,
-        sampler=args.sampler, seed=args.seed, n_trials=args.n_trials, timeout=args.timeout, min_match=args.min_match,
-        dataset=args.dataset, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
-        show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
-        repeats=args.repeats, confirm_top=args.confirm_top, confirm_repeats=args.confirm_repeats,
-        first_trials=first_trials, heartbeat=heartbeat, compile=args.compile or None,
-    )
-    study = run_study(loaded.model, model_info, loaded.dtype_name, encoded,
-                      settings, space, policy, loaded.model.generation_config.eos_token_id, profile=profile)
-    config = export_trial(study, folder / "best.json")
-    print(f"study {args.study_name} in {_storage(args, must_exist=False)}: {study_summary(study)}")
-    print(verdict(study)[1])
-    print(f"exported {folder / 'best.json'}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
-    if projections:
-        _print_projections(study, space, projections, loaded.model, encoded, policy, args.max_new_tokens)
-    if not args.no_plots:
-        written = write_plots(study, folder / "plots")
-        print(f"plots: {', '.join(str(p) for p in written)}")
-    return 0
+    if existing is not None and existing[1] > 0 and not made_by_skipsearch(existing[0]):
+        raise _not_made_by_skipsearch(args.study_name)
+    return storage, heartbeat
 
 
-def _print_projections(study, space, projections, model, prompts, policy, max_new_tokens, top: int = 3) -> None:
+def _print_projections(study: optuna.Study, run: _Optimization, max_new_tokens: int, top: int = 3) -> None:
     """The best measured skip sets' predicted speedups with other devices' profiles (`--project-with`)."""
     from .costs import decode_stats, projection_lines
+    from .ranking import ranked
 
-    multi = len(study.directions) > 1
-    trials = sorted((t for t in study.trials if t.state.name == "COMPLETE"), reverse=True,
-                    key=lambda t: (t.user_attrs.get("speedup") or 0.0) if multi else t.values[0])
-    measured, seen = [], set()
-    for trial in trials:
-        skip = space.from_params(trial.params)
-        if skip.size and skip not in seen and len(measured) < top:
-            seen.add(skip)
-            stats = decode_stats(model, prompts, skip, policy, max_new_tokens, model.generation_config.eos_token_id)
-            measured.append((f"trial {trial.number}, {skip} (measured here "
-                             f"{trial.user_attrs.get('speedup') or float('nan'):.2f}x)", skip, stats))
+    model = run.loaded.model
+    measured = []
+    for trial in ranked(study)[:top]:
+        stats = decode_stats(model, run.prompts, trial.skip, run.policy, max_new_tokens,
+                             model.generation_config.eos_token_id)
+        speedup = trial.figures.speedup.estimate if trial.figures.speedup else float("nan")
+        measured.append((f"trial {trial.number}, {trial.skip} (measured here {speedup:.2f}x)", trial.skip, stats))
     if not measured:
         print("--project-with: no completed trial skips anything, nothing to project")
         return
-    print("\n".join(projection_lines(projections, measured, policy.adaptive)))
+    print("\n".join(projection_lines(run.projections, measured, run.policy.adaptive)))
+
+
 def _first_trials(files: list[NamedSkipSet], model: ModelInfo, space: SearchSpace,
                   published: bool) -> tuple[tuple[str, SkipSet], ...]:
     """--warm-start sets (each must fit the model and the search space, else UsageError), then the published
     sets made for a model of this shape that the space can propose."""
+    from .config import MODEL_SHAPE
     from .published import matching_skip_sets
-    from .warmstart import MODEL_SHAPE, outside_space
+    from .warmstart import outside_space
 
     chosen = []
     for entry in files:
@@ -374,15 +420,17 @@ def _first_trials(files: list[NamedSkipSet], model: ModelInfo, space: SearchSpac
     return tuple(chosen)
 
 
-def _load_skipsearch_study(args: argparse.Namespace):
-    from .search import STUDY_ATTR
+def _load_skipsearch_study(args: argparse.Namespace) -> optuna.Study:
+    from .records import STUDY_ATTR, read_label
     from .storage import load_study
 
     study = load_study(args.study_name, _storage(args, must_exist=True))
-    _check_made_by_skipsearch(study.user_attrs, args.study_name)
-    info = study.user_attrs[STUDY_ATTR]
-    if not isinstance(info, dict) or not isinstance(info.get("model"), dict):
-        raise UsageError(f"study {args.study_name!r} has a damaged {STUDY_ATTR!r} attribute")
+    try:
+        label = read_label(study)
+    except ValueError:
+        raise UsageError(f"study {args.study_name!r} has a damaged {STUDY_ATTR!r} attribute") from None
+    if label is None:
+        raise _not_made_by_skipsearch(args.study_name)
     return study
 
 
@@ -439,9 +487,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     num_layers = loaded.model.config.num_hidden_layers
     if args.early_exit_layer is not None and not 1 <= args.early_exit_layer < num_layers:
         raise UsageError(f"--early-exit-layer must be in 1..{num_layers - 1} for this model, got {args.early_exit_layer}")
-    encoded = [models.encode_prompt(loaded.tokenizer, p, raw=args.raw) for p in prompts]
-    for ids in encoded:
-        models.check_context(loaded.model, len(ids), args.max_new_tokens, 16)
+    encoded = _encoded_prompts(loaded, prompts, args, max_draft_tokens=16)
     profile = None
     if config is not None and config.skip.size:
         if args.cost_profile:
@@ -506,11 +552,29 @@ def _add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new
     data.add_argument("--raw", action="store_true", help="tokenize prompts as is, without the chat template")
 
 
+def _add_compile_flag(parser: argparse.ArgumentParser,
+                      on_cpu: str = "frozen weights and autotuned GEMMs on a CPU, about 100 s per step to compile",
+                      when: str = "the first call compiles") -> None:
+    parser.add_argument("--compile", action="store_true",
+                        help=f"torch.compile the draft and verify steps (CUDA graphs on CUDA; {on_cpu}); {when}")
+
+
+Commands = argparse._SubParsersAction
+Formatter = type[argparse.HelpFormatter]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m skipsearch", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    formatter = _DefaultsFormatter
+    for add_command in (_add_generate, _add_optimize, _add_bench, _add_profile, _add_export, _add_plot):
+        add_command(commands, _DefaultsFormatter)
+    for sub in commands.choices.values():
+        # The tool's own errors start like argparse's ("python -m skipsearch plot: error: ..."): one form for both.
+        sub.set_defaults(prog=sub.prog)
+    return parser
 
+
+def _add_generate(commands: Commands, formatter: Formatter) -> None:
     gen = commands.add_parser(
         "generate", help="decode one prompt with self-speculative decoding", formatter_class=formatter,
         description="Decode one prompt with self-speculative decoding (greedy output equals plain greedy decoding). "
@@ -532,13 +596,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics as JSON")
     _add_draft_flags(gen)
     _add_model_flags(gen)
-    gen.add_argument("--compile", action="store_true",
-                     help="torch.compile the draft and verify steps (CUDA graphs on CUDA; frozen weights and autotuned "
-                          "GEMMs on a CPU, about 100 s per step to compile); the first call compiles")
+    _add_compile_flag(gen)
     gen.set_defaults(run=cmd_generate)
 
-    from .constants import OBJECTIVES, SAMPLERS
 
+def _add_optimize(commands: Commands, formatter: Formatter) -> None:
     opt = commands.add_parser(
         "optimize", help="search for the skip set that decodes fastest", formatter_class=formatter,
         description="Run (or resume) an Optuna study over attention/MLP skip sets, each measured paired with plain "
@@ -546,7 +608,23 @@ def build_parser() -> argparse.ArgumentParser:
                     "JSON and plot the study. Re-running the same command resumes the study up to --n-trials.",
     )
     _add_prompt_flags(opt, num_prompts=4, max_new_tokens=32)
-    search = opt.add_argument_group("search")
+    _add_search_flags(opt.add_argument_group("search"))
+    _add_worker_flags(opt.add_argument_group("workers and crash recovery (SQLite / PostgreSQL storages)"))
+    out = opt.add_argument_group("output")
+    out.add_argument("--no-plots", action="store_true", help="do not write plots")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_study_flags(opt)
+    _add_draft_flags(opt)
+    _add_model_flags(opt)
+    opt.add_argument("--compile", action="store_true",
+                     help="compiled draft and verify steps on a CPU too (always on CUDA, as CUDA graphs): each layer "
+                          "kind compiles once for the whole study, a new skip set compiles nothing")
+    opt.set_defaults(run=cmd_optimize)
+
+
+def _add_search_flags(search: argparse._ArgumentGroup) -> None:
+    from .constants import OBJECTIVES, SAMPLERS
+
     search.add_argument("--objective", choices=OBJECTIVES, default="speed_x_acceptance",
                         help="speedup x acceptance rate, speedup alone, both as a Pareto front, or the speedup "
                              "the cost model predicts from measured acceptance (deterministic)")
@@ -585,7 +663,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="enqueue the skip sets of FILE as the first trials: a skipsearch config, or a Draft & "
                              "Verify / SWIFT skip_layers.json ({\"<name>\": {\"attention\": [...], \"mlp\": [...]}}); "
                              ":NAME picks one entry; repeatable")
-    workers = opt.add_argument_group("workers and crash recovery (SQLite / PostgreSQL storages)")
+
+
+def _add_worker_flags(workers: argparse._ArgumentGroup) -> None:
     workers.add_argument("--heartbeat-interval", type=_positive_int, default=60,
                          help="seconds between a running trial's heartbeats")
     workers.add_argument("--heartbeat-grace", type=_positive_int, default=180,
@@ -593,17 +673,9 @@ def build_parser() -> argparse.ArgumentParser:
                               "its trial failed and retried")
     workers.add_argument("--max-retries", type=_non_negative_int, default=2,
                          help="times a dead worker's trial is retried")
-    out = opt.add_argument_group("output")
-    out.add_argument("--no-plots", action="store_true", help="do not write plots")
-    out.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_study_flags(opt)
-    _add_draft_flags(opt)
-    _add_model_flags(opt)
-    opt.add_argument("--compile", action="store_true",
-                     help="compiled draft and verify steps on a CPU too (always on CUDA, as CUDA graphs): each layer "
-                          "kind compiles once for the whole study, a new skip set compiles nothing")
-    opt.set_defaults(run=cmd_optimize)
 
+
+def _add_bench(commands: Commands, formatter: Formatter) -> None:
     bench = commands.add_parser(
         "bench", help="compare skipsearch with HF greedy and its training-free peers", formatter_class=formatter,
         description="Decode the same prompts with HF greedy (the baseline), HF prompt lookup, HF early exit, "
@@ -629,11 +701,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_prompt_flags(bench, num_prompts=4, max_new_tokens=48)
     _add_model_flags(bench)
-    bench.add_argument("--compile", action="store_true",
-                       help="torch.compile the draft and verify steps (CUDA graphs on CUDA; frozen weights and autotuned "
-                            "GEMMs on a CPU, about 100 s per step to compile); the first call compiles")
+    _add_compile_flag(bench)
     bench.set_defaults(run=cmd_bench)
 
+
+def _add_profile(commands: Commands, formatter: Formatter) -> None:
     prof = commands.add_parser(
         "profile", help="measure the cost model of this device and save it as JSON", formatter_class=formatter,
         description="Time attention, MLP, the rest of a forward and verification of 1..9 tokens at several "
@@ -655,6 +727,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_flags(prof)
     prof.set_defaults(run=cmd_profile)
 
+
+def _add_export(commands: Commands, formatter: Formatter) -> None:
     exp = commands.add_parser("export", help="write a trial's skip config as JSON", formatter_class=formatter,
                               description="Write the study's decision as a skip-config JSON: the skip set its confirmation "
                                           "found faster than plain decoding, else plain decoding; or trial N with "
@@ -668,16 +742,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_study_flags(exp)
     exp.set_defaults(run=cmd_export)
 
+
+def _add_plot(commands: Commands, formatter: Formatter) -> None:
     plot = commands.add_parser("plot", help="write the study's plots as PNG files", formatter_class=formatter,
                                description="Write optimization history, parameter importances, skip map, "
                                            "speedup vs skipped fraction (and the Pareto front) as PNG files.")
     plot.add_argument("--output", type=Path, default=None, help="(default: <studies-dir>/<study-name>/plots)")
     _add_study_flags(plot)
     plot.set_defaults(run=cmd_plot)
-    for sub in commands.choices.values():
-        # The tool's own errors start like argparse's ("python -m skipsearch plot: error: ..."): one form for both.
-        sub.set_defaults(prog=sub.prog)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -702,7 +774,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except Exception as error:  # faults of the machine, not of the input: one line still, exit 1
         if disk_full(error):
-            print(f"{args.prog}: error: no space left on the device ({_first_line(error)}); "
+            print(f"{args.prog}: error: no space left on the device ({first_line(error)}); "
                   "what finished is kept: free space and run the command again", file=sys.stderr)
             return 1
         if isinstance(error, OSError) and error.strerror:
@@ -711,7 +783,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         raise
 
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

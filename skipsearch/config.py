@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from .decoding import DraftPolicy
+from .files import read_json, write_atomic
+from .policy import DraftPolicy
 from .skipping import SkipSet, decoder_layers
 
 FORMAT = "skipsearch/skip-config"
 VERSION = 1
+MODEL_SHAPE = ("architecture", "num_hidden_layers", "hidden_size")  # what a config, a warm start or a study is for
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class SkipConfig:
     def check_model(self, model: nn.Module) -> None:
         """Raise ValueError unless this config was made for a model of `model`'s shape."""
         actual = ModelInfo.of(model, self.model.name_or_path)
-        for name in ("architecture", "num_hidden_layers", "hidden_size"):
+        for name in MODEL_SHAPE:
             want, have = getattr(self.model, name), getattr(actual, name)
             if want != have:
                 raise ValueError(
@@ -72,43 +72,8 @@ class SkipConfig:
                 )
 
 
-def follow_umask(path: str | Path) -> None:
-    """Give a file from mkstemp (0600) or a folder from mkdtemp (0700) the mode open() / mkdir() would give:
-    0666 / 0777 less the umask, so that renamed-into-place outputs are as readable as any other file."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` so that readers see the old file or the new one, never a part."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        follow_umask(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def save_skip_config(config: SkipConfig, path: str | Path) -> None:
     write_atomic(path, json.dumps(config.to_json(), indent=2) + "\n")
-
-
-def read_json(path: str | Path, what: str) -> Any:
-    """A JSON file's content; a missing, unreadable or malformed file is a ValueError that names `what`."""
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{what} {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read {what} {str(path)!r}: {error}") from None
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{what} {str(path)!r} is not valid JSON: {error}") from None
 
 
 def load_skip_config(path: str | Path, model: nn.Module | None = None) -> SkipConfig:

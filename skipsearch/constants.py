@@ -2,12 +2,11 @@
 
 `python -m skipsearch --help` must answer without importing torch, transformers or optuna,
 so the parser takes its choices and defaults from here. The modules that own these values
-(search, models, decoding) use or are checked against the same ones (tests/test_cli_fast.py).
+(search, models) use or are checked against the same ones (tests/test_cli_fast.py). The drafting
+defaults are DraftPolicy's own: policy.py imports nothing heavy.
 """
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 OBJECTIVES = ("speed_x_acceptance", "speedup", "pareto", "modeled")
 SAMPLERS = ("tpe", "gp", "cmaes", "random", "nsga2")
-# DraftPolicy()'s field defaults, for the help text only (decoding.DraftPolicy stays the source of truth).
-DRAFT_DEFAULTS = {"max_draft_tokens": 8, "confidence_threshold": 0.6, "target_acceptance": 0.7, "threshold_step": 0.05}

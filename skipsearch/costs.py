@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .config import read_json, write_atomic
 from .decoding import DecodeStats, DraftPolicy, generate, synchronize
+from .files import read_json, write_atomic
 from .kvcache import SpeculativeCache
 from .skipping import SkipSet, draft_mode
 
@@ -263,57 +263,78 @@ def profile_costs(
     generator = torch.Generator().manual_seed(0)
     longest = contexts[-1] + max_verify_tokens
     ids = torch.randint(0, model.config.vocab_size, (1, longest), generator=generator).to(device)
-    positions = torch.arange(longest, device=device).view(1, -1)
-    every = range(num_layers)
-    drafts = {"full": SkipSet(), "no_attn": SkipSet.of(every, (), num_layers),
-              "no_mlp": SkipSet.of((), every, num_layers)}
-    measured = []
-    for context in tqdm(contexts, desc="profiling contexts", disable=not show_progress):
-        # A cache sized as the decoder sizes it, per call: attention over a static cache reads every slot
-        # (stale ones masked), so a cache sized for the longest context would price every context alike.
-        cache = SpeculativeCache(model.config, context + max_verify_tokens, device)
-        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-
-        def forward(n_tokens: int) -> None:
-            model(input_ids=ids[:, context : context + n_tokens], position_ids=positions[:, context : context + n_tokens],
-                  past_key_values=cache, use_cache=True, logits_to_keep=0 if n_tokens > 1 else 1)
-
-        def timed(n_tokens: int, runs: int) -> list[float]:
-            times = []
-            for _ in range(runs):
-                cache.seek(context)  # roll back what the previous forward wrote
-                synchronize(device)
-                start = time.perf_counter()
-                forward(n_tokens)
-                synchronize(device)
-                times.append(time.perf_counter() - start)
-            return times
-
-        verify = []
-        for n in range(1, max_verify_tokens + 1):
-            timed(n, 2)  # warm-up
-            verify.append(statistics.median(timed(n, repeats)))
-        # Draft mode is entered once per block, outside the timed forwards; blocks of the three kinds
-        # alternate, so drift of the machine lands on each alike.
-        one_token: dict[str, list[float]] = {name: [] for name in drafts}
-        blocks = 4 if repeats >= 8 else 1
-        for block in range(blocks):
-            for name, skip in drafts.items():
-                with draft_mode(model, skip):
-                    timed(1, 2 if block == 0 else 1)  # warm-up
-                    one_token[name] += timed(1, max(1, repeats // blocks))
-        full, no_attn, no_mlp = (statistics.median(one_token[name]) for name in drafts)
-        attn_s, mlp_s = max(0.0, full - no_attn) / num_layers, max(0.0, full - no_mlp) / num_layers
-        # Anchored at the verified one-token forward, so a draft that skips nothing costs exactly a forward.
-        rest_s = max(0.0, verify[0] - num_layers * (attn_s + mlp_s))
-        measured.append(ContextCosts(context_tokens=context, attn_s=attn_s, mlp_s=mlp_s, rest_s=rest_s,
-                                     verify_s=verify))
+    measured = [_context_costs(model, ids, context, max_verify_tokens, repeats)
+                for context in tqdm(contexts, desc="profiling contexts", disable=not show_progress)]
     profile = CostProfile(device=str(device), dtype=str(model.dtype).removeprefix("torch."),
                           architecture=type(model).__name__, num_hidden_layers=num_layers, contexts=tuple(measured),
                           provenance=_provenance(model))
     if calibrate:
         profile = replace(profile, overheads=measure_overheads(model, profile, repeats=max(1, min(repeats, 5))))
     return profile
+
+
+Timer = Callable[[int, int], list[float]]  # timer(n_tokens, runs): the seconds of each run
+
+
+def _context_costs(model: torch.nn.Module, ids: torch.Tensor, context: int, max_verify_tokens: int,
+                   repeats: int) -> ContextCosts:
+    """The costs of a forward with `context` tokens of `ids` in the KV cache."""
+    # A cache sized as the decoder sizes it, per call: attention over a static cache reads every slot
+    # (stale ones masked), so a cache sized for the longest context would price every context alike.
+    cache = SpeculativeCache(model.config, context + max_verify_tokens, model.device)
+    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    timed = _forward_timer(model, cache, ids, context)
+    verify = []
+    for n in range(1, max_verify_tokens + 1):
+        timed(n, 2)  # warm-up
+        verify.append(statistics.median(timed(n, repeats)))
+    attn_s, mlp_s = _sublayer_costs(model, timed, repeats)
+    # Anchored at the verified one-token forward, so a draft that skips nothing costs exactly a forward.
+    rest_s = max(0.0, verify[0] - model.config.num_hidden_layers * (attn_s + mlp_s))
+    return ContextCosts(context_tokens=context, attn_s=attn_s, mlp_s=mlp_s, rest_s=rest_s, verify_s=verify)
+
+
+def _forward_timer(model: torch.nn.Module, cache: SpeculativeCache, ids: torch.Tensor, context: int) -> Timer:
+    """Times forwards of the tokens after the first `context` of `ids`, each from the same cache state."""
+    device = model.device
+    positions = torch.arange(ids.shape[1], device=device).view(1, -1)
+
+    def forward(n_tokens: int) -> None:
+        model(input_ids=ids[:, context : context + n_tokens], position_ids=positions[:, context : context + n_tokens],
+              past_key_values=cache, use_cache=True, logits_to_keep=0 if n_tokens > 1 else 1)
+
+    def timed(n_tokens: int, runs: int) -> list[float]:
+        times = []
+        for _ in range(runs):
+            cache.seek(context)  # roll back what the previous forward wrote
+            synchronize(device)
+            start = time.perf_counter()
+            forward(n_tokens)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        return times
+
+    return timed
+
+
+def _sublayer_costs(model: torch.nn.Module, timed: Timer, repeats: int) -> tuple[float, float]:
+    """The one-token time of one attention and of one MLP sublayer: one-token forwards with all attention skipped
+    and with all MLPs skipped, subtracted from the full forward."""
+    num_layers = model.config.num_hidden_layers
+    every = range(num_layers)
+    drafts = {"full": SkipSet(), "no_attn": SkipSet.of(every, (), num_layers),
+              "no_mlp": SkipSet.of((), every, num_layers)}
+    # Draft mode is entered once per block, outside the timed forwards; blocks of the three kinds
+    # alternate, so drift of the machine lands on each alike.
+    one_token: dict[str, list[float]] = {name: [] for name in drafts}
+    blocks = 4 if repeats >= 8 else 1
+    for block in range(blocks):
+        for name, skip in drafts.items():
+            with draft_mode(model, skip):
+                timed(1, 2 if block == 0 else 1)  # warm-up
+                one_token[name] += timed(1, max(1, repeats // blocks))
+    full, no_attn, no_mlp = (statistics.median(one_token[name]) for name in drafts)
+    return max(0.0, full - no_attn) / num_layers, max(0.0, full - no_mlp) / num_layers
 
 
 def _switch_cost(model: torch.nn.Module, skip: SkipSet, runs: int) -> float:

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
-from .config import ModelInfo, SkipConfig, save_skip_config, write_atomic
-from .decoding import DraftPolicy
-from .search import CONFIRM_ATTR, STUDY_ATTR
+from .config import SkipConfig, save_skip_config
+from .files import write_atomic
+from .ranking import quoted_speedup
+from .records import (ConfirmedCandidate, Figures, Ratio, StudyLabel, TrialRecord, read_confirmation, read_trials,
+                      study_label)
 from .skipping import SkipSet
 from .warmstart import dv_json, dv_name
 
@@ -35,8 +37,8 @@ class Decision:
     """What to export: `chosen` is the confirmed candidate (None: plain decoding); `best` the candidate with
     the highest confirmed speedup, quoted either way; `text` the verdict sentence."""
 
-    chosen: dict[str, Any] | None
-    best: dict[str, Any] | None
+    chosen: ConfirmedCandidate | None
+    best: ConfirmedCandidate | None
     text: str
 
     @property
@@ -44,63 +46,50 @@ class Decision:
         return self.chosen is not None
 
 
-def study_info(study: optuna.Study) -> dict[str, Any]:
-    info = study.user_attrs.get(STUDY_ATTR)
-    if info is None:
-        raise ValueError(f"study {study.study_name!r} was not made by skipsearch (no {STUDY_ATTR!r} attribute)")
-    return info
-
-
-def speedup_key(study: optuna.Study) -> str:
-    """Where a speedup lives: predicted for modeled studies (deterministic), else measured."""
-    return "predicted_speedup" if study_info(study).get("objective") == "modeled" else "speedup"
-
-
-def _figure(candidate: dict[str, Any], key: str) -> str:
-    if key == "predicted_speedup":
-        basis = f"predicted by the cost model from acceptance over {candidate['prompts']} prompts"
-    elif candidate["paired_runs"] < 2:
-        return f"{candidate[key]:.2f}x as fast as plain decoding (measured, one paired run: no interval)"
+def _figure(figures: Figures, objective: str) -> str:
+    speedup = quoted_speedup(figures, objective)
+    if objective == "modeled":
+        basis = f"predicted by the cost model from acceptance over {figures.prompts} prompts"
+    elif figures.paired_runs < 2:
+        return f"{speedup.estimate:.2f}x as fast as plain decoding (measured, one paired run: no interval)"
     else:
-        basis = f"measured, {candidate['paired_runs']} paired runs"
-    high = candidate[key + "_high"]
-    return (f"{candidate[key]:.2f}x as fast as plain decoding (95% interval {candidate[key + '_low']:.2f}-"
-            f"{'unbounded' if high is None else format(high, '.2f')}, {basis})")
+        basis = f"measured, {figures.paired_runs} paired runs"
+    high = "unbounded" if speedup.high is None else format(speedup.high, ".2f")
+    return f"{speedup.estimate:.2f}x as fast as plain decoding (95% interval {speedup.low:.2f}-{high}, {basis})"
 
 
 def decide(study: optuna.Study) -> Decision:
     """Read the study's confirmation and decide: a skip set only when its interval lies above 1.0."""
-    record = study.user_attrs.get(CONFIRM_ATTR)
-    if record is None:
+    confirmation = read_confirmation(study)
+    if confirmation is None:
         return Decision(None, None, "no skip set has been confirmed yet (the study stopped before its confirmation "
                                     "step): run the same `optimize` command again to confirm; plain decoding is exported")
-    key = speedup_key(study)
-    candidates = [c for c in record["candidates"] if c.get(key) is not None]
-    if not candidates and record.get("top") == 0:
+    objective = study_label(study).objective
+
+    def speedup(candidate: ConfirmedCandidate) -> Ratio | None:
+        return quoted_speedup(candidate.figures, objective)
+
+    candidates = [c for c in confirmation.candidates if speedup(c) is not None]
+    if not candidates and confirmation.top == 0:
         return Decision(None, None, "confirmation was turned off (--confirm-top 0): plain decoding is exported")
     if not candidates:
-        if not any(t.user_attrs.get("skipped") for t in study.get_trials(deepcopy=False)):
+        if not any(t.skipped for t in read_trials(study)):
             return Decision(None, None, "no trial skipped anything (the search space allows no skipping, e.g. "
                                         "--max-skip-fraction 0, or it stopped first): plain decoding is exported")
         return Decision(None, None, "no skip set got past the pre-screen and the pruner to be confirmed: "
                                     "plain decoding is exported")
-    best = max(candidates, key=lambda c: c[key])
-    passing = [c for c in candidates if c[key + "_low"] > 1.0]
+    best = max(candidates, key=lambda c: speedup(c).estimate)
+    passing = [c for c in candidates if speedup(c).low > 1.0]
     if passing:
-        chosen = max(passing, key=lambda c: c["score"])
-        acceptance = chosen["acceptance_rate"]
+        chosen = max(passing, key=lambda c: c.score)
         return Decision(chosen, best, (
-            f"skip set of trial {chosen['trial']} ({_skip_text(chosen)}) decodes {_figure(chosen, key)}; "
-            f"acceptance {acceptance:.2f}, {chosen['skipped']} sublayers skipped"))
+            f"skip set of trial {chosen.trial} ({chosen.skip}) decodes {_figure(chosen.figures, objective)}; "
+            f"acceptance {chosen.figures.acceptance_rate:.2f}, {chosen.skipped} sublayers skipped"))
     text = (f"no skip set was confirmed faster than plain decoding on this model and device: the best, trial "
-            f"{best['trial']} ({_skip_text(best)}), decodes {_figure(best, key)}")
-    if best[key] > 1.0:
+            f"{best.trial} ({best.skip}), decodes {_figure(best.figures, objective)}")
+    if speedup(best).estimate > 1.0:
         text += "; that interval includes 1.0, so it cannot be told apart from plain decoding"
     return Decision(None, best, text + "; plain decoding is exported")
-
-
-def _skip_text(candidate: dict[str, Any]) -> str:
-    return str(SkipSet.of(candidate["skip_attn"], candidate["skip_mlp"]))
 
 
 def verdict(study: optuna.Study) -> tuple[bool, str]:
@@ -109,68 +98,70 @@ def verdict(study: optuna.Study) -> tuple[bool, str]:
     return decision.pays, decision.text
 
 
-def config_from_trial(study: optuna.Study, trial: FrozenTrial) -> SkipConfig:
+def config_from_trial(study: optuna.Study, trial: TrialRecord) -> SkipConfig:
     """The skip config of one finished trial with the trial's own (unconfirmed) metrics."""
-    info = study_info(study)
+    label = study_label(study)
     if trial.state != TrialState.COMPLETE:
         raise ValueError(f"trial {trial.number} of study {study.study_name!r} is {trial.state.name}, not COMPLETE")
-    if "skip_attn" not in trial.user_attrs:
+    if trial.skip is None:
         raise ValueError(f"trial {trial.number} of study {study.study_name!r} has no skip set")
-    attrs = trial.user_attrs
-    record = study.user_attrs.get(CONFIRM_ATTR) or {"candidates": []}
-    confirmed = next((c for c in record["candidates"] if c["trial"] == trial.number), None)
+    confirmation = read_confirmation(study)
+    confirmed = confirmation.of_trial(trial.number) if confirmation is not None else None
     if confirmed is not None:  # the confirmation's figures are the better-measured ones
-        metrics = _metrics(info["objective"], confirmed["score"], confirmed)
+        metrics = _metrics(label.objective, confirmed.score, confirmed.figures)
         metrics["confirmed"] = True
         metrics["verdict"] = (f"trial {trial.number} exported on request; its confirmation measured "
-                              f"{_figure(confirmed, speedup_key(study))}")
+                              f"{_figure(confirmed.figures, label.objective)}")
     else:
-        metrics = _metrics(info["objective"], trial.values[0] if len(trial.values) == 1 else None, attrs)
+        metrics = _metrics(label.objective, trial.values[0] if len(trial.values) == 1 else None,
+                           trial.figures or Figures())
         metrics["confirmed"] = False
         metrics["verdict"] = f"trial {trial.number} exported on request: its figures come from the search, unconfirmed"
-    return _config(study, SkipSet.of(attrs["skip_attn"], attrs["skip_mlp"]), metrics, trial.number)
+    return _config(study, label, trial.skip, metrics, trial.number)
 
 
-def _metrics(objective: str, score: float | None, figures: dict[str, Any]) -> dict[str, Any]:
-    return {"objective": objective, "score": score, **{k: figures.get(k) for k in _METRIC_KEYS}}
+def _metrics(objective: str, score: float | None, figures: Figures) -> dict[str, Any]:
+    return {"objective": objective, "score": score, **_metric_figures(figures)}
 
 
-def _config(study: optuna.Study, skip: SkipSet, metrics: dict[str, Any], trial_number: int | None) -> SkipConfig:
-    info = study_info(study)
-    model = ModelInfo(**info["model"])
-    skip.check_fits(model.num_hidden_layers)
-    return SkipConfig(model=model, skip=skip, draft=DraftPolicy(**info["draft"]), metrics=metrics,
-                      search=_search_settings(study, trial_number))
+def _metric_figures(figures: Figures) -> dict[str, Any]:
+    flat = figures.as_dict()
+    return {key: flat[key] for key in _METRIC_KEYS}
+
+
+def _config(study: optuna.Study, label: StudyLabel, skip: SkipSet, metrics: dict[str, Any],
+            trial_number: int | None) -> SkipConfig:
+    skip.check_fits(label.model.num_hidden_layers)
+    return SkipConfig(model=label.model, skip=skip, draft=label.draft, metrics=metrics,
+                      search=_search_settings(study, label, trial_number))
 
 
 def decided_config(study: optuna.Study) -> SkipConfig:
     """The config the study's decision exports: the confirmed skip set, or plain decoding."""
-    info = study_info(study)
+    label = study_label(study)
     decision = decide(study)
     if decision.chosen is not None:
         chosen = decision.chosen
-        metrics = _metrics(info["objective"], chosen["score"], chosen)
+        metrics = _metrics(label.objective, chosen.score, chosen.figures)
         metrics.update(confirmed=True, verdict=decision.text)
-        return _config(study, SkipSet.of(chosen["skip_attn"], chosen["skip_mlp"]), metrics, chosen["trial"])
+        return _config(study, label, chosen.skip, metrics, chosen.trial)
     best = decision.best
-    baseline = best.get("baseline_tokens_per_second") if best else None
-    metrics = {"objective": info["objective"], "score": 1.0, "speedup": 1.0, "acceptance_rate": None,
+    baseline = best.figures.baseline_tokens_per_second if best else None
+    metrics = {"objective": label.objective, "score": 1.0, "speedup": 1.0, "acceptance_rate": None,
                "tokens_per_second": baseline, "baseline_tokens_per_second": baseline, "mean_accepted_tokens": None,
                "confirmed": best is not None, "verdict": decision.text,
                "best_skipping": None if best is None else {
-                   "trial": best["trial"], "skip": {"attn": best["skip_attn"], "mlp": best["skip_mlp"]},
-                   **{k: best.get(k) for k in _METRIC_KEYS}}}
-    return _config(study, SkipSet(), metrics, None)
+                   "trial": best.trial, "skip": best.skip.as_dict(), **_metric_figures(best.figures)}}
+    return _config(study, label, SkipSet(), metrics, None)
 
 
-def _search_settings(study: optuna.Study, trial_number: int | None) -> dict:
-    info = study_info(study)
-    record = study.user_attrs.get(CONFIRM_ATTR) or {}
+def _search_settings(study: optuna.Study, label: StudyLabel, trial_number: int | None) -> dict:
+    confirmation = read_confirmation(study)
     return {
-        "study_name": study.study_name, "trial_number": trial_number, "sampler": info["sampler"],
-        "dataset": info["dataset"], "num_prompts": info["num_prompts"], "max_new_tokens": info["max_new_tokens"],
-        "device": info["device"], "device_name": info.get("device_name"), "dtype": info["dtype"],
-        "confirm_repeats": record.get("repeats"),
+        "study_name": study.study_name, "trial_number": trial_number, "sampler": label.sampler,
+        "dataset": label.dataset, "num_prompts": label.num_prompts, "max_new_tokens": label.max_new_tokens,
+        "device": label.device, "device_name": label.device_name, "dtype": label.dtype,
+        "confirm_repeats": None if confirmation is None else confirmation.repeats,
         "created_at": datetime.now(timezone.utc).isoformat(),
     }
 
@@ -182,7 +173,7 @@ def export_trial(study: optuna.Study, path: Path, trial_number: int | None = Non
     if trial_number is None:
         config = decided_config(study)
     else:
-        trials = study.get_trials(deepcopy=False)
+        trials = read_trials(study)
         if not 0 <= trial_number < len(trials):
             raise ValueError(f"study {study.study_name!r} has no trial {trial_number} (it has {len(trials)})")
         config = config_from_trial(study, trials[trial_number])

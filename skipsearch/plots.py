@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -14,60 +12,50 @@ import optuna
 from matplotlib.ticker import MaxNLocator
 from optuna.trial import TrialState
 
-from .config import follow_umask
-from .export import decide, speedup_key
-from .search import CONFIRM_ATTR, STUDY_ATTR, distinct_trials
+from .export import decide
+from .files import replace_atomically
+from .ranking import quoted_speedup, ranked
+from .records import (ConfirmedCandidate, Ratio, TrialRecord, decoded_trials, measured_trials, read_confirmation,
+                      study_label)
 
 
 def save_figure(fig: plt.Figure, path: Path) -> None:
     """Write `fig` as PNG atomically (a temp file renamed over `path`) and close it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        follow_umask(tmp)
-        os.replace(tmp, path)
+        replace_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     finally:
-        Path(tmp).unlink(missing_ok=True)
         plt.close(fig)
 
 
-def _score(trial: optuna.trial.FrozenTrial) -> float:
-    if len(trial.values) == 1:
-        return trial.values[0]
-    acceptance = trial.user_attrs.get("acceptance_rate")
-    return (trial.user_attrs.get("speedup") or 0.0) * (1.0 if acceptance is None else acceptance)
-
-
-def _highlight(study: optuna.Study) -> tuple[dict | None, str]:
+def _highlight(study: optuna.Study) -> tuple[ConfirmedCandidate | None, str]:
     """The skip set every surface shows: the exported one, else the best confirmed one, with its figure."""
     decision = decide(study)
-    key = speedup_key(study)
     shown = decision.chosen or decision.best
     if shown is None:
         return None, "plain decoding exported: no skip set was confirmed"
-    high = shown[key + "_high"]
-    figure = f"{shown[key]:.2f}x ({shown[key + '_low']:.2f}-{'inf' if high is None else format(high, '.2f')})"
+    speedup = quoted_speedup(shown.figures, study_label(study).objective)
+    high = "inf" if speedup.high is None else format(speedup.high, ".2f")
+    figure = f"{speedup.estimate:.2f}x ({speedup.low:.2f}-{high})"
     if decision.pays:
-        return shown, f"exported skip set, trial {shown['trial']}: {figure} as fast as plain decoding"
-    return shown, f"best confirmed skip set, trial {shown['trial']} (not exported, plain decoding is): {figure}"
+        return shown, f"exported skip set, trial {shown.trial}: {figure} as fast as plain decoding"
+    return shown, f"best confirmed skip set, trial {shown.trial} (not exported, plain decoding is): {figure}"
 
 
 def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
     """Layers x {attn, mlp}: the exported (or best confirmed) skip set, and how often each sublayer is skipped
     among the top trials."""
-    num_layers = study.user_attrs[STUDY_ATTR]["model"]["num_hidden_layers"]
-    skipping = [t for t in decoded_trials(study) if t.user_attrs.get("skipped", 0)]  # pre-screen values are estimates
+    num_layers = study_label(study).model.num_hidden_layers
+    skipping = ranked(study)  # decoded only: pre-screen values are estimates
     shown, label = _highlight(study)
     best_map = np.zeros((2, num_layers))
     if shown is not None:
-        best_map[0, shown["skip_attn"]] = 1
-        best_map[1, shown["skip_mlp"]] = 1
-    top = sorted(skipping, key=_score, reverse=True)[: max(5, round(top_fraction * len(skipping)))]
+        best_map[0, list(shown.skip.attn)] = 1
+        best_map[1, list(shown.skip.mlp)] = 1
+    top = skipping[: max(5, round(top_fraction * len(skipping)))]
     frequency = np.zeros((2, num_layers))
     for trial in top:
-        frequency[0, trial.user_attrs["skip_attn"]] += 1 / len(top)
-        frequency[1, trial.user_attrs["skip_mlp"]] += 1 / len(top)
+        frequency[0, list(trial.skip.attn)] += 1 / len(top)
+        frequency[1, list(trial.skip.mlp)] += 1 / len(top)
     fig, axes = plt.subplots(2, 1, figsize=(max(6, num_layers * 0.3), 3.9), constrained_layout=True)
     fig.suptitle(f"{study.study_name}: which sublayers the draft skips", fontsize=11)
     for ax, data, title, bar_label in (
@@ -92,40 +80,43 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
 
 def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     """Every decoded skip set's speedup from its trial, and the confirmed candidates with their intervals."""
-    key = speedup_key(study)
+    label = study_label(study)
+
+    def speedup(record: TrialRecord | ConfirmedCandidate) -> Ratio | None:  # the figure the verdict quotes
+        return quoted_speedup(record.figures, label.objective)
+
     # Plain decoding's trial is 1.0 by definition, not a search estimate: the dashed line draws it.
-    decoded = [t for t in decoded_trials(study) if t.user_attrs.get(key) is not None]
+    decoded = [t for t in decoded_trials(study) if speedup(t) is not None]
     fig, ax = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
-    acceptance = [t.user_attrs.get("acceptance_rate") for t in decoded]
-    points = ax.scatter([t.user_attrs["skipped_fraction"] for t in decoded], [t.user_attrs[key] for t in decoded],
+    acceptance = [t.figures.acceptance_rate for t in decoded]
+    points = ax.scatter([t.skipped_fraction for t in decoded], [speedup(t).estimate for t in decoded],
                         c=[1.0 if a is None else a for a in acceptance], cmap="viridis", vmin=0, vmax=1, s=22,
                         label="trial (search estimate)")
     fig.colorbar(points, ax=ax, label="acceptance rate (accepted / drafted tokens)")
-    record = study.user_attrs.get(CONFIRM_ATTR) or {"candidates": []}
-    confirmed = [c for c in record["candidates"] if c.get(key) is not None]
+    confirmation = read_confirmation(study)
+    confirmed = [c for c in (confirmation.candidates if confirmation else ()) if speedup(c) is not None]
     if confirmed:
-        x = [c["skipped_fraction"] for c in confirmed]
-        y = [c[key] for c in confirmed]
-        errors = [[c[key] - c[key + "_low"] for c in confirmed],
-                  [(c[key + "_high"] or c[key]) - c[key] for c in confirmed]]  # unbounded: drawn without a bar
-        ax.errorbar(x, y, yerr=errors, fmt="o", mfc="none", color="black", capsize=3,
-                    label="confirmed (95% interval)")
-    shown, label = _highlight(study)
+        ratios = [speedup(c) for c in confirmed]
+        errors = [[r.estimate - r.low for r in ratios],
+                  [(r.high or r.estimate) - r.estimate for r in ratios]]  # unbounded: drawn without a bar
+        ax.errorbar([c.skipped_fraction for c in confirmed], [r.estimate for r in ratios], yerr=errors, fmt="o",
+                    mfc="none", color="black", capsize=3, label="confirmed (95% interval)")
+    shown, title = _highlight(study)
     if shown is not None:
-        ax.plot([shown["skipped_fraction"]], [shown[key]], marker="*", markersize=14, color="tab:red",
-                linestyle="none", label=label.split(",")[0])
+        ax.plot([shown.skipped_fraction], [speedup(shown).estimate], marker="*", markersize=14, color="tab:red",
+                linestyle="none", label=title.split(",")[0])
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding")
     ax.set_xlabel("skipped share of all sublayers (0 to 1)")
-    ax.set_ylabel(("predicted" if key == "predicted_speedup" else "measured") + " speedup (x plain decoding)")
-    where = study.user_attrs[STUDY_ATTR].get("device_name") or study.user_attrs[STUDY_ATTR].get("device", "")
-    ax.set_title(f"{study.study_name} on {where}: speedup vs skipped share\n{label}", fontsize=9)
+    ax.set_ylabel(("predicted" if label.objective == "modeled" else "measured") + " speedup (x plain decoding)")
+    ax.set_title(f"{study.study_name} on {label.device_name or label.device or ''}: speedup vs skipped share\n{title}",
+                 fontsize=9)
     ax.legend(loc="best", fontsize=8)
     return fig
 
 
 def _target_label(study: optuna.Study, units: bool = False) -> str:
     """What a single-objective study maximizes (or the first objective of a Pareto study), for axis labels."""
-    objective = study.user_attrs.get(STUDY_ATTR, {}).get("objective", "speed_x_acceptance")
+    objective = study_label(study).objective
     if objective == "speed_x_acceptance":
         return "score: speedup x acceptance rate" if units else "score"
     if objective == "modeled":
@@ -142,7 +133,7 @@ def _labelled(ax: plt.Axes, title: str, xlabel: str, ylabel: str) -> plt.Figure:
     return ax.figure
 
 
-def _only(study: optuna.Study, trials: list[optuna.trial.FrozenTrial]) -> optuna.Study:
+def _only(study: optuna.Study, trials: list[TrialRecord]) -> optuna.Study:
     """An in-memory copy of `study` in which every trial but `trials` is failed, so that Optuna's plots and
     importances skip them; each trial keeps its number."""
     kept = {t.number for t in trials}
@@ -152,11 +143,6 @@ def _only(study: optuna.Study, trials: list[optuna.trial.FrozenTrial]) -> optuna
     return view
 
 
-def _measured(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """The trials whose value was measured: not pre-screen estimates (another scale) nor repeated proposals."""
-    return [t for t in distinct_trials(study) if t.state == TrialState.COMPLETE and "screened_out" not in t.user_attrs]
-
-
 def history(study: optuna.Study) -> plt.Figure:
     """Optuna's optimization history of the measured trials (the first objective of a Pareto study), labelled,
     with whole trial numbers."""
@@ -164,7 +150,7 @@ def history(study: optuna.Study) -> plt.Figure:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # Optuna's matplotlib plots
         ax = optuna.visualization.matplotlib.plot_optimization_history(
-            _only(study, _measured(study)), target=(lambda t: t.values[0]) if multi else None,
+            _only(study, measured_trials(study)), target=(lambda t: t.values[0]) if multi else None,
             target_name="Speedup" if multi else "Score")
     # Matplotlib's default ticks put 0.5, 1.5, ... between trials when there are few of them.
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -182,12 +168,6 @@ def _sublayer_label(param: str) -> str:
 # that, the top group is one to four trials and the bars mostly show which sublayers those few happened to skip.
 _PED_ANOVA_TOP = 0.1
 IMPORTANCE_MIN_TRIALS = math.ceil(5 / _PED_ANOVA_TOP)
-
-
-def decoded_trials(study: optuna.Study) -> list[optuna.trial.FrozenTrial]:
-    """The distinct completed trials whose value came from decoding (not from the teacher-forced pre-screen, nor
-    plain decoding's, which is known without decoding)."""
-    return [t for t in _measured(study) if "plain_decoding" not in t.user_attrs]
 
 
 def _trials(n: int) -> str:

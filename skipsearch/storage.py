@@ -17,6 +17,8 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from .errors import first_line
+
 JOURNAL_PREFIX = "journal:"
 
 
@@ -72,8 +74,7 @@ def make_storage(url: str, heartbeat: Heartbeat | None = None, must_exist: bool 
     except ValueError:
         raise
     except Exception as error:  # SQLAlchemy's errors: bad URL, unreachable server, bad credentials
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"cannot open storage {_redact(url)!r}: {reason}") from None
+        raise ValueError(f"cannot open storage {_redact(url)!r}: {first_line(error)}") from None
 
 
 def _open_rdb(url: str, must_exist: bool, options: dict[str, Any], attempts: int = 5) -> optuna.storages.RDBStorage:
@@ -150,7 +151,10 @@ def existing_study(storage: optuna.storages.BaseStorage, study_name: str) -> tup
     return storage.get_study_user_attrs(study_id), storage.get_n_trials(study_id)
 
 
+# Trial attributes of crash recovery (records.py reads them with the rest of a trial's record).
 WORKER_ATTR = "worker"  # "host:pid" of the process running a trial, set when the trial starts
+FAIL_REASON_ATTR = "fail_reason"  # why a trial failed, in words
+RETRY_ATTR = "retry_of"  # on a re-enqueued trial: the number of the failed trial it re-runs
 
 
 def worker_tag() -> str:
@@ -199,14 +203,14 @@ def recover_dead_workers_trials(study: optuna.Study, grace_s: float) -> list[int
         if reason is None:
             continue
         try:
-            storage.set_trial_user_attr(trial._trial_id, "fail_reason", f"worker lost: {reason}")
+            storage.set_trial_user_attr(trial._trial_id, FAIL_REASON_ATTR, f"worker lost: {reason}")
             if not storage.set_trial_state_values(trial._trial_id, TrialState.FAIL):
                 continue
         except optuna.exceptions.UpdateFinishedTrialError:
             continue  # it finished, or another worker failed it first
         failed.append(trial.number)
-        if "retry_of" not in trial.user_attrs and trial.params:
-            study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
+        if RETRY_ATTR not in trial.user_attrs and trial.params:
+            study.enqueue_trial(trial.params, user_attrs={RETRY_ATTR: trial.number})
     return failed
 
 
@@ -221,7 +225,7 @@ def explain_stale_trials(study: optuna.Study) -> None:
         worker = storage.get_trial_user_attrs(trial_id).get(WORKER_ATTR, "an unknown worker")
         try:
             storage.set_trial_user_attr(
-                trial_id, "fail_reason", f"worker lost: {worker} sent no heartbeat for {grace} s (killed?)")
+                trial_id, FAIL_REASON_ATTR, f"worker lost: {worker} sent no heartbeat for {grace} s (killed?)")
         except optuna.exceptions.UpdateFinishedTrialError:
             pass
     with warnings.catch_warnings():

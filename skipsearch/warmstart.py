@@ -7,10 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import FORMAT as CONFIG_FORMAT, ModelInfo, parse_skip_config, read_json
+from .config import FORMAT as CONFIG_FORMAT, MODEL_SHAPE, ModelInfo, parse_skip_config
+from .files import read_json
 from .skipping import SkipSet
-
-MODEL_SHAPE = ("architecture", "num_hidden_layers", "hidden_size")
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ def test_optimize_takes_over_an_empty_unlabelled_study(capsys, tmp_path, tiny_mo
     """A worker started beside another can find the study created but not yet labelled; it must not refuse it."""
     import optuna
 
-    from skipsearch.search import STUDY_ATTR
+    from skipsearch.records import STUDY_ATTR
 
     optuna.create_study(study_name="cli", storage=f"sqlite:///{tmp_path}/cli.db", direction="maximize")
     code, out, err = run(capsys, *optimize_args(tiny_model_dir, tmp_path, "--no-plots", n_trials=2))

@@ -41,13 +41,22 @@ def test_each_default_appears_once_in_help():
 
 def test_constants_match_the_modules_that_own_them():
     from skipsearch import models, search
-    from skipsearch.decoding import DraftPolicy
 
     assert models.DEFAULT_MODEL == constants.DEFAULT_MODEL
     assert set(models.DTYPES) == set(constants.DTYPE_NAMES)
     assert search.OBJECTIVES == constants.OBJECTIVES and search.SAMPLERS == constants.SAMPLERS
-    policy = DraftPolicy()
-    assert {key: getattr(policy, key) for key in constants.DRAFT_DEFAULTS} == constants.DRAFT_DEFAULTS
+
+
+def test_drafting_help_shows_the_draft_policys_own_defaults():
+    from skipsearch.cli import build_parser
+    from skipsearch.decoding import DraftPolicy
+
+    policy = DraftPolicy()  # the decode loop's, which is policy.py's: one class, one set of defaults
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for name in ("generate", "optimize"):
+        flags = {action.dest: action.help for action in commands[name]._actions}
+        for key in ("max_draft_tokens", "confidence_threshold", "target_acceptance", "threshold_step"):
+            assert flags[key].endswith(f"(default: {getattr(policy, key)})"), (name, key, flags[key])
 
 
 def test_package_names_resolve_lazily():

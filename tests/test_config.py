@@ -79,3 +79,17 @@ def test_a_draft_and_verify_file_is_named_as_such():
 
     with pytest.raises(ValueError, match="Draft & Verify / SWIFT skip file .*optimize --warm-start"):
         parse_skip_config(dv_json("smollm2", SkipSet.of([3], [5], 30)))
+
+
+def test_configs_models_and_plots_do_not_import_the_decode_loop():
+    """They read the draft policy from policy.py and write files through files.py, not through decoding.py."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, skipsearch.config, skipsearch.models, skipsearch.plots; "
+            "print(sorted(name for name in sys.modules if name in ('skipsearch.decoding', 'skipsearch.engine')))")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr

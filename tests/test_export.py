@@ -5,7 +5,7 @@ import pytest
 
 from skipsearch.decoding import DraftPolicy
 from skipsearch.export import decide, export_trial, verdict
-from skipsearch.search import CONFIRM_ATTR
+from skipsearch.records import CONFIRM_ATTR
 from skipsearch.skipping import SkipSet
 
 
@@ -51,7 +51,7 @@ def test_nothing_confirmed_exports_plain_decoding_with_the_best_confirmed_interv
     study = fake_study(tmp_path, [1.0, 1.43, 0.9], confirmed=[candidate(1, 0.64, 0.58, 0.71, [1]),
                                                             candidate(2, 0.72, 0.60, 0.86, [2])])
     decision = decide(study)
-    assert not decision.pays and decision.best["trial"] == 2
+    assert not decision.pays and decision.best.trial == 2
     assert decision.text.startswith("no skip set was confirmed faster than plain decoding")
     assert "0.72x" in decision.text and "0.60-0.86" in decision.text and "1.43" not in decision.text
     config = export_trial(study, tmp_path / "best.json")

@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from skipsearch.bench import BenchRow, write_outputs
-from skipsearch.config import follow_umask, write_atomic
+from skipsearch.files import follow_umask, write_atomic
 from skipsearch.plots import save_figure
 
 

@@ -13,7 +13,8 @@ from skipsearch import bench, plots
 from skipsearch.bench import BenchRow
 from skipsearch.config import ModelInfo
 from skipsearch.decoding import DraftPolicy
-from skipsearch.search import STUDY_ATTR, SearchSpace, StudySettings, run_study
+from skipsearch.records import STUDY_ATTR
+from skipsearch.search import SearchSpace, StudySettings, run_study
 
 LAYERS = 30
 
@@ -23,7 +24,8 @@ def synthetic_study(objective: str = "speed_x_acceptance", n: int = 24) -> optun
     space = SearchSpace(num_layers=LAYERS, skip_prior=0.3)
     directions = ["maximize", "maximize"] if objective == "pareto" else ["maximize"]
     study = optuna.create_study(study_name="synthetic", directions=directions)
-    study.set_user_attr(STUDY_ATTR, {"model": {"num_hidden_layers": LAYERS}, "objective": objective})
+    study.set_user_attr(STUDY_ATTR, {"model": {"name_or_path": "synthetic", "architecture": "LlamaForCausalLM",
+                                               "num_hidden_layers": LAYERS, "hidden_size": 576}, "objective": objective})
     rng = random.Random(0)
     for _ in range(n):
         params = {space.param_name(k, i): rng.random() for k, i in space.sublayers()}

@@ -253,17 +253,17 @@ def test_the_empty_set_is_plain_decoding_by_definition_and_never_exported(tmp_pa
     if decision.chosen is None:
         assert config.skip == SkipSet() and config.search["trial_number"] is None
     else:
-        assert config.skip.size and decision.chosen["trial"] != plain.number
+        assert config.skip.size and decision.chosen.trial != plain.number
     assert "trial 0, the empty set, is plain decoding: scored 1 by definition, not decoded" in study_summary(study)
 
 
 def test_a_study_on_a_cpu_compiles_in_inductors_default_mode(monkeypatch):
     """Frozen weights (generate's CPU default) would keep a model copy per compiled skip set: a study must not."""
-    import skipsearch.search as search
+    import skipsearch.evaluation as evaluation
 
     modes = []
-    real_generate = search.generate
-    monkeypatch.setattr(search, "generate", lambda *a, **k: modes.append(k["compile_mode"]) or real_generate(
+    real_generate = evaluation.generate
+    monkeypatch.setattr(evaluation, "generate", lambda *a, **k: modes.append(k["compile_mode"]) or real_generate(
         *a, **dict(k, compile_backend="aot_eager")))
     compiled = make_evaluator()
     compiled.compile = True

@@ -1,0 +1,60 @@
+"""What each objective's values mean, and what "best" means: one number per measured skip set, the higher the better.
+
+A single-objective study ranks skip sets by its objective's value. A Pareto study keeps a front of sets that trade
+speed for acceptance and has no best of its own: it ranks them by speedup x acceptance, the default objective, so
+that its confirmation, plots and progress bar show the sets a single-objective study would. Acceptance counts as 1
+when nothing was drafted (plain decoding rejects nothing).
+
+The verdict quotes the speedup its objective is about: predicted by the cost model for `modeled` studies, measured
+otherwise; when it exports nothing it names the fastest confirmed set.
+"""
+
+from __future__ import annotations
+
+import optuna
+
+from .records import Figures, Ratio, TrialRecord, decoded_trials, study_label
+
+
+def objective_value(figures: Figures, objective: str) -> float | tuple[float, float]:
+    """The value a trial gives Optuna: one number, or (speedup, acceptance rate) for the Pareto objective."""
+    if objective == "modeled":
+        if figures.predicted_speedup is None:
+            raise ValueError("the modeled objective needs a cost profile")
+        return figures.predicted_speedup.estimate
+    acceptance = 1.0 if figures.acceptance_rate is None else figures.acceptance_rate
+    if objective == "speedup":
+        return figures.speedup.estimate
+    if objective == "pareto":
+        return figures.speedup.estimate, acceptance
+    return figures.speedup.estimate * acceptance
+
+
+def screened_score(match: float, objective: str) -> float | tuple[float, float]:
+    """The value a set stopped by the teacher-forced pre-screen gives the sampler, so that GP and TPE learn
+    from it: an estimate below any set worth decoding, still rising with the match rate (acceptance
+    follows match, and a set accepted this rarely runs at most at about half speed)."""
+    if objective == "pareto":
+        return 0.5 * match, match
+    return 0.5 * match * match if objective == "speed_x_acceptance" else 0.5 * match
+
+
+def score(figures: Figures, objective: str) -> float:
+    """How good a skip set is: the objective's value, or for a Pareto study speedup x acceptance."""
+    value = objective_value(figures, objective)
+    return value[0] * value[1] if isinstance(value, tuple) else value
+
+
+def quoted_speedup(figures: Figures | None, objective: str) -> Ratio | None:
+    """The speedup a verdict quotes (None where it was not measured): predicted for modeled studies, else measured."""
+    if figures is None:
+        return None
+    return figures.predicted_speedup if objective == "modeled" else figures.speedup
+
+
+def ranked(study: optuna.Study) -> list[TrialRecord]:
+    """The distinct skip sets the study decoded that skip something, best first. Plain decoding (known without
+    decoding), pre-screen estimates (another scale) and repeated proposals are not ranked."""
+    objective = study_label(study).objective
+    skipping = [t for t in decoded_trials(study) if t.skipped]
+    return sorted(skipping, key=lambda t: score(t.figures, objective), reverse=True)

@@ -1,0 +1,87 @@
+"""Studies written by skipsearch 0.1.0 (commit f3a5ff2, tests/fixtures/make_release_studies.py) still load, and
+export, summarize and judge as that release did."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from skipsearch.cli import main
+from skipsearch.export import export_trial, verdict, write_dv
+from skipsearch.search import study_summary
+from skipsearch.storage import load_study
+
+FIXTURES = Path(__file__).parent / "fixtures"
+EXPECTED = json.loads((FIXTURES / "release_studies.expected.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("release")
+    shutil.copy(FIXTURES / "release_studies.db", folder / "studies.db")  # opening a study may write to its file
+    return f"sqlite:///{folder / 'studies.db'}"
+
+
+def undated(config: dict) -> dict:
+    """A config's JSON without the time of its export."""
+    return {**config, "search": {k: v for k, v in config["search"].items() if k != "created_at"}}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_the_cli_exports_the_same_best_json(name, storage, tmp_path, capsys):
+    output = tmp_path / "best.json"
+    assert main(["export", "--storage", storage, "--study-name", name, "--output", str(output)]) == 0
+    assert undated(json.loads(output.read_text())) == undated(EXPECTED[name]["best"])
+    assert capsys.readouterr().out.splitlines()[0] == EXPECTED[name]["verdict"][1]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_trials_export_summarize_and_judge_as_before(name, storage, tmp_path):
+    study = load_study(name, storage)
+    expected = EXPECTED[name]
+    assert study_summary(study) == expected["summary"]
+    assert list(verdict(study)) == expected["verdict"]
+    for number, config in expected["trials"].items():
+        exported = export_trial(study, tmp_path / f"{number}.json", int(number))
+        assert undated(exported.to_json()) == undated(config)
+    write_dv(export_trial(study, tmp_path / "best.json"), tmp_path / "dv.json")
+    assert json.loads((tmp_path / "dv.json").read_text()) == expected["dv"]
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_every_surface_ranks_and_labels_as_before(name, storage):
+    """The confirmation's candidates and the skip map's top trials were ranked by two functions, the plots' highlight
+    and the progress bar labelled by two more: one ranking now gives what each gave."""
+    import matplotlib.pyplot as plt
+
+    from skipsearch import plots
+    from skipsearch.ranking import ranked
+    from skipsearch.records import decoded_trials, measured_trials
+    from skipsearch.search import _confirmation_is_stale, confirmation_candidates
+    from skipsearch.worker import best_label
+
+    study = load_study(name, storage)
+    expected = EXPECTED[name]
+    assert [t.number for t in confirmation_candidates(study, 3)] == expected["candidates"]
+    assert [t.number for t in ranked(study)] == expected["plot_ranking"]
+    assert _confirmation_is_stale(study, 3) == expected["confirmation_stale"]
+    assert best_label(study, ranked(study)[0]) == expected["progress_label"]
+    assert [t.number for t in measured_trials(study)] == expected["measured"]
+    assert [t.number for t in decoded_trials(study)] == expected["decoded"]
+    fig = plots.skip_map(study)
+    assert fig.axes[0].get_title() == expected["highlight"]
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_records_write_back_what_the_release_stored(name, storage):
+    """One conversion each way: every trial, the label and the confirmation, read as records and written back as
+    user attributes, are what the release stored, key for key."""
+    from skipsearch.records import CONFIRM_ATTR, STUDY_ATTR, Confirmation, StudyLabel, TrialRecord
+
+    study = load_study(name, storage)
+    assert StudyLabel.from_attrs(study.user_attrs[STUDY_ATTR]).attrs() == study.user_attrs[STUDY_ATTR]
+    assert Confirmation.from_attrs(study.user_attrs[CONFIRM_ATTR]).attrs() == study.user_attrs[CONFIRM_ATTR]
+    for trial in study.trials:
+        assert TrialRecord.of(trial).attrs() == trial.user_attrs, trial.number
