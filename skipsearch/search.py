@@ -32,7 +32,7 @@ from .constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them 
 from .costs import CostProfile, contexts_for, device_name, profile_costs
 from .decoding import DecodeStats, DraftPolicy, GenerationOutput, generate
 from .measure import Interval, paired_runs, ratio_interval
-from .storage import (WORKER_ATTR, Heartbeat, disk_full, explain_stale_trials, make_storage,
+from .storage import (WORKER_ATTR, Heartbeat, disk_full, explain_stale_trials, heartbeat_enabled, make_storage,
                       recover_dead_workers_trials)
 from .skipping import SkipSet, draft_mode
 
@@ -627,7 +627,7 @@ def _work(
     re-enqueued, so a worker that only waits on running trials checks for stale ones instead of
     stopping. Failed trials do not count: they are retried, up to `max_failures` in a row.
     """
-    heartbeat = isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
+    heartbeat = heartbeat_enabled(storage)
     grace_s = (settings.heartbeat or Heartbeat()).grace_s
     stop = StopRequest()
     deadline = time.monotonic() + settings.timeout if settings.timeout else None
