@@ -23,6 +23,7 @@ from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from .engine import CompileSettings, Step, _forward, engine_for
+from .inputs import check_generate_args, check_prompt
 from .kvcache import SpeculativeCache
 from .skipping import SkipSet
 
@@ -291,12 +292,8 @@ def generate(
     reused by later calls with the same skip set. The prefill always runs eagerly.
     `hooks` put logits processing, stopping and streaming in the caller's hands (`DecodeHooks`).
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    device = model.device
-    prompt = torch.as_tensor(input_ids, dtype=torch.long, device=device).view(1, -1)
-    if prompt.shape[1] == 0:
-        raise ValueError("the prompt is empty: at least one token is needed")
+    prompt = check_prompt(model, input_ids)  # before any work: each a TypeError or ValueError saying what is wrong
+    check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling)
     # Drafting with nothing skipped is the full model twice over: an empty set means plain decoding.
     max_draft = policy.max_draft_tokens if skip is not None and skip.size else 0
     settings = CompileSettings(compile_backend, compile_mode) if compile else None

@@ -370,12 +370,13 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, raw: bool = Fal
     return list(tokenizer(text)["input_ids"])
 
 
-def check_context(model: PreTrainedModel, prompt_tokens: int, max_new_tokens: int, max_draft_tokens: int = 0) -> None:
-    """Raise ValueError when a prompt plus its generation cannot fit the model's context."""
+def check_context(model: PreTrainedModel, prompt_tokens: int, max_new_tokens: int, max_draft_tokens: int = 0,
+                  flag: str = "--max-new-tokens") -> None:
+    """Raise ValueError when a prompt plus its generation cannot fit the model's context (`flag` names the setting)."""
     limit = getattr(model.config, "max_position_embeddings", None)
     needed = prompt_tokens + max_new_tokens + max_draft_tokens
     if limit is not None and needed > limit:
         raise ValueError(
-            f"prompt ({prompt_tokens} tokens) + --max-new-tokens ({max_new_tokens}) + drafts ({max_draft_tokens}) "
-            f"exceed the model's context of {limit} tokens: shorten the prompt or lower --max-new-tokens"
+            f"prompt ({prompt_tokens} tokens) + {flag} ({max_new_tokens}) + drafts ({max_draft_tokens}) "
+            f"exceed the model's context of {limit} tokens: shorten the prompt or lower {flag}"
         )
