@@ -40,3 +40,37 @@ def tiny_model_dir(tmp_path_factory, default_model):
     model.save_pretrained(folder)
     default_model.tokenizer.save_pretrained(folder)
     return folder
+
+
+class VirtualTimer:
+    """A clock that only forwards advance, by made-up costs of their parts: each attention and MLP sublayer run and
+    the rest of the forward cost `base + per_token * tokens` (no cost for a sublayer draft mode skips), plus, per
+    forward, a delay drawn from an exponential of mean `noise` (a busy machine) while `noisy_forwards` last."""
+
+    COSTS = {"attn": (1.0, 0.1), "mlp": (0.5, 0.05), "rest": (2.0, 0.2)}  # (base, per token), virtual ms
+
+    def __init__(self, model, noise=0.0, noisy_forwards=None, seed=0):
+        import random
+
+        self.now, self.forwards, self.noise, self.noisy_forwards = 0.0, 0, noise, noisy_forwards
+        self.rng = random.Random(seed)
+        for layer in model.model.layers:
+            layer.self_attn.register_forward_pre_hook(self.charge("attn"), with_kwargs=True)
+            layer.mlp.register_forward_pre_hook(self.charge("mlp"), with_kwargs=True)
+        model.register_forward_pre_hook(self.charge("rest"), with_kwargs=True)
+
+    def charge(self, part):
+        base, per_token = self.COSTS[part]
+
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_ids"))
+            self.now += (base + per_token * hidden.shape[1]) / 1e3
+            if part == "rest":
+                self.forwards += 1
+                if self.noise and (self.noisy_forwards is None or self.forwards <= self.noisy_forwards):
+                    self.now += self.rng.expovariate(1 / self.noise)
+
+        return hook
+
+    def __call__(self):
+        return self.now
