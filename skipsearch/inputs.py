@@ -34,9 +34,11 @@ def check_model(model: Any, what: str = "model") -> None:
 def check_prompt(model: nn.Module, input_ids: Any) -> torch.Tensor:
     """One prompt of integer token ids, each inside the model's vocabulary, as a (1, n) long tensor on its device.
 
-    Accepts a sequence of ints or a 1-D tensor, and one row of either (a batch of one); refuses a batch of several
-    prompts, floats, bools, text and the empty prompt."""
+    Accepts a sequence of ints, a 1-D tensor or array, and one row of either (a batch of one); refuses a batch of
+    several prompts, floats, bools, text and the empty prompt."""
     check_model(model)
+    if not isinstance(input_ids, torch.Tensor) and hasattr(input_ids, "__array__"):  # numpy's arrays and the like
+        input_ids = torch.as_tensor(input_ids)
     if isinstance(input_ids, torch.Tensor):
         ids = _tensor_ids(input_ids)
     elif isinstance(input_ids, Sequence) and not isinstance(input_ids, (str, bytes)):
@@ -76,12 +78,15 @@ def _listed_ids(ids: Sequence[Any]) -> torch.Tensor:
 
 
 def _is_row(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, Sequence)) and not isinstance(value, (str, bytes))
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
 
 
 def _row_ids(row: Any) -> torch.Tensor:
     if isinstance(row, torch.Tensor):
         return _tensor_ids(row)
+    row = [value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 else value for value in row]
     for position, value in enumerate(row):
         # bool is an Integral: True as a token id is a bug, not id 1. numpy's integers are Integrals too.
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import optuna
 import pytest
 import torch
@@ -389,6 +390,17 @@ def test_the_python_api_refuses_before_any_work(call, error, message, api_model)
         hook.remove()
     assert len(str(raised.value).splitlines()) == 1
     assert not forwards
+
+
+@pytest.mark.parametrize("prompt", [[5, 9, 14], (5, 9, 14), [[5, 9, 14]], torch.tensor([5, 9, 14]),
+                                    torch.tensor([[5, 9, 14]], dtype=torch.int32), [torch.tensor(5), 9, 14],
+                                    numpy.array([5, 9, 14])],
+                         ids=["list", "tuple", "one row", "tensor", "int32 row", "0-d tensors", "numpy"])
+def test_every_form_of_one_prompt_decodes_alike(prompt, api_model):
+    from skipsearch.decoding import generate
+
+    assert generate(api_model, prompt, max_new_tokens=4).tokens == generate(api_model, [5, 9, 14],
+                                                                             max_new_tokens=4).tokens
 
 
 def test_load_model_takes_a_path(tiny_model_dir):
