@@ -201,7 +201,7 @@ def _check_sqlite_file(path: Path) -> None:
     except sqlite3.DatabaseError as error:
         raise ValueError(f"study database {str(path)!r} cannot be read: {error}: is it a study database?") from None
     if problems != ["ok"]:
-        detail = " ".join(" ".join(problems).split())
+        detail = " ".join(re.sub(r"\*\*\* in database \w+ \*\*\*", "", " ".join(problems)).split())
         raise ValueError(f"study database {str(path)!r} is damaged (SQLite: {detail[:160]}): restore it from a backup, "
                          "or start a new study (another --study-name or --storage)")
 
