@@ -54,10 +54,14 @@ class VirtualTimer:
 
         self.now, self.forwards, self.noise, self.noisy_forwards = 0.0, 0, noise, noisy_forwards
         self.rng = random.Random(seed)
-        for layer in model.model.layers:
-            layer.self_attn.register_forward_pre_hook(self.charge("attn"), with_kwargs=True)
-            layer.mlp.register_forward_pre_hook(self.charge("mlp"), with_kwargs=True)
-        model.register_forward_pre_hook(self.charge("rest"), with_kwargs=True)
+        parts = [(module, part) for layer in model.model.layers for module, part in ((layer.self_attn, "attn"),
+                                                                                     (layer.mlp, "mlp"))]
+        self.hooks = [module.register_forward_pre_hook(self.charge(part), with_kwargs=True)
+                      for module, part in [*parts, (model, "rest")]]
+
+    def remove(self):
+        for hook in self.hooks:
+            hook.remove()
 
     def charge(self, part):
         base, per_token = self.COSTS[part]
@@ -74,3 +78,25 @@ class VirtualTimer:
 
     def __call__(self):
         return self.now
+
+
+@pytest.fixture
+def virtual_profiles(monkeypatch):
+    """`profile_costs` in virtual time (`VirtualTimer`, for its forwards and the decoder it calibrates with), for tests
+    of what the commands write: a busy test machine's real timings would be refused as noise."""
+    import types
+
+    from skipsearch import costs, decoding
+
+    real = costs.profile_costs
+
+    def in_virtual_time(model, *args, **kwargs):
+        timer = VirtualTimer(model)
+        try:
+            with monkeypatch.context() as patch:
+                patch.setattr(decoding, "time", types.SimpleNamespace(perf_counter=timer))
+                return real(model, *args, **{**kwargs, "clock": timer})
+        finally:
+            timer.remove()
+
+    monkeypatch.setattr(costs, "profile_costs", in_virtual_time)

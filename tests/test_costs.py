@@ -208,23 +208,13 @@ def run(capsys, *argv):
     return code, out, err
 
 
-def test_profile_config_only_and_the_folder_without_weights(capsys, tmp_path, tiny_model_dir, monkeypatch):
+def test_profile_config_only_and_the_folder_without_weights(capsys, tmp_path, tiny_model_dir, virtual_profiles):
     folder = tmp_path / "config-only"
     folder.mkdir()
     shutil.copy(tiny_model_dir / "config.json", folder / "config.json")
     code, _, err = run(capsys, "profile", "--model", folder, "--output", tmp_path / "p.json")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "--config-only" in err
     assert not (tmp_path / "p.json").exists()
-    import skipsearch.models
-
-    built = skipsearch.models.model_from_config
-
-    def in_virtual_time(*args, **kwargs):  # the timings of a busy test machine are not what this test is about
-        model = built(*args, **kwargs)
-        monkeypatch.setattr("skipsearch.costs.time", types.SimpleNamespace(perf_counter=virtual_time(monkeypatch, model)))
-        return model
-
-    monkeypatch.setattr(skipsearch.models, "model_from_config", in_virtual_time)
     code, out, _ = run(capsys, "profile", "--model", folder / "config.json", "--config-only", "--contexts", "8,32",
                        "--repeats", 1, "--output", tmp_path / "p.json", "--no-progress")
     assert code == 0 and re.search(r"^8 .*\n32 ", out, re.MULTILINE)
