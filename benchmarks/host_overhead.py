@@ -11,7 +11,8 @@ reports microseconds per token and per round for each part:
 - acceptance + read-back: greedy verification, with the round's one host read.
 - plain batches: plain decoding's own work between forwards, with its read-back.
 - statistics: the round's statistics and the threshold update.
-- loop: everything else in the call (the round's glue, padding, EOS cuts, the while loop, the prefill).
+- prefill: the prompt's forward and first token (`stats.prefill_time_s`), once per call.
+- loop: everything else in the call (the round's glue, padding, EOS cuts, the while loop).
 
 Pieces missing from the code under test (an older version) are simply not split out: their time
 lands in "loop". Run it on a checkout of another commit to compare (PYTHONPATH=that checkout).
@@ -96,16 +97,18 @@ def measure(model, prompt, skip, policy, compile_mode, new_tokens: int, repeats:
     generate(model, prompt, **run)  # warm: compiles, allocates
     timers = ExclusiveTimers()
     undo = timers.install()
-    walls, tokens, rounds = [], 0, 0
+    walls, prefills, tokens, rounds = [], [], 0, 0
     try:
         for _ in range(repeats):
             out = generate(model, prompt, **run)
             walls.append(out.stats.wall_time_s)
+            prefills.append(out.stats.prefill_time_s)
             tokens, rounds = tokens + out.stats.new_tokens, rounds + out.stats.rounds
     finally:
         for owner, name, original in undo:
             setattr(owner, name, original)
     parts = {part: timers.seconds[part] for part in PARTS}
+    parts["prefill"] = sum(prefills)
     parts["loop"] = sum(walls) - sum(parts.values())
     return {"wall": sum(walls), "median_call": statistics.median(walls), "tokens": tokens, "rounds": rounds, **parts}
 
@@ -130,7 +133,7 @@ def main() -> None:
           f"{sys.modules['skipsearch'].__file__}")
     print("microseconds per token (per round in brackets) by part; 'steps' holds the forwards themselves")
     header = f"{'model':8} {'mode':9} {'decoding':22} {'us/token':>9} " + " ".join(f"{p[:14]:>15}" for p in
-                                                                                  [*PARTS, "loop"])
+                                                                                  [*PARTS, "prefill", "loop"])
     print(header)
     for model_name in args.models.split(","):
         if model_name == "tiny":
@@ -153,7 +156,7 @@ def main() -> None:
                 r = measure(model, prompt, skip, policy, None if mode == "eager" else mode, args.new_tokens,
                             args.repeats)
                 cells = " ".join(f"{1e6 * r[p] / r['tokens']:7.1f} [{1e6 * r[p] / r['rounds']:5.0f}]"
-                                 for p in [*PARTS, "loop"])
+                                 for p in [*PARTS, "prefill", "loop"])
                 print(f"{model_name.rsplit('/', 1)[-1]:8} {mode:9} {name:22} {1e6 * r['wall'] / r['tokens']:9.1f} {cells}", flush=True)
 
 

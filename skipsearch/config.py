@@ -61,7 +61,10 @@ class SkipConfig:
         }
 
     def check_model(self, model: nn.Module) -> None:
-        """Raise ValueError unless this config was made for a model of `model`'s shape."""
+        """Raise ValueError unless this config was made for a model of `model`'s shape (TypeError for no model)."""
+        from .inputs import check_model
+
+        check_model(model)
         actual = ModelInfo.of(model, self.model.name_or_path)
         for name in MODEL_SHAPE:
             want, have = getattr(self.model, name), getattr(actual, name)

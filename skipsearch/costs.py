@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import datetime
 import json
+import math
 import platform
 import statistics
 import time
@@ -64,9 +65,9 @@ class ContextCosts:
 class Overheads:
     """What decoding pays besides forwards, in seconds (zero in profiles that did not measure it).
 
-    `round_s` and `draft_token_s` are residuals of the real decoder's wall time over the profiled
-    forwards, so they also absorb any difference between forwards in the loop and forwards timed
-    alone; they may be slightly negative.
+    `round_s`, `draft_token_s` and `adaptive_token_s` are residuals of the real decoder's wall time over the
+    profiled forwards, so they also absorb any difference between forwards in the loop and forwards timed
+    alone; one a little below zero is noise and stored as 0 (profiles of older versions may hold negatives).
     """
 
     round_s: float = 0.0  # every round, plain or speculative: cache roll-back, host transfer, bookkeeping
@@ -245,139 +246,225 @@ def _provenance(model: torch.nn.Module) -> dict:
             "transformers": transformers.__version__, "torch_threads": torch.get_num_threads()}
 
 
+class NoisyMachine(ValueError):
+    """The timings of a profile did not settle: the machine is too busy for its costs to mean anything."""
+
+
+# How far a profile's figures may stray before they are taken for noise: a median's 95% interval at most TOLERANCE of
+# it either way; a cost of more tokens at most ORDER_SLACK below a cost of fewer (both judged from 5 runs on); a
+# residual overhead at most ORDER_SLACK of a forward below zero (it cannot be negative: within that it is noise, 0).
+TOLERANCE = 0.25
+ORDER_SLACK = 0.1
+_MIN_RUNS_FOR_INTERVAL = 5
+
+
+def median_interval(runs: Sequence[float]) -> tuple[float, float]:
+    """The median of `runs` and the half-width of its 95% interval (normal approximation on the median absolute
+    deviation, robust to the outliers a busy machine makes); the half-width is infinite below 5 runs."""
+    median = statistics.median(runs)
+    if len(runs) < _MIN_RUNS_FOR_INTERVAL:
+        return median, math.inf
+    mad = statistics.median(abs(r - median) for r in runs)
+    return median, 1.96 * 1.2533 * 1.4826 * mad / math.sqrt(len(runs))
+
+
+@dataclass
+class _ContextRuns:
+    """The timed runs of one context length, pooled over the profile's attempts."""
+
+    context_tokens: int
+    verify: list[list[float]]  # verify[n - 1]: runs of n tokens
+    one_token: dict[str, list[float]]  # runs of one token: "full", "no_attn", "no_mlp"
+
+    def costs(self, num_layers: int) -> ContextCosts:
+        # A one-token forward is timed in the verify runs and among the draft-mode blocks alike: pooled, the same
+        # figure prices verifying one token and a draft that skips nothing, and anchors the parts (the rest is what
+        # no_attn + no_mlp count twice), so that no two independent medians' noise lands in a difference.
+        forward = statistics.median(self.verify[0] + self.one_token["full"])
+        no_attn, no_mlp = statistics.median(self.one_token["no_attn"]), statistics.median(self.one_token["no_mlp"])
+        attn_s, mlp_s = (forward - no_attn) / num_layers, (forward - no_mlp) / num_layers
+        rest_s = forward - num_layers * (attn_s + mlp_s)
+        verify = [forward] + [statistics.median(runs) for runs in self.verify[1:]]
+        # Costs of more tokens below those of fewer by less than ORDER_SLACK are noise (else `problems` says so).
+        monotone = [max(verify[: n + 1]) for n in range(len(verify))]
+        return ContextCosts(context_tokens=self.context_tokens, attn_s=attn_s, mlp_s=mlp_s, rest_s=rest_s,
+                            verify_s=monotone)
+
+    def problems(self, num_layers: int) -> list[str]:
+        """Why these runs are not a profile yet: a median whose interval is wide, verify costs out of order (both
+        judged from 5 runs on: fewer have no interval), an attention, MLP or rest cost <= 0 (never right)."""
+        found = []
+        timed = {**{f"verify {n + 1}": runs for n, runs in enumerate(self.verify)}, **self.one_token}
+        for name, runs in timed.items():
+            median, half = median_interval(runs)
+            if math.isfinite(half) and half > TOLERANCE * median:
+                found.append(f"{name}'s 95% interval is +-{half / median:.0%} of it")
+        verify = self.costs(num_layers).verify_s[:1] + [statistics.median(runs) for runs in self.verify[1:]]
+        judged = min(len(runs) for runs in self.verify) >= _MIN_RUNS_FOR_INTERVAL
+        if judged and any(later < (1 - ORDER_SLACK) * earlier for earlier, later in zip(verify, verify[1:])):
+            found.append(f"verify costs out of order ({', '.join(f'{v * 1e3:.1f}' for v in verify)} ms for "
+                         f"1-{len(verify)} tokens)")
+        costs = self.costs(num_layers)
+        for part, value in (("attention", costs.attn_s), ("MLP", costs.mlp_s), ("rest", costs.rest_s)):
+            if value <= 0:
+                found.append(f"a {'negative' if value < 0 else 'zero'} {part} cost ({value * 1e3:.3f} ms)")
+        return [f"at context {self.context_tokens}, {problem}" for problem in found]
+
+
 @torch.inference_mode()
 def profile_costs(
     model: torch.nn.Module, contexts: Sequence[int] | None = None, max_verify_tokens: int = 9, repeats: int = 20,
-    calibrate: bool = True, show_progress: bool = False,
+    calibrate: bool = True, show_progress: bool = False, clock: Callable[[], float] | None = None, attempts: int = 4,
 ) -> CostProfile:
     """Time the pieces of a forward at each context length on the model's device and dtype (medians of
-    `repeats` runs); with `calibrate`, also what the decoder pays besides forwards."""
-    from tqdm.auto import tqdm
+    `repeats` runs); with `calibrate`, also what the decoder pays besides forwards.
 
+    A busy machine makes garbage of timings, so the figures are checked (`_ContextRuns.problems`, `_overheads`) and,
+    while they are not stable, measured again, pooled with the runs before; after `attempts` rounds `NoisyMachine`
+    says what did not settle. `clock` (default `time.perf_counter`) times the forwards.
+    """
+    clock = clock or time.perf_counter
     contexts = sorted(set(contexts or default_contexts(model, max_verify_tokens)))
-    device, num_layers = model.device, model.config.num_hidden_layers
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and contexts[-1] + max_verify_tokens > limit:
         raise ValueError(f"context {contexts[-1]} + {max_verify_tokens} verified tokens exceeds the model's "
                          f"{limit} positions")
-    generator = torch.Generator().manual_seed(0)
-    longest = contexts[-1] + max_verify_tokens
-    ids = torch.randint(0, model.config.vocab_size, (1, longest), generator=generator).to(device)
-    measured = [_context_costs(model, ids, context, max_verify_tokens, repeats)
-                for context in tqdm(contexts, desc="profiling contexts", disable=not show_progress)]
-    profile = CostProfile(device=str(device), dtype=str(model.dtype).removeprefix("torch."),
-                          architecture=type(model).__name__, num_hidden_layers=num_layers, contexts=tuple(measured),
-                          provenance=_provenance(model))
-    if calibrate:
-        profile = replace(profile, overheads=measure_overheads(model, profile, repeats=max(1, min(repeats, 5))))
-    return profile
+    runs = [_ContextRuns(c, [[] for _ in range(max_verify_tokens)], {"full": [], "no_attn": [], "no_mlp": []})
+            for c in contexts]
+    decodes: list[tuple[DecodeStats, DecodeStats, DecodeStats]] = []
+    problems: list[str] = []
+    for attempt in range(attempts):
+        _time_forwards(model, runs, repeats, clock, warm=attempt == 0, show_progress=show_progress)
+        profile = _profile(model, [r.costs(model.config.num_hidden_layers) for r in runs])
+        problems = [p for r in runs for p in r.problems(model.config.num_hidden_layers)]
+        if calibrate and not problems:
+            switches = _switch_costs(model, clock)
+            decodes += _decoding_runs(model, replace(profile, overheads=switches), max(1, min(repeats, 5)))
+            overheads, problems = _overheads(replace(profile, overheads=switches), decodes, model)
+            profile = replace(profile, overheads=overheads)
+        if not problems:
+            return profile
+    raise NoisyMachine(
+        f"this machine is too noisy to profile: after {attempts} rounds of {repeats} timed runs, {problems[0]}"
+        f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; profile again when it is idle (other "
+        "programs closed), or profile a quiet machine of this kind and give its file with --cost-profile")
 
 
-Timer = Callable[[int, int], list[float]]  # timer(n_tokens, runs): the seconds of each run
+def _profile(model: torch.nn.Module, contexts: list[ContextCosts]) -> CostProfile:
+    return CostProfile(device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
+                       architecture=type(model).__name__, num_hidden_layers=model.config.num_hidden_layers,
+                       contexts=tuple(contexts), provenance=_provenance(model))
 
 
-def _context_costs(model: torch.nn.Module, ids: torch.Tensor, context: int, max_verify_tokens: int,
-                   repeats: int) -> ContextCosts:
-    """The costs of a forward with `context` tokens of `ids` in the KV cache."""
-    # A cache sized as the decoder sizes it, per call: attention over a static cache reads every slot
-    # (stale ones masked), so a cache sized for the longest context would price every context alike.
-    cache = SpeculativeCache(model.config, context + max_verify_tokens, model.device)
-    model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    timed = _forward_timer(model, cache, ids, context)
-    verify = []
-    for n in range(1, max_verify_tokens + 1):
-        timed(n, 2)  # warm-up
-        verify.append(statistics.median(timed(n, repeats)))
-    attn_s, mlp_s = _sublayer_costs(model, timed, repeats)
-    # Anchored at the verified one-token forward, so a draft that skips nothing costs exactly a forward.
-    rest_s = max(0.0, verify[0] - model.config.num_hidden_layers * (attn_s + mlp_s))
-    return ContextCosts(context_tokens=context, attn_s=attn_s, mlp_s=mlp_s, rest_s=rest_s, verify_s=verify)
+def _time_forwards(model: torch.nn.Module, runs: list[_ContextRuns], repeats: int, clock: Callable[[], float],
+                   warm: bool, show_progress: bool) -> None:
+    """Add `repeats` timed runs of every measurement, at every context length, to `runs`."""
+    from tqdm.auto import tqdm
 
-
-def _forward_timer(model: torch.nn.Module, cache: SpeculativeCache, ids: torch.Tensor, context: int) -> Timer:
-    """Times forwards of the tokens after the first `context` of `ids`, each from the same cache state."""
-    device = model.device
-    positions = torch.arange(ids.shape[1], device=device).view(1, -1)
-
-    def forward(n_tokens: int) -> None:
-        model(input_ids=ids[:, context : context + n_tokens], position_ids=positions[:, context : context + n_tokens],
-              past_key_values=cache, use_cache=True, logits_to_keep=0 if n_tokens > 1 else 1)
-
-    def timed(n_tokens: int, runs: int) -> list[float]:
-        times = []
-        for _ in range(runs):
-            cache.seek(context)  # roll back what the previous forward wrote
-            synchronize(device)
-            start = time.perf_counter()
-            forward(n_tokens)
-            synchronize(device)
-            times.append(time.perf_counter() - start)
-        return times
-
-    return timed
-
-
-def _sublayer_costs(model: torch.nn.Module, timed: Timer, repeats: int) -> tuple[float, float]:
-    """The one-token time of one attention and of one MLP sublayer: one-token forwards with all attention skipped
-    and with all MLPs skipped, subtracted from the full forward."""
-    num_layers = model.config.num_hidden_layers
+    device, num_layers = model.device, model.config.num_hidden_layers
+    max_verify_tokens = len(runs[0].verify)
+    longest = runs[-1].context_tokens + max_verify_tokens
+    ids = torch.randint(0, model.config.vocab_size, (1, longest), generator=torch.Generator().manual_seed(0)).to(device)
+    positions = torch.arange(longest, device=device).view(1, -1)
     every = range(num_layers)
     drafts = {"full": SkipSet(), "no_attn": SkipSet.of(every, (), num_layers),
               "no_mlp": SkipSet.of((), every, num_layers)}
-    # Draft mode is entered once per block, outside the timed forwards; blocks of the three kinds
-    # alternate, so drift of the machine lands on each alike.
-    one_token: dict[str, list[float]] = {name: [] for name in drafts}
-    blocks = 4 if repeats >= 8 else 1
-    for block in range(blocks):
-        for name, skip in drafts.items():
+    desc = "profiling contexts" if warm else "profiling contexts again (the timings did not settle)"
+    for context_runs in tqdm(runs, desc=desc, disable=not show_progress):
+        context = context_runs.context_tokens
+        # A cache sized as the decoder sizes it, per call: attention over a static cache reads every slot
+        # (stale ones masked), so a cache sized for the longest context would price every context alike.
+        cache = SpeculativeCache(model.config, context + max_verify_tokens, device)
+        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+        def forward(n_tokens: int) -> None:
+            model(input_ids=ids[:, context : context + n_tokens], position_ids=positions[:, context : context + n_tokens],
+                  past_key_values=cache, use_cache=True, logits_to_keep=0 if n_tokens > 1 else 1)
+
+        def timed(n_tokens: int, count: int) -> list[float]:
+            times = []
+            for _ in range(count):
+                cache.seek(context)  # roll back what the previous forward wrote
+                synchronize(device)
+                start = clock()
+                forward(n_tokens)
+                synchronize(device)
+                times.append(clock() - start)
+            return times
+
+        for n in range(1, max_verify_tokens + 1):
+            timed(n, 2 if warm else 1)  # warm-up
+            context_runs.verify[n - 1] += timed(n, repeats)
+        # Draft mode is entered once per block, outside the timed forwards; blocks of the three kinds
+        # alternate, so drift of the machine lands on each alike.
+        blocks = 4 if repeats >= 8 else 1
+        for block in range(blocks):
+            for name, skip in drafts.items():
+                with draft_mode(model, skip):
+                    timed(1, 2 if warm and block == 0 else 1)  # warm-up
+                    context_runs.one_token[name] += timed(1, max(1, repeats // blocks))
+
+
+def _switch_costs(model: torch.nn.Module, clock: Callable[[], float], runs: int = 200) -> Overheads:
+    """Entering and leaving draft mode, timed directly (it costs no device time)."""
+    num_layers = model.config.num_hidden_layers
+    every = range(num_layers)
+
+    def switch(skip: SkipSet) -> float:
+        times = []
+        for _ in range(runs):
+            start = clock()
             with draft_mode(model, skip):
-                timed(1, 2 if block == 0 else 1)  # warm-up
-                one_token[name] += timed(1, max(1, repeats // blocks))
-    full, no_attn, no_mlp = (statistics.median(one_token[name]) for name in drafts)
-    return max(0.0, full - no_attn) / num_layers, max(0.0, full - no_mlp) / num_layers
+                pass
+            times.append(clock() - start)
+        return statistics.median(times)
 
-
-def _switch_cost(model: torch.nn.Module, skip: SkipSet, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        with draft_mode(model, skip):
-            pass
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    empty = switch(SkipSet())
+    full = switch(SkipSet.of(every, every, num_layers))
+    return Overheads(switch_s=empty, switch_sublayer_s=max(0.0, full - empty) / (2 * num_layers))
 
 
 def _decode_seconds(stats: DecodeStats) -> float:
     return stats.wall_time_s - stats.prefill_time_s
 
 
-def measure_overheads(model: torch.nn.Module, profile: CostProfile, repeats: int = 3,
-                      new_tokens: int = 16, draft_tokens: int = 4) -> Overheads:
-    """What the real decoder (`generate`) pays besides the profiled forwards, at the shortest profiled context.
+_NEW_TOKENS, _DRAFT_TOKENS = 16, 4
 
-    The mode switch is timed directly (it costs no device time). The rest are residuals of
-    decoding runs over the profile's forwards: plain decoding gives the per-round cost; fixed
-    drafting the per-drafted-token cost; adaptive drafting that never stops early (threshold 0)
-    drafts exactly the same tokens as fixed drafting, so the paired difference of the two is
-    adaptive drafting's per-token confidence check.
-    """
+
+def _calibration(model: torch.nn.Module, profile: CostProfile) -> tuple[list[int], SkipSet, DraftPolicy, DraftPolicy]:
+    """The prompt (at the shortest profiled context), skip set and policies that the overheads are measured with."""
     num_layers = model.config.num_hidden_layers
-    every = range(num_layers)
-    empty_switch = _switch_cost(model, SkipSet(), 200)
-    full_switch = _switch_cost(model, SkipSet.of(every, every, num_layers), 200)
-    switch_sublayer_s = max(0.0, full_switch - empty_switch) / (2 * num_layers)
-    profile = replace(profile, overheads=Overheads(switch_s=empty_switch, switch_sublayer_s=switch_sublayer_s))
-
     limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
-    context = max(1, min(profile.context_lengths[0], limit - new_tokens - draft_tokens - 1))
+    context = max(1, min(profile.context_lengths[0], limit - _NEW_TOKENS - _DRAFT_TOKENS - 1))
     prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
     skip = SkipSet.of(range(1, num_layers - 1, 2), (), num_layers)  # any set will do: the switch is known
-    fixed = DraftPolicy(max_draft_tokens=draft_tokens, adaptive=False)
-    never_stops = DraftPolicy(max_draft_tokens=draft_tokens, adaptive=True, confidence_threshold=0.0,
+    fixed = DraftPolicy(max_draft_tokens=_DRAFT_TOKENS, adaptive=False)
+    never_stops = DraftPolicy(max_draft_tokens=_DRAFT_TOKENS, adaptive=True, confidence_threshold=0.0,
                               threshold_step=0.0)
+    return prompt, skip, fixed, never_stops
+
+
+def _decoding_runs(model: torch.nn.Module, profile: CostProfile,
+                   repeats: int) -> list[tuple[DecodeStats, DecodeStats, DecodeStats]]:
+    """`repeats` triples of real decoding runs: plain, fixed drafting, and adaptive drafting that never stops early
+    (threshold 0), which drafts exactly the tokens fixed drafting does."""
+    prompt, skip, fixed, never_stops = _calibration(model, profile)
 
     def run(skip_set: SkipSet | None, policy: DraftPolicy) -> DecodeStats:
-        return generate(model, prompt, skip=skip_set, max_new_tokens=new_tokens, policy=policy).stats
+        return generate(model, prompt, skip=skip_set, max_new_tokens=_NEW_TOKENS, policy=policy).stats
+
+    run(None, fixed), run(skip, fixed)  # warm-up
+    return [(run(None, fixed), run(skip, fixed), run(skip, never_stops)) for _ in range(repeats)]
+
+
+def _overheads(profile: CostProfile, decodes: list[tuple[DecodeStats, DecodeStats, DecodeStats]],
+               model: torch.nn.Module) -> tuple[Overheads, list[str]]:
+    """What the real decoder pays besides the profiled forwards (residuals of `decodes` over them, at the shortest
+    profiled context), and why they are not stable yet: a residual further below zero than noise explains.
+
+    Plain decoding gives the per-round cost; fixed drafting the per-drafted-token cost; the paired difference of
+    adaptive and fixed drafting adaptive drafting's per-token confidence check."""
+    _, skip, _, _ = _calibration(model, profile)
 
     def forwards(stats: DecodeStats, skip_set: SkipSet) -> float:
         """The profiled forwards (and known switches) of the rounds in `stats`."""
@@ -387,18 +474,24 @@ def measure_overheads(model: torch.nn.Module, profile: CostProfile, repeats: int
                               + (profile.switch_time(skip_set) if n_tokens > 1 else 0.0))
         return total
 
-    run(None, fixed), run(skip, fixed)  # warm-up
     round_s, token_s, adaptive_s = [], [], []
-    for _ in range(repeats):
-        plain, drafted, adaptive = run(None, fixed), run(skip, fixed), run(skip, never_stops)
+    for plain, drafted, adaptive in decodes:
         round_s.append((_decode_seconds(plain) - forwards(plain, SkipSet())) / plain.rounds)
         if drafted.drafted:
             token_s.append((_decode_seconds(drafted) - forwards(drafted, skip) - drafted.rounds * round_s[-1])
                            / drafted.drafted)
             adaptive_s.append((_decode_seconds(adaptive) - _decode_seconds(drafted)) / drafted.drafted)
-    median = lambda values: statistics.median(values) if values else 0.0  # noqa: E731
-    return replace(profile.overheads, round_s=median(round_s), draft_token_s=median(token_s),
-                   adaptive_token_s=median(adaptive_s))
+    context = profile.context_lengths[0]
+    scales = {"per round": profile.forward_at(context), "per drafted token": profile.draft_s(skip, context),
+              "per adaptive draft": profile.draft_s(skip, context)}
+    figures, problems = [], []
+    for (name, scale), values in zip(scales.items(), (round_s, token_s, adaptive_s)):
+        value = statistics.median(values) if values else 0.0
+        if value < -ORDER_SLACK * scale:
+            problems.append(f"a negative decoding overhead {name} ({value * 1e3:.3f} ms)")
+        figures.append(max(0.0, value))  # it cannot be negative: a little below zero is noise
+    return replace(profile.overheads, round_s=figures[0], draft_token_s=figures[1],
+                   adaptive_token_s=figures[2]), problems
 
 
 def decode_stats(model: torch.nn.Module, prompts: Iterable[list[int]], skip: SkipSet, policy: DraftPolicy,

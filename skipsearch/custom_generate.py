@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -36,6 +37,8 @@ _UNSUPPORTED = {
     "output_hidden_states": (False, None), "prompt_lookup_num_tokens": (None,), "assistant_early_exit": (None,),
     "token_healing": (False, None), "max_time": (None,),
 }
+# The options that ask for a decoding mode of generate's own, for messages.
+_MODE_OPTIONS = {GenerationMode.DOLA_GENERATION: "dola_layers", GenerationMode.CONTRASTIVE_SEARCH: "penalty_alpha"}
 # Model inputs that generate prepares for every decoder-only call and that this loop replaces with its own.
 _PREPARED_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache",
                     "cache_position"}
@@ -140,6 +143,14 @@ def _check_supported(model: torch.nn.Module, input_ids: torch.Tensor, generation
         value = getattr(generation_config, name, off[0])
         if value not in off:
             raise ValueError(f"self_speculative does not support {name}={value!r}")
+    # What plain generate would hand to a decoding method of its own (DoLa, contrastive search, ...), which
+    # it refuses without trust_remote_code: this loop is greedy or sampling, and must not quietly be that instead.
+    mode = generation_config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        option = _MODE_OPTIONS.get(mode)
+        given = f" ({option}={getattr(generation_config, option)!r})" if option else ""
+        raise ValueError(f"self_speculative decodes greedily or by sampling, not by "
+                         f"{mode.name.replace('_', ' ').lower()}{given}")
     if input_ids.shape[0] != 1:
         raise ValueError(f"self_speculative decodes one sequence at a time: got a batch of {input_ids.shape[0]}")
     if model.config.is_encoder_decoder:

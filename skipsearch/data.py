@@ -18,28 +18,13 @@ def load_prompts(
     `dataset` is "builtin" (32 prompts shipped with skipsearch: chat, explanation,
     summarization of a given passage, code), a local .json / .jsonl file, or a Hub name.
     """
-    import datasets
-
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    datasets.disable_progress_bars()
     path = BUILTIN_PATH if dataset == BUILTIN else Path(dataset)
     if dataset == BUILTIN or path.suffix in (".json", ".jsonl") or path.exists():
-        rows = _local_rows(path, dataset)
+        prompts = _local_prompts(path, dataset, field)
     else:
-        from .models import hub_unreachable
-
-        reason = hub_unreachable()
-        if reason:
-            raise ValueError(f"cannot read dataset {dataset!r}: no such local file, and the Hub cannot be asked ({reason})")
-        try:
-            rows = datasets.load_dataset(dataset, split=split)
-        except Exception as error:  # datasets raises many kinds; the user needs one line
-            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise ValueError(f"cannot read dataset {dataset!r}: {reason}") from None
-    if field not in rows.column_names:
-        raise ValueError(f"dataset {dataset!r} has no field {field!r}: its fields are {', '.join(rows.column_names)}")
-    prompts = [text for text in rows[field] if isinstance(text, str) and text.strip()]
+        prompts = _hub_prompts(dataset, field, split)
     if not prompts:
         raise ValueError(f"dataset {dataset!r} has no non-empty text in field {field!r}")
     if num_prompts is not None and num_prompts > len(prompts):
@@ -48,60 +33,77 @@ def load_prompts(
     return prompts[:num_prompts]
 
 
-def _local_rows(path: Path, name: str) -> "datasets.Dataset":  # noqa: F821
-    """A local .json (a list of records) or .jsonl file, checked line by line, as an in-memory Dataset.
-
-    Parsed here rather than by `datasets.load_dataset("json")`, which would leave an Arrow cache under
-    HF_HOME even for a file it rejects, and logs a second line beside its error.
-    """
+def _hub_prompts(dataset: str, field: str, split: str) -> list[str]:
     import datasets
 
-    if path.is_dir():
-        raise ValueError(f"dataset {name!r} is a folder: give a .json or .jsonl file")
-    if not path.is_file():
-        raise ValueError(f"dataset file {name!r} does not exist")
+    from .models import hub_unreachable
+
+    datasets.disable_progress_bars()
+    reason = hub_unreachable()
+    if reason:
+        raise ValueError(f"cannot read dataset {dataset!r}: no such local file, and the Hub cannot be asked ({reason})")
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"dataset {name!r} is not UTF-8 text (byte {error.start})") from None
-    except OSError as error:
-        raise ValueError(f"cannot read dataset {name!r}: {error.strerror or error}") from None
-    records = _json_records(text, name, lines=path.suffix != ".json")
-    try:
-        return datasets.Dataset.from_list(records)
-    except Exception as error:  # pyarrow: one field with values of different types
+        rows = datasets.load_dataset(dataset, split=split)
+    except Exception as error:  # datasets raises many kinds; the user needs one line
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"cannot read dataset {name!r}: {reason}") from None
+        raise ValueError(f"cannot read dataset {dataset!r}: {reason}") from None
+    if field not in rows.column_names:
+        raise ValueError(f"dataset {dataset!r} has no field {field!r}: its fields are {', '.join(rows.column_names)}")
+    return [text for text in rows[field] if isinstance(text, str) and text.strip()]
 
 
-def _json_records(text: str, name: str, lines: bool) -> list[dict]:
-    if not lines:
+def _local_prompts(path: Path, name: str, field: str) -> list[str]:
+    """The non-empty texts of `field` in a local .json (a list of records, or an object of columns) or .jsonl
+    file; a record whose field holds anything but text (or null) is refused, naming its line or index.
+
+    Read here rather than by `datasets.load_dataset("json")`, which would leave an Arrow cache under HF_HOME even
+    for a file it rejects, and logs a second line beside its error.
+    """
+    records = _json_records(path, name)
+    if not any(field in record for _, record in records):
+        fields = sorted({key for _, record in records for key in record})
+        raise ValueError(f"dataset {name!r} has no field {field!r}: its fields are {', '.join(fields)}")
+    prompts = []
+    for where, record in records:
+        text = record.get(field)
+        if text is not None and not isinstance(text, str):
+            kind = "a number" if isinstance(text, (int, float)) and not isinstance(text, bool) else \
+                f"a {type(text).__name__}"
+            raise ValueError(f"dataset {name!r}, {where}: {field!r} is {kind} ({json.dumps(text)[:40]}), not text")
+        if text is not None and text.strip():
+            prompts.append(text)
+    return prompts
+
+
+def _json_records(path: Path, name: str) -> list[tuple[str, dict]]:
+    """(where, record) pairs: "line N" in JSON Lines, "record N" in a JSON document."""
+    from .files import read_json
+
+    if path.suffix == ".json":
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            data = None  # maybe JSON lines in a .json file, which datasets accepts too
-        if isinstance(data, list):
-            if not all(isinstance(row, dict) for row in data):
-                raise ValueError(f"dataset {name!r}: expected a list of objects such as {{\"prompt\": \"...\"}}")
-            return data
-        if data is not None and not isinstance(data, dict):
-            raise ValueError(f"dataset {name!r}: expected a list of objects such as {{\"prompt\": \"...\"}}")
-        if isinstance(data, dict):  # columns: {"prompt": ["...", "..."]}
-            columns = list(data.values())
-            if not all(isinstance(c, list) and len(c) == len(columns[0]) for c in columns):
-                raise ValueError(f"dataset {name!r}: expected a list of objects, or an object of equal-length lists")
-            return [dict(zip(data, row)) for row in zip(*columns)]
+            document = read_json(path, "dataset")
+        except ValueError:
+            document = None  # maybe JSON lines in a .json file, which datasets accepts too
+        if document is not None:
+            return _document_records(document, name)
     records = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"dataset {name!r}, line {number}: not valid JSON ({error.msg})") from None
+    for number, row in read_json(path, "dataset", lines=True):
         if not isinstance(row, dict):
             raise ValueError(f"dataset {name!r}, line {number}: expected an object such as {{\"prompt\": \"...\"}}")
-        records.append(row)
+        records.append((f"line {number}", row))
     if not records:
         raise ValueError(f"dataset {name!r} is empty")
     return records
+
+
+def _document_records(data: object, name: str) -> list[tuple[str, dict]]:
+    if isinstance(data, list):
+        if not all(isinstance(row, dict) for row in data):
+            raise ValueError(f"dataset {name!r}: expected a list of objects such as {{\"prompt\": \"...\"}}")
+        return [(f"record {index}", row) for index, row in enumerate(data, start=1)]
+    if isinstance(data, dict):  # columns: {"prompt": ["...", "..."]}
+        columns = list(data.values())
+        if not columns or not all(isinstance(c, list) and len(c) == len(columns[0]) for c in columns):
+            raise ValueError(f"dataset {name!r}: expected a list of objects, or an object of equal-length lists")
+        return [(f"record {index}", dict(zip(data, row))) for index, row in enumerate(zip(*columns), start=1)]
+    raise ValueError(f"dataset {name!r}: expected a list of objects such as {{\"prompt\": \"...\"}}")

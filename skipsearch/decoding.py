@@ -23,6 +23,7 @@ from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from .engine import CompileSettings, Step, engine_for, forward_at_position, synchronize
+from .inputs import check_generate_args, check_prompt
 from .kvcache import SpeculativeCache
 from .policy import DraftPolicy  # re-exported: callers of the loop import it from here too
 from .skipping import SkipSet
@@ -298,11 +299,8 @@ def generate(
     the model and reused by later calls with the same skip set. The prefill always runs eagerly.
     `hooks` put logits processing, stopping and streaming in the caller's hands (`DecodeHooks`).
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    prompt = torch.as_tensor(input_ids, dtype=torch.long, device=model.device).view(1, -1)
-    if prompt.shape[1] == 0:
-        raise ValueError("the prompt is empty: at least one token is needed")
+    prompt = check_prompt(model, input_ids)  # before any work: each a TypeError or ValueError saying what is wrong
+    check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling)
     draft_skip = drafting_skip(skip, policy)
     verify_width = policy.max_draft_tokens + 1 if draft_skip else 1
     settings = CompileSettings(compile_backend, compile_mode) if compile else None

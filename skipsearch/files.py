@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -39,13 +40,33 @@ def write_atomic(path: str | Path, text: str) -> None:
     replace_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
-def read_json(path: str | Path, what: str) -> Any:
-    """A JSON file's content; a missing, unreadable or malformed file is a ValueError that names `what`."""
+def read_json(path: str | Path, what: str, lines: bool = False) -> Any:
+    """A JSON file's content, or with `lines` a JSON Lines file's: a list of (line number, value), blank lines
+    left out. A missing, unreadable, malformed or hostile file (nested past Python's recursion limit) is a
+    ValueError of one line that names `what`, the file and, in JSON Lines, the line."""
+    name = repr(str(path))
+    if Path(path).is_dir():
+        raise ValueError(f"{what} {name} is a folder: give a file")
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ValueError(f"{what} {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read {what} {str(path)!r}: {error}") from None
+        raise ValueError(f"{what} {name} does not exist") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{what} {name} is not UTF-8 text (byte {error.start})") from None
+    except OSError as error:
+        raise ValueError(f"cannot read {what} {name}: {error.strerror or error}") from None
+    if not lines:
+        return _parse_json(text, f"{what} {name}")
+    return [(number, _parse_json(line, f"{what} {name}, line {number}"))
+            for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{what} {str(path)!r} is not valid JSON: {error}") from None
+        place = f"column {error.colno}" if "\n" not in text.strip() else f"line {error.lineno} column {error.colno}"
+        raise ValueError(f"{where}: not valid JSON ({error.msg} at {place})") from None
+    except RecursionError:  # json's C decoder recurses once per level: a hostile or damaged file
+        raise ValueError(f"{where}: nested too deeply to read (over {sys.getrecursionlimit()} levels of arrays or "
+                         "objects; damaged, or not the file meant)") from None

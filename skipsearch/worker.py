@@ -23,7 +23,7 @@ from .errors import first_line
 from .ranking import quoted_speedup, ranked
 from .records import TrialRecord, distinct_trials, enqueue, read_trials, study_label
 from .space import SearchSpace
-from .storage import Heartbeat, disk_full, explain_stale_trials, recover_dead_workers_trials
+from .storage import Heartbeat, disk_full, explain_stale_trials, heartbeat_enabled, recover_dead_workers_trials
 
 if TYPE_CHECKING:
     from .search import StudySettings, TrialRunner
@@ -155,7 +155,7 @@ class TrialBudget:
 
     @property
     def heartbeat(self) -> bool:
-        return isinstance(self.storage, optuna.storages.RDBStorage) and self.storage.get_heartbeat_interval() is not None
+        return heartbeat_enabled(self.storage)
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         if not self.room_for_a_trial(study):

@@ -40,3 +40,63 @@ def tiny_model_dir(tmp_path_factory, default_model):
     model.save_pretrained(folder)
     default_model.tokenizer.save_pretrained(folder)
     return folder
+
+
+class VirtualTimer:
+    """A clock that only forwards advance, by made-up costs of their parts: each attention and MLP sublayer run and
+    the rest of the forward cost `base + per_token * tokens` (no cost for a sublayer draft mode skips), plus, per
+    forward, a delay drawn from an exponential of mean `noise` (a busy machine) while `noisy_forwards` last."""
+
+    COSTS = {"attn": (1.0, 0.1), "mlp": (0.5, 0.05), "rest": (2.0, 0.2)}  # (base, per token), virtual ms
+
+    def __init__(self, model, noise=0.0, noisy_forwards=None, seed=0):
+        import random
+
+        self.now, self.forwards, self.noise, self.noisy_forwards = 0.0, 0, noise, noisy_forwards
+        self.rng = random.Random(seed)
+        parts = [(module, part) for layer in model.model.layers for module, part in ((layer.self_attn, "attn"),
+                                                                                     (layer.mlp, "mlp"))]
+        self.hooks = [module.register_forward_pre_hook(self.charge(part), with_kwargs=True)
+                      for module, part in [*parts, (model, "rest")]]
+
+    def remove(self):
+        for hook in self.hooks:
+            hook.remove()
+
+    def charge(self, part):
+        base, per_token = self.COSTS[part]
+
+        def hook(module, args, kwargs):
+            hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("input_ids"))
+            self.now += (base + per_token * hidden.shape[1]) / 1e3
+            if part == "rest":
+                self.forwards += 1
+                if self.noise and (self.noisy_forwards is None or self.forwards <= self.noisy_forwards):
+                    self.now += self.rng.expovariate(1 / self.noise)
+
+        return hook
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def virtual_profiles(monkeypatch):
+    """`profile_costs` in virtual time (`VirtualTimer`, for its forwards and the decoder it calibrates with), for tests
+    of what the commands write: a busy test machine's real timings would be refused as noise."""
+    import types
+
+    from skipsearch import costs, decoding
+
+    real = costs.profile_costs
+
+    def in_virtual_time(model, *args, **kwargs):
+        timer = VirtualTimer(model)
+        try:
+            with monkeypatch.context() as patch:
+                patch.setattr(decoding, "time", types.SimpleNamespace(perf_counter=timer))
+                return real(model, *args, **{**kwargs, "clock": timer})
+        finally:
+            timer.remove()
+
+    monkeypatch.setattr(costs, "profile_costs", in_virtual_time)

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy
 import optuna
 import pytest
+import torch
 
+from skipsearch import LoadedModel, SkipSet, load_model
 from skipsearch.cli import main
 
 
@@ -36,6 +39,32 @@ def gpt2_dir(tmp_path_factory, default_model):
     config = GPT2Config(vocab_size=len(default_model.tokenizer), n_embd=16, n_layer=2, n_head=2, n_positions=256)
     GPT2LMHeadModel(config).save_pretrained(folder)
     default_model.tokenizer.save_pretrained(folder)
+    return folder
+
+
+DEEP = "[" * 10_000 + "]" * 10_000  # past Python's recursion limit: json's decoder raises RecursionError
+
+
+def damage_a_page(database, page=5, page_size=4096):
+    with open(database, "r+b") as handle:
+        handle.seek(page * page_size)
+        handle.write(b"\xff" * page_size)
+
+
+@pytest.fixture(scope="session")
+def damaged(tmp_path_factory, tiny_model_dir):
+    """Model files cut short or hostile, too big to write for every case: a model folder whose weights are cut
+    short, one whose config.json nests too deeply, a GGUF file cut short."""
+    from skipsearch.models import default_gguf_path
+
+    folder = tmp_path_factory.mktemp("damaged")
+    shutil.copytree(tiny_model_dir, folder / "cut-weights")
+    weights = folder / "cut-weights" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    shutil.copytree(tiny_model_dir, folder / "deep-config")
+    (folder / "deep-config" / "config.json").write_text(DEEP)
+    with default_gguf_path().open("rb") as gguf:
+        (folder / "cut.gguf").write_bytes(gguf.read(2_000_000))
     return folder
 
 
@@ -72,6 +101,18 @@ def workspace(tmp_path, tiny_model_dir):
         db.execute("CREATE TABLE invoices (id INTEGER)")
     plain = optuna.create_study(study_name="plain", storage=f"sqlite:///{tmp_path / 'plain.db'}")
     plain.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)  # a study made by plain Optuna
+    # Damaged or hostile files
+    for name in ("deep.json", "deep.jsonl"):
+        (tmp_path / name).write_text(DEEP + "\n")
+    (tmp_path / "number-prompt.jsonl").write_text('{"prompt": "one"}\n{"prompt": 2}\n')
+    shutil.copy(tmp_path / "plain.db", tmp_path / "damaged.db")
+    damage_a_page(tmp_path / "damaged.db")
+    from optuna.storages.journal import JournalFileBackend
+
+    journal = optuna.storages.JournalStorage(JournalFileBackend(str(tmp_path / "garbage.log")))
+    optuna.create_study(study_name="j", storage=journal).optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
+    lines = (tmp_path / "garbage.log").read_text().splitlines(keepends=True)
+    (tmp_path / "garbage.log").write_text("".join([lines[0], "garbage {{{\n", *lines[2:]]))
     return tmp_path, str(tiny_model_dir)
 
 
@@ -82,7 +123,7 @@ CASES = [
     (["generate", "--model", "{model}", "--prompt", "  "], "--prompt is empty"),
     (["generate", "--model", "{dir}/no-such-model", "--prompt", "hi"], "cannot load model"),
     (["generate", "--model", "{dir}/not-a-model", "--prompt", "hi"], "has no config.json"),
-    (["generate", "--prompt", "hi", "--config", "{dir}/malformed.json"], "is not valid JSON"),
+    (["generate", "--prompt", "hi", "--config", "{dir}/malformed.json"], "malformed.json.: not valid JSON"),
     (["generate", "--prompt", "hi", "--config", "{dir}/format.json"], "not a skipsearch skip config"),
     (["generate", "--prompt", "hi", "--config", "{dir}/version.json"], "unsupported version 7"),
     (["generate", "--prompt", "hi", "--config", "{dir}/other-model.json"], "num_hidden_layers=30"),
@@ -128,7 +169,7 @@ CASES = [
     (["optimize", "--study-name", "plain", "--storage", "sqlite:///{dir}/plain.db"], "was not made by skipsearch"),
     # 4. models and devices
     (["generate", "--prompt", "hi", "--model", "{dir}/no-weights"], "has a config.json but no weights"),
-    (["generate", "--prompt", "hi", "--model", "{dir}/broken-config"], "has a broken config.json"),
+    (["generate", "--prompt", "hi", "--model", "{dir}/broken-config"], "config.json.: not valid JSON"),
     (["generate", "--prompt", "hi", "--device", "meta"], "cannot decode"),
     (["generate", "--prompt", "hi", "--device", "mps"], "MPS"),
     (["generate", "--prompt", "hi", "--device", "cuda:1"], "CUDA is not available"),
@@ -145,19 +186,37 @@ CASES = [
     (["optimize", "--dataset", "{dir}/bad-line.jsonl"], "line 2: not valid JSON"),
     (["bench", "--dataset", "{dir}/bad-line.jsonl"], "line 2: not valid JSON"),
     (["bench", "--config", "{dir}/draft-list.json"], "'draft' has the wrong type"),
+    # 6. damaged or hostile files: JSON nested past the recursion limit wherever JSON is read, files cut short
+    (["generate", "--prompt", "hi", "--config", "{dir}/deep.json"], "skip config .*deep.json.: nested too deeply"),
+    (["optimize", "--warm-start", "{dir}/deep.json"], "warm-start file .*deep.json.: nested too deeply"),
+    (["optimize", "--dataset", "{dir}/deep.jsonl"], "dataset .*deep.jsonl., line 1: nested too deeply"),
+    (["optimize", "--dataset", "{dir}/deep.json"], "dataset .*deep.json., line 1: nested too deeply"),
+    (["optimize", "--objective", "modeled", "--cost-profile", "{dir}/deep.json"], "cost profile .*: nested too deeply"),
+    (["bench", "--cost-profile", "{dir}/deep.json"], "cost profile .*deep.json.: nested too deeply"),
+    (["profile", "--config-only", "--model", "{dir}/deep.json"], "model config .*deep.json.: nested too deeply"),
+    (["generate", "--prompt", "hi", "--model", "{bad}/deep-config"], "config.json.: nested too deeply.*: download"),
+    (["generate", "--prompt", "hi", "--model", "{bad}/cut-weights"], "model.safetensors. is damaged or cut short"),
+    (["generate", "--prompt", "hi", "--model", "{bad}/cut.gguf"], "GGUF file .*cut.gguf is damaged or cut short"),
+    (["optimize", "--dataset", "{dir}/number-prompt.jsonl", "--num-prompts", "1"],
+     r"line 2: 'prompt' is a number \(2\), not text"),
+    (["export", "--study-name", "plain", "--storage", "sqlite:///{dir}/damaged.db"], r"is damaged \(SQLite: .*backup"),
+    (["optimize", "--study-name", "plain", "--storage", "sqlite:///{dir}/damaged.db"], r"is damaged \(SQLite"),
+    (["plot", "--study-name", "j", "--storage", "journal:{dir}/garbage.log"], "garbage.log., line 2: not valid JSON"),
+    (["optimize", "--study-name", "j", "--storage", "journal:{dir}/garbage.log"], "line 2: not valid JSON.*backup"),
 ]
 
 
 @pytest.mark.parametrize("argv, message", CASES, ids=[f"{a[0]}-{m[:24]}" for a, m in CASES])
-def test_bad_input(argv, message, workspace, gpt2_dir, capsys, monkeypatch):
+def test_bad_input(argv, message, workspace, gpt2_dir, damaged, capsys, monkeypatch):
     folder, model = workspace
     monkeypatch.chdir(folder)  # a default path (studies/...) would land here and be seen
-    argv = [a.replace("{dir}", str(folder)).replace("{gpt2}", str(gpt2_dir)) for a in argv]
+    argv = [a.replace("{dir}", str(folder)).replace("{gpt2}", str(gpt2_dir)).replace("{bad}", str(damaged))
+            for a in argv]
     if "--model" not in argv and argv[0] not in ("export", "plot"):
         argv += ["--model", model]
     if argv[0] in ("optimize", "export", "plot") and "--studies-dir" not in argv:
         argv += ["--studies-dir", str(folder / "studies")]
-    before, hf_before = snapshot(folder), hf_snapshot()
+    before, hf_before, damaged_before = snapshot(folder), hf_snapshot(), snapshot(damaged)
     with pytest.raises(SystemExit) as exit_info:
         raise SystemExit(main(argv))
     err = capsys.readouterr().err
@@ -170,6 +229,7 @@ def test_bad_input(argv, message, workspace, gpt2_dir, capsys, monkeypatch):
     assert "secret" not in err  # passwords never echoed
     assert snapshot(folder) == before
     assert hf_snapshot() == hf_before
+    assert snapshot(damaged) == damaged_before
 
 
 ENV_CASES = [
@@ -182,6 +242,14 @@ ENV_CASES = [
     ({"access": False}, ["bench", "--output-dir", "{dir}/ro"], "is not writable"),
     ({"free": 0}, ["plot", "--output", "{dir}/full"], "no space left"),
     ({"free": 0}, ["optimize"], "no space left"),
+    # a study database that cannot be written, on resume; a journal file likewise
+    ({"read_only": "{dir}/plain.db"}, ["optimize", "--study-name", "plain", "--storage", "sqlite:///{dir}/plain.db"],
+     r"plain.db. is read-only, and `optimize` adds trials to it: make it writable"),
+    ({"read_only": "{dir}/garbage.log"}, ["optimize", "--study-name", "j", "--storage", "journal:{dir}/garbage.log"],
+     "garbage.log. is read-only"),
+    # a machine too busy to profile: every timing a random delay
+    ({"noisy_clock": True}, ["profile", "--config-only", "--contexts", "8", "--repeats", "5", "--no-progress"],
+     r"this machine is too noisy to profile: after 4 rounds of 5 timed runs, .*--cost-profile"),
 ]
 
 
@@ -205,6 +273,18 @@ def test_bad_environment(env, argv, message, workspace, capsys, monkeypatch):
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     if "access" in env:  # what a read-only mount or a folder of another user answers (root ignores chmod)
         monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    if "noisy_clock" in env:
+        import itertools
+        import random
+        import types
+
+        delays = random.Random(0)
+        readings = itertools.accumulate(delays.expovariate(1e3) for _ in itertools.count())
+        monkeypatch.setattr("skipsearch.costs.time", types.SimpleNamespace(perf_counter=lambda: next(readings)))
+    if "read_only" in env:  # one file of another user, or chmod a-w (which root, running the tests, ignores)
+        real_access, target = os.access, Path(env["read_only"].replace("{dir}", str(folder)))
+        monkeypatch.setattr(os, "access", lambda path, mode, **k: not (Path(path) == target and mode & os.W_OK)
+                            and real_access(path, mode, **k))
     if "free" in env:
         real = os.statvfs
         monkeypatch.setattr(os, "statvfs", lambda p: type("S", (), {"f_flag": real(p).f_flag, "f_bavail": 0,
@@ -229,3 +309,99 @@ def test_no_traceback_from_the_real_command(workspace):
                             capture_output=True, text=True)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
     assert result.stderr.startswith("python -m skipsearch generate: error: argument --top-p:")
+
+
+def _generate(**kwargs):
+    from skipsearch.decoding import generate
+
+    return lambda model: generate(model, **{"input_ids": [5, 9, 14], **kwargs})
+
+
+def _custom_generate(**options):
+    from skipsearch import self_speculative
+
+    return lambda model: model.generate(torch.tensor([[5, 9, 14]]), max_new_tokens=4, pad_token_id=0,
+                                        custom_generate=self_speculative(SkipSet.of([1], [2], 4)), **options)
+
+
+def _with_model(wrap, call):
+    return lambda model: call(wrap(model))
+
+
+def _skip_config(model):
+    from skipsearch.config import ModelInfo, SkipConfig
+
+    return SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [2], 4))
+
+
+API_CASES = [
+    # (what, call(model), exception, message): each refused before any forward, in one line
+    ("two prompts, listed", _generate(input_ids=[[5, 9], [14, 3]]), ValueError, "one prompt at a time, got a batch of 2"),
+    ("two prompts, a tensor", _generate(input_ids=torch.tensor([[5, 9], [14, 3]])), ValueError, "a batch of 2"),
+    ("float ids", _generate(input_ids=[5.0, 9.7]), TypeError, r"token ids must be integers, got 5.0 \(float\)"),
+    ("a float tensor", _generate(input_ids=torch.tensor([5.0, 9.0])), TypeError, "got a tensor of float32"),
+    ("bool ids", _generate(input_ids=[True, 5]), TypeError, "token ids must be integers, got True"),
+    ("text", _generate(input_ids="hello"), TypeError, "got str: tokenize it first"),
+    ("an id past the vocabulary", _generate(input_ids=[5, 96]), ValueError, r"token id 96 is outside .* \(0..95\)"),
+    ("a negative id", _generate(input_ids=torch.tensor([[5, -1]])), ValueError, "token id -1 is outside"),
+    ("a 3-D tensor", _generate(input_ids=torch.zeros(1, 1, 3, dtype=torch.long)), ValueError, r"got shape \(1, 1, 3\)"),
+    ("no tokens", _generate(input_ids=[]), ValueError, "the prompt is empty"),
+    ("max_new_tokens past the context", _generate(max_new_tokens=10**12), ValueError,
+     r"max_new_tokens \(1000000000000\) \+ drafts \(0\) exceed the model's context of 256"),
+    ("drafts past the context", _generate(max_new_tokens=250, skip=SkipSet.of([1])), ValueError,
+     r"\+ drafts \(8\) exceed the model's context of 256"),
+    ("max_new_tokens a float", _generate(max_new_tokens=8.0), ValueError, "max_new_tokens must be an integer"),
+    ("skip a list", _generate(skip=[1, 2]), TypeError, r"skip must be a SkipSet \(SkipSet.of"),
+    ("skip a skip config", lambda m: _generate(skip=_skip_config(m))(m), TypeError, "pass skip=config.skip"),
+    ("skip past the layers", _generate(skip=SkipSet.of([7])), ValueError,
+     r"attn skip id 7 is out of range: layer ids are 0..3"),
+    ("policy a dict", _generate(policy={"max_draft_tokens": 4}), TypeError, "policy must be a DraftPolicy, got dict"),
+    ("sampling a bool", _generate(sampling=True), TypeError, "sampling must be a Sampling, got bool"),
+    ("model, loaded", lambda m: _generate()(LoadedModel(m, None, "tiny")), TypeError,
+     r"got LoadedModel: pass its .model"),
+    ("model, a name", lambda m: _generate()("HuggingFaceTB/SmolLM2-135M"), TypeError,
+     "model must be a transformers causal LM, got str"),
+    ("a config checked against a loaded model", lambda m: _skip_config(m).check_model(LoadedModel(m, None, "tiny")),
+     TypeError, "pass its .model"),
+    ("load_model given a number", lambda m: load_model(3), TypeError,
+     r"load_model takes a model name or path \(str or pathlib.Path\), got int"),
+    ("custom_generate with dola_layers", _custom_generate(dola_layers="high"), ValueError,
+     r"not by dola generation \(dola_layers='high'\)"),
+    ("custom_generate with penalty_alpha", _custom_generate(penalty_alpha=0.6, top_k=4), ValueError,
+     r"not by contrastive search \(penalty_alpha=0.6\)"),
+]
+
+
+@pytest.fixture(scope="module")
+def api_model():
+    from conftest import tiny_model
+
+    return tiny_model("llama", num_layers=4)  # vocabulary 0..95, context 256
+
+
+@pytest.mark.parametrize("call, error, message", [c[1:] for c in API_CASES], ids=[c[0] for c in API_CASES])
+def test_the_python_api_refuses_before_any_work(call, error, message, api_model):
+    forwards = []
+    hook = api_model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:
+        with pytest.raises(error, match=message) as raised:
+            call(api_model)
+    finally:
+        hook.remove()
+    assert len(str(raised.value).splitlines()) == 1
+    assert not forwards
+
+
+@pytest.mark.parametrize("prompt", [[5, 9, 14], (5, 9, 14), [[5, 9, 14]], torch.tensor([5, 9, 14]),
+                                    torch.tensor([[5, 9, 14]], dtype=torch.int32), [torch.tensor(5), 9, 14],
+                                    numpy.array([5, 9, 14])],
+                         ids=["list", "tuple", "one row", "tensor", "int32 row", "0-d tensors", "numpy"])
+def test_every_form_of_one_prompt_decodes_alike(prompt, api_model):
+    from skipsearch.decoding import generate
+
+    assert generate(api_model, prompt, max_new_tokens=4).tokens == generate(api_model, [5, 9, 14],
+                                                                             max_new_tokens=4).tokens
+
+
+def test_load_model_takes_a_path(tiny_model_dir):
+    assert load_model(Path(tiny_model_dir)).name_or_path == str(tiny_model_dir)

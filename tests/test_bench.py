@@ -2,7 +2,7 @@ import json
 
 import torch
 
-from conftest import tiny_model
+from conftest import VirtualTimer, tiny_model
 from skipsearch.bench import bench_verdict, format_table, run_bench, write_outputs
 from skipsearch.config import ModelInfo, SkipConfig
 from skipsearch.costs import profile_costs
@@ -16,7 +16,8 @@ def test_bench_rows_json_and_chart(tmp_path):
     model = tiny_model(dtype=torch.float64)
     config = SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [2], 4),
                         draft=DraftPolicy(max_draft_tokens=3, adaptive=False))
-    profile = profile_costs(model, contexts=(8,), max_verify_tokens=4, repeats=2, calibrate=False)
+    profile = profile_costs(model, contexts=(8,), max_verify_tokens=4, repeats=2, calibrate=False,
+                            clock=VirtualTimer(model))
     rows = run_bench(model, PROMPTS, max_new_tokens=8, eos=None, config=config, early_exit_layer=2,
                      prompt_lookup_tokens=3, repeats=2, profile=profile, show_progress=False)
     names = [r.method for r in rows]

@@ -119,7 +119,7 @@ def test_every_command_has_help(capsys):
         assert "--" in capsys.readouterr().out
 
 
-def test_profile_then_bench_with_a_config(capsys, tmp_path, tiny_model_dir):
+def test_profile_then_bench_with_a_config(capsys, tmp_path, tiny_model_dir, virtual_profiles):
     from transformers import AutoModelForCausalLM
 
     from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
@@ -161,7 +161,7 @@ def test_bench_and_profile_bad_input(capsys, tmp_path, tiny_model_dir, argv, mes
 
 
 def test_bench_and_profile_write_under_the_studies_dir_unless_told_otherwise(capsys, tmp_path, tiny_model_dir,
-                                                                             monkeypatch):
+                                                                             monkeypatch, virtual_profiles):
     monkeypatch.chdir(tmp_path)  # the old fixed defaults (studies/...) would land here
     studies = tmp_path / "elsewhere"
     code, out, _ = run(capsys, "profile", "--model", tiny_model_dir, "--studies-dir", studies, "--repeats", 1,

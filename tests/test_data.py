@@ -30,14 +30,23 @@ def test_local_jsonl_and_json_with_a_field(tmp_path):
         ("not json at all", {}, "line 1: not valid JSON"),
         ('{"prompt": "a"}\n{"prompt": "b"\n', {}, "line 2: not valid JSON"),
         ('{"prompt": "a"}\n[1, 2]\n', {}, "line 2: expected an object"),
-        ('{"prompt": "a"}\n{"prompt": 3}\n', {}, "cannot read dataset"),
+        ('{"prompt": "a"}\n{"prompt": 3}\n', {}, "line 2: 'prompt' is a number \\(3\\), not text"),
+        ('[{"prompt": "a"}, {"prompt": ["b"]}]', dict(suffix=".json"), "record 2: 'prompt' is a list"),
+        ('[' * 5000 + ']' * 5000, {}, "line 1: nested too deeply to read"),
+        ('[' * 5000 + ']' * 5000, dict(suffix=".json"), "line 1: nested too deeply to read"),
         ("\n\n", {}, "is empty"),
     ],
 )
 def test_bad_datasets_are_clear_errors(tmp_path, content, kwargs, message):
-    (tmp_path / "d.jsonl").write_text(content)
+    path = tmp_path / f"d{kwargs.pop('suffix', '.jsonl')}"
+    path.write_text(content)
     with pytest.raises(ValueError, match=message):
-        load_prompts(str(tmp_path / "d.jsonl"), **{"num_prompts": 1, **kwargs})
+        load_prompts(str(path), **{"num_prompts": 1, **kwargs})
+
+
+def test_other_fields_of_mixed_types_do_not_matter(tmp_path):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "n": 1}\n{"prompt": "b", "n": "x"}\n{"n": 2}\n')
+    assert sorted(load_prompts(str(tmp_path / "d.jsonl"), num_prompts=None)) == ["a", "b"]
 
 
 def test_missing_file_is_a_clear_error(tmp_path):

@@ -1,14 +1,20 @@
-"""Faults a study must survive: a second Ctrl-C, a killed worker on journal storage, a full disk."""
+"""Faults a study must survive: a second Ctrl-C, a killed worker on journal storage, a worker killed in the last trial
+(SQLite, heartbeats), two workers started together on a new SQLite file, a full disk."""
 
+import contextlib
 import errno
+import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import optuna
 import pytest
+import torch
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
@@ -141,3 +147,78 @@ def test_a_full_disk_mid_study_ends_in_one_line_and_keeps_finished_trials(tiny_m
     study = optuna.load_study(study_name="full", storage=make_storage(storage))
     assert len([t for t in study.get_trials() if t.state == TrialState.COMPLETE]) == 2  # kept
     assert not (tmp_path / "studies" / "full" / "plots").exists()  # no plotting on a full disk
+
+
+def test_a_worker_killed_in_the_last_trial_is_recovered_by_running_the_command_again(tiny_model_dir, tmp_path,
+                                                                                      capsys):
+    """SQLite with heartbeats: the re-run waits on the killed worker's trial only until its heartbeat is stale, then
+    fails it with a reason, retries it and finishes the study."""
+    storage = f"sqlite:///{tmp_path}/study.db"
+    victim = worker(tiny_model_dir, storage, "last", 2, tmp_path, max_new_tokens=64)
+
+    def the_last_trial_runs():
+        study = optuna.load_study(study_name="last", storage=storage)
+        return len(finished(study)) == 1 and study.get_trials(states=(TrialState.RUNNING,))
+
+    assert wait_for(the_last_trial_runs)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=30)
+    [orphan] = optuna.load_study(study_name="last", storage=storage).get_trials(states=(TrialState.RUNNING,))
+
+    def waited_too_long(signum, frame):
+        raise TimeoutError("the re-run still waits on the killed worker's trial")
+
+    previous = signal.signal(signal.SIGALRM, waited_too_long)
+    signal.alarm(180)
+    try:
+        code = main(victim.args[3:])  # the same command: `python -m skipsearch` + its arguments
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert code == 0 and "exported" in capsys.readouterr().out
+    study = optuna.load_study(study_name="last", storage=storage)
+    assert len(finished(study)) == 2 and not study.get_trials(states=(TrialState.RUNNING, TrialState.WAITING))
+    lost = study.trials[orphan.number]
+    assert lost.state == TrialState.FAIL
+    assert lost.user_attrs["fail_reason"].startswith(f"worker lost: {orphan.user_attrs['worker']} sent no heartbeat")
+    [retry] = [t for t in study.trials if t.system_attrs.get("failed_trial") == orphan.number]  # Optuna's retry
+    assert retry.params == orphan.params and retry.state == TrialState.COMPLETE
+
+
+def _optimize_in_a_fork(argv, results):
+    torch.set_num_threads(1)  # no OpenMP pool of the parent's in a forked child
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        error = io.StringIO()
+        with contextlib.redirect_stderr(error):
+            try:
+                code = main(argv)
+            except BaseException as exception:  # a traceback is a failure too
+                code = repr(exception)
+    results.put((code, error.getvalue().strip()[-300:]))
+
+
+def test_two_workers_started_together_on_a_new_sqlite_file_both_proceed(tiny_model_dir, tmp_path):
+    """Both create Optuna's tables at once ("table ... already exists") and both may take the same queued trial
+    ("Cannot tell a COMPLETE trial"): 20 tries, none may fail. Forked from this process (imports done), on tmpfs where
+    there is one, to keep the tries fast."""
+    import multiprocessing
+    import tempfile
+
+    context = multiprocessing.get_context("fork")
+    folder = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path))
+    try:
+        for attempt in range(20):
+            argv = ["optimize", "--model", str(tiny_model_dir), "--storage", f"sqlite:///{folder}/{attempt}.db",
+                    "--study-name", "together", "--n-trials", "2", "--num-prompts", "1", "--max-new-tokens", "8",
+                    "--confirm-top", "0", "--heartbeat-interval", "1", "--heartbeat-grace", "3", "--studies-dir",
+                    str(folder / "studies"), *SMALL[4:]]
+            results = context.Queue()
+            workers = [context.Process(target=_optimize_in_a_fork, args=(argv, results)) for _ in range(2)]
+            for process in workers:
+                process.start()
+            outcomes = [results.get(timeout=180) for _ in workers]
+            for process in workers:
+                process.join(timeout=30)
+            assert [code for code, _ in outcomes] == [0, 0], (attempt, outcomes)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -38,3 +38,28 @@ def test_context_check():
     models.check_context(model, 50, 40, 10)
     with pytest.raises(ValueError, match="exceed the model's context of 100"):
         models.check_context(model, 50, 45, 10)
+
+
+def test_an_empty_skipsearch_cache_counts_as_unset(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.setenv("SKIPSEARCH_CACHE", "")  # Path("") would be the current folder
+    assert models.cache_dir() == Path.home() / ".cache" / "skipsearch"
+    monkeypatch.setenv("SKIPSEARCH_CACHE", "/somewhere")
+    assert str(models.cache_dir()) == "/somewhere"
+
+
+def test_damaged_model_files_are_found_by_their_headers(tmp_path, tiny_model_dir):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    assert models.damaged_model_files(folder) is None
+    tokenizer = folder / "tokenizer.json"
+    whole = tokenizer.read_bytes()
+    tokenizer.write_bytes(whole[: len(whole) // 2])
+    assert "tokenizer.json': not valid JSON" in models.damaged_model_files(folder)
+    tokenizer.write_bytes(whole)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    assert "model.safetensors' is damaged or cut short" in models.damaged_model_files(folder)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import tiny_model
+from conftest import VirtualTimer, tiny_model
 from skipsearch.costs import profile_costs
 from skipsearch.decoding import DraftPolicy
 from skipsearch.search import Evaluator
@@ -10,8 +10,9 @@ from skipsearch.search import Evaluator
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_profile_costs_progress(capsys, enabled):
-    profile_costs(tiny_model(), contexts=(4, 8), max_verify_tokens=2, repeats=1, calibrate=False,
-                  show_progress=enabled)
+    model = tiny_model()
+    profile_costs(model, contexts=(4, 8), max_verify_tokens=2, repeats=1, calibrate=False, show_progress=enabled,
+                  clock=VirtualTimer(model))
     err = capsys.readouterr().err
     assert ("profiling contexts" in err and "/2 " in err) if enabled else err == ""
 

@@ -59,3 +59,36 @@ def test_a_gguf_path_is_converted_once_and_loads(tmp_path, monkeypatch):
     loaded = load_model(str(default_gguf_path()))
     assert loaded.model.config.num_hidden_layers == 30
     assert len(list((tmp_path / "models").iterdir())) == 1
+
+
+def test_a_damaged_cached_default_model_is_converted_again(tmp_path, monkeypatch, capsys):
+    """A cached tokenizer and weights cut short (a full disk, a copy interrupted) are noticed and rebuilt from the
+    GGUF; the rebuilt files get the mode any file gets under the umask (safetensors writes 0600)."""
+    import os
+    import stat
+
+    from skipsearch.models import cache_dir, converted_default_model, load_model
+
+    cached = converted_default_model()
+    monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path))
+    damaged = cache_dir() / "models" / cached.name
+    damaged.mkdir(parents=True)
+    for path in cached.iterdir():
+        if path.suffix != ".safetensors":
+            (damaged / path.name).write_bytes(path.read_bytes())
+    tokenizer = (cached / "tokenizer.json").read_bytes()
+    (damaged / "tokenizer.json").write_bytes(tokenizer[:100_000])
+    (damaged / "model.safetensors").write_bytes((cached / "model.safetensors").open("rb").read(1_000_000))
+    previous = os.umask(0o022)
+    try:
+        loaded = load_model(device="cpu")
+    finally:
+        os.umask(previous)
+    assert "is damaged" in capsys.readouterr().err
+    assert loaded.tokenizer("hello")["input_ids"]
+    assert (damaged / "tokenizer.json").read_bytes() == tokenizer
+    assert (damaged / "model.safetensors").stat().st_size == (cached / "model.safetensors").stat().st_size
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [cached.name]  # nothing left beside it
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in damaged.iterdir()} == \
+        {p.name: 0o644 for p in damaged.iterdir()}
+    assert stat.S_IMODE(damaged.stat().st_mode) == 0o755

@@ -45,3 +45,29 @@ def test_existing_study_reads_labels_and_trial_count(tmp_path):
     study.set_user_attr("k", 1)
     study.optimize(lambda t: t.suggest_float("x", 0, 1), n_trials=2)
     assert existing_study(storage, "s") == ({"k": 1}, 2)
+
+
+def test_a_stale_trial_failed_by_optuna_itself_says_why(tmp_path):
+    """Optuna fails stale trials at the start of every trial, through the caching wrapper it puts around a study's
+    storage: the trial still gets its fail_reason."""
+    import time
+
+    from optuna.trial import TrialState
+
+    from skipsearch.storage import explain_stale_trials, heartbeat_enabled
+
+    storage = make_storage(f"sqlite:///{tmp_path}/s.db", Heartbeat(interval_s=1, grace_s=1, max_retries=0))
+    study = optuna.create_study(study_name="s", storage=storage)
+    assert heartbeat_enabled(study._storage) and study._storage is not storage  # the wrapper
+    for worker in ("elsewhere:1", "elsewhere:2"):
+        trial = study.ask()
+        trial.set_user_attr("worker", worker)
+        storage.record_heartbeat(trial._trial_id)
+    time.sleep(2.5)  # past the grace period, in SQLite's whole seconds
+    optuna.storages.fail_stale_trials(study)
+    reasons = {t.user_attrs["worker"]: t.user_attrs.get("fail_reason") for t in study.get_trials()}
+    assert reasons == {f"elsewhere:{n}": f"worker lost: elsewhere:{n} sent no heartbeat for 1 s (killed?)"
+                       for n in (1, 2)}
+    assert not study.get_trials(states=(TrialState.RUNNING,))
+    explain_stale_trials(study)  # nothing left to fail; the reasons stay
+    assert {t.user_attrs.get("fail_reason") for t in study.get_trials()} == set(reasons.values())
