@@ -521,7 +521,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import dataclasses
 
     from . import models
-    from .costs import format_profile, profile_costs
+    from .costs import format_profile, profile_costs, study_compile_mode
 
     output = args.output or args.studies_dir / "cost-profile.json"
     _check_output_file(output, "--output" if args.output else "--studies-dir")
@@ -529,10 +529,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         model = models.model_from_config(args.model, device=args.device, dtype=args.dtype)
     else:
         model = _load(args).model
-    profile = profile_costs(model, contexts=args.contexts, repeats=args.repeats, show_progress=not args.no_progress)
+    mode = "regional" if args.compile else study_compile_mode(model.device)
+    profile = profile_costs(model, contexts=args.contexts, repeats=args.repeats, show_progress=not args.no_progress,
+                            compile_mode=mode)
     weights = "random (built from the config alone)" if args.config_only else "real"
     profile = dataclasses.replace(profile, provenance={**profile.provenance, "model": args.model or models.DEFAULT_MODEL,
-                                                       "weights": weights})
+                                                       "weights": weights, "steps": mode or "eager"})
     profile.save(output)
     print(format_profile(profile))
     print(f"wrote {output}")
@@ -724,6 +726,9 @@ def _add_profile(commands: Commands, formatter: Formatter) -> None:
                            "on the weights' values")
     prof.add_argument("--repeats", type=_positive_int, default=20, help="timed runs per measurement (median)")
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prof.add_argument("--compile", action="store_true",
+                      help="time the compiled steps studies run (regional) on a CPU too; on CUDA they are always timed, "
+                           "as CUDA graphs")
     _add_model_flags(prof)
     prof.set_defaults(run=cmd_profile)
 

@@ -16,6 +16,7 @@ study on one machine can be scored with another machine's costs.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import datetime
 import json
 import math
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .decoding import DecodeStats, DraftPolicy, generate, synchronize
+from .engine import CompileSettings, engine_for, forward_at_position
 from .files import read_json, write_atomic
 from .kvcache import SpeculativeCache
 from .skipping import SkipSet, draft_mode
@@ -201,6 +203,12 @@ class CostProfile:
         return f"{self.device}{f' ({name})' if name else ''}, {self.dtype}"
 
 
+def study_compile_mode(device: torch.device) -> str | None:
+    """What a profile times by default: on CUDA the regional steps as CUDA graphs, which studies and `--compile`
+    run there (eager forwards on a GPU time the host's Python, not the GPU); on a CPU the eager forwards."""
+    return "regional" if device.type == "cuda" else None
+
+
 def default_contexts(model: torch.nn.Module, max_verify_tokens: int = 9) -> list[int]:
     """Context lengths to profile: modest on a CPU; on CUDA up to what the KV cache leaves of a quarter of free memory."""
     limit = (getattr(model.config, "max_position_embeddings", None) or 1 << 30) - max_verify_tokens - 1
@@ -315,9 +323,12 @@ class _ContextRuns:
 def profile_costs(
     model: torch.nn.Module, contexts: Sequence[int] | None = None, max_verify_tokens: int = 9, repeats: int = 20,
     calibrate: bool = True, show_progress: bool = False, clock: Callable[[], float] | None = None, attempts: int = 4,
+    compile_mode: str | None = None,
 ) -> CostProfile:
     """Time the pieces of a forward at each context length on the model's device and dtype (medians of
-    `repeats` runs); with `calibrate`, also what the decoder pays besides forwards.
+    `repeats` runs); with `calibrate`, also what the decoder pays besides forwards. With `compile_mode` (engine.py's
+    modes: "regional" is what studies run, as CUDA graphs on CUDA) the profile times the compiled steps decoding then
+    runs, and the decoding runs of the calibration are compiled alike; without, the eager forwards.
 
     A busy machine makes garbage of timings, so the figures are checked (`_ContextRuns.problems`, `_overheads`) and,
     while they are not stable, measured again, pooled with the runs before; after `attempts` rounds `NoisyMachine`
@@ -334,12 +345,14 @@ def profile_costs(
     decodes: list[tuple[DecodeStats, DecodeStats, DecodeStats]] = []
     problems: list[str] = []
     for attempt in range(attempts):
-        _time_forwards(model, runs, repeats, clock, warm=attempt == 0, show_progress=show_progress)
+        _time_forwards(model, runs, repeats, clock, warm=attempt == 0, show_progress=show_progress,
+                       compile_mode=compile_mode)
         profile = _profile(model, [r.costs(model.config.num_hidden_layers) for r in runs])
         problems = [p for r in runs for p in r.problems(model.config.num_hidden_layers)]
         if calibrate and not problems:
             switches = _switch_costs(model, clock)
-            decodes += _decoding_runs(model, replace(profile, overheads=switches), max(1, min(repeats, 5)))
+            decodes += _decoding_runs(model, replace(profile, overheads=switches), max(1, min(repeats, 5)),
+                                      compile_mode)
             overheads, problems = _overheads(replace(profile, overheads=switches), decodes, model)
             profile = replace(profile, overheads=overheads)
         if not problems:
@@ -356,53 +369,87 @@ def _profile(model: torch.nn.Module, contexts: list[ContextCosts]) -> CostProfil
                        contexts=tuple(contexts), provenance=_provenance(model))
 
 
+def _draft_kinds(num_layers: int) -> dict[str, SkipSet]:
+    every = range(num_layers)
+    return {"full": SkipSet(), "no_attn": SkipSet.of(every, (), num_layers), "no_mlp": SkipSet.of((), every, num_layers)}
+
+
+def _compiled_forwards(model: torch.nn.Module, ids: torch.Tensor, context: int, max_verify_tokens: int, mode: str
+                       ) -> tuple[SpeculativeCache, Callable[[int], None], dict[str, Callable[[], None]]]:
+    """The engine's own compiled steps at one context, after an eager prefill: the cache, `verify(n_tokens)`, and
+    one-token forwards of each draft kind (the full one is the plain step). Each step advances the position."""
+    engine, settings = engine_for(model), CompileSettings(mode=mode)
+    length = context + max_verify_tokens
+    verify = {n: engine.prepare(length, None, settings, n)[2] for n in range(1, max_verify_tokens + 1)}
+    steps = {name: engine.prepare(length, skip, settings, 1)[1] or verify[1]
+             for name, skip in _draft_kinds(model.config.num_hidden_layers).items()}
+    cache = engine.cache
+    cache.seek(0)
+    forward_at_position(model, cache, ids[:, :context], logits_to_keep=1)
+    one = ids[:, context : context + 1]
+    return (cache, lambda n: verify[n](ids[:, context : context + n]),
+            {name: (lambda step=step: step(one)) for name, step in steps.items()})
+
+
 def _time_forwards(model: torch.nn.Module, runs: list[_ContextRuns], repeats: int, clock: Callable[[], float],
-                   warm: bool, show_progress: bool) -> None:
+                   warm: bool, show_progress: bool, compile_mode: str | None = None) -> None:
     """Add `repeats` timed runs of every measurement, at every context length, to `runs`."""
     from tqdm.auto import tqdm
 
-    device, num_layers = model.device, model.config.num_hidden_layers
+    device = model.device
     max_verify_tokens = len(runs[0].verify)
     longest = runs[-1].context_tokens + max_verify_tokens
     ids = torch.randint(0, model.config.vocab_size, (1, longest), generator=torch.Generator().manual_seed(0)).to(device)
     positions = torch.arange(longest, device=device).view(1, -1)
-    every = range(num_layers)
-    drafts = {"full": SkipSet(), "no_attn": SkipSet.of(every, (), num_layers),
-              "no_mlp": SkipSet.of((), every, num_layers)}
+    drafts = _draft_kinds(model.config.num_hidden_layers)
     desc = "profiling contexts" if warm else "profiling contexts again (the timings did not settle)"
     for context_runs in tqdm(runs, desc=desc, disable=not show_progress):
         context = context_runs.context_tokens
-        # A cache sized as the decoder sizes it, per call: attention over a static cache reads every slot
-        # (stale ones masked), so a cache sized for the longest context would price every context alike.
-        cache = SpeculativeCache(model.config, context + max_verify_tokens, device)
-        model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if compile_mode:
+            cache, forward, compiled_drafts = _compiled_forwards(model, ids, context, max_verify_tokens, compile_mode)
+        else:
+            # A cache sized as the decoder sizes it, per call: attention over a static cache reads every slot
+            # (stale ones masked), so a cache sized for the longest context would price every context alike.
+            cache = SpeculativeCache(model.config, context + max_verify_tokens, device)
+            model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
 
-        def forward(n_tokens: int) -> None:
-            model(input_ids=ids[:, context : context + n_tokens], position_ids=positions[:, context : context + n_tokens],
-                  past_key_values=cache, use_cache=True, logits_to_keep=0 if n_tokens > 1 else 1)
+            def forward(n_tokens: int) -> None:
+                model(input_ids=ids[:, context : context + n_tokens], past_key_values=cache, use_cache=True,
+                      position_ids=positions[:, context : context + n_tokens], logits_to_keep=0 if n_tokens > 1 else 1)
 
-        def timed(n_tokens: int, count: int) -> list[float]:
-            times = []
-            for _ in range(count):
-                cache.seek(context)  # roll back what the previous forward wrote
-                synchronize(device)
-                start = clock()
-                forward(n_tokens)
-                synchronize(device)
-                times.append(clock() - start)
-            return times
+        _time_context(model, context_runs, cache, forward, compiled_drafts if compile_mode else None, drafts,
+                      repeats, clock, warm)
 
-        for n in range(1, max_verify_tokens + 1):
-            timed(n, 2 if warm else 1)  # warm-up
-            context_runs.verify[n - 1] += timed(n, repeats)
-        # Draft mode is entered once per block, outside the timed forwards; blocks of the three kinds
-        # alternate, so drift of the machine lands on each alike.
-        blocks = 4 if repeats >= 8 else 1
-        for block in range(blocks):
-            for name, skip in drafts.items():
-                with draft_mode(model, skip):
-                    timed(1, 2 if warm and block == 0 else 1)  # warm-up
-                    context_runs.one_token[name] += timed(1, max(1, repeats // blocks))
+
+def _time_context(model: torch.nn.Module, context_runs: _ContextRuns, cache: SpeculativeCache,
+                  forward: Callable[[int], None], compiled_drafts: dict[str, Callable[[], None]] | None,
+                  drafts: dict[str, SkipSet], repeats: int, clock: Callable[[], float], warm: bool) -> None:
+    """Time every measurement at one context: verifying 1..n tokens, then blocks of the one-token kinds."""
+    device, context = model.device, context_runs.context_tokens
+
+    def timed(run: Callable[[], None], count: int) -> list[float]:
+        times = []
+        for _ in range(count):
+            cache.seek(context)  # roll back what the previous forward wrote
+            synchronize(device)
+            start = clock()
+            run()
+            synchronize(device)
+            times.append(clock() - start)
+        return times
+
+    for n in range(1, len(context_runs.verify) + 1):
+        timed(lambda: forward(n), 2 if warm else 1)  # warm-up
+        context_runs.verify[n - 1] += timed(lambda: forward(n), repeats)
+    # Eager drafts enter draft mode once per block, outside the timed forwards (compiled ones are steps of their
+    # own); blocks of the three kinds alternate, so drift of the machine lands on each alike.
+    blocks = 4 if repeats >= 8 else 1
+    for block in range(blocks):
+        for name, skip in drafts.items():
+            one_token = compiled_drafts[name] if compiled_drafts else (lambda: forward(1))
+            with contextlib.nullcontext() if compiled_drafts else draft_mode(model, skip):
+                timed(one_token, 2 if warm and block == 0 else 1)  # warm-up
+                context_runs.one_token[name] += timed(one_token, max(1, repeats // blocks))
 
 
 def _switch_costs(model: torch.nn.Module, clock: Callable[[], float], runs: int = 200) -> Overheads:
@@ -444,14 +491,15 @@ def _calibration(model: torch.nn.Module, profile: CostProfile) -> tuple[list[int
     return prompt, skip, fixed, never_stops
 
 
-def _decoding_runs(model: torch.nn.Module, profile: CostProfile,
-                   repeats: int) -> list[tuple[DecodeStats, DecodeStats, DecodeStats]]:
+def _decoding_runs(model: torch.nn.Module, profile: CostProfile, repeats: int,
+                   compile_mode: str | None = None) -> list[tuple[DecodeStats, DecodeStats, DecodeStats]]:
     """`repeats` triples of real decoding runs: plain, fixed drafting, and adaptive drafting that never stops early
     (threshold 0), which drafts exactly the tokens fixed drafting does."""
     prompt, skip, fixed, never_stops = _calibration(model, profile)
 
     def run(skip_set: SkipSet | None, policy: DraftPolicy) -> DecodeStats:
-        return generate(model, prompt, skip=skip_set, max_new_tokens=_NEW_TOKENS, policy=policy).stats
+        return generate(model, prompt, skip=skip_set, max_new_tokens=_NEW_TOKENS, policy=policy,
+                        compile=compile_mode is not None, compile_mode=compile_mode).stats
 
     run(None, fixed), run(skip, fixed)  # warm-up
     return [(run(None, fixed), run(skip, fixed), run(skip, never_stops)) for _ in range(repeats)]

@@ -20,7 +20,7 @@ from optuna.trial import TrialState
 from . import records
 from .config import MODEL_SHAPE, ModelInfo
 from .constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them without importing optuna
-from .costs import CostProfile, contexts_for, device_name, profile_costs
+from .costs import CostProfile, contexts_for, device_name, profile_costs, study_compile_mode
 from .evaluation import Evaluation, Evaluator
 from .policy import DraftPolicy
 from .ranking import ranked, score, screened_score
@@ -236,7 +236,8 @@ def run_study(
             profile = existing.cost_profile
         elif profile is None:
             profile = profile_costs(model, contexts=contexts_for(model, prompts, settings.max_new_tokens),
-                                    show_progress=settings.show_progress_bar)
+                                    show_progress=settings.show_progress_bar,
+                                    compile_mode=study_compile_mode(model.device))
         profile.check_model(model)
         label = replace(label, cost_profile=profile)
     if existing is not None:

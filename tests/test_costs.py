@@ -337,3 +337,30 @@ def test_overheads_far_below_zero_are_noise_a_little_below_is_zero():
     assert problems == ["a negative decoding overhead per round (-5.000 ms)"]
     overheads, problems = _overheads(profile, [(plain(10.5e-3), no_drafts, no_drafts)], model)
     assert overheads.round_s == pytest.approx(0.5e-3) and problems == []
+
+
+def test_a_compiled_profile_times_the_engines_own_steps(monkeypatch):
+    """With `compile_mode`, the profile times the steps decoding runs (on CUDA: the CUDA graphs). Each engine step is
+    charged a made-up cost by what it is (a verify step by its width, a draft step by what it skips); the profile
+    must find exactly those costs, which it can only by timing the engine's steps."""
+    from skipsearch import engine as engine_module
+
+    model = tiny_model()
+    now, real_call = [0.0], engine_module.Step.__call__
+
+    def charged(step, ids):
+        kind = next(key for key, kept in engine_module.engine_for(model).steps.items() if kept is step)
+        if kind[0] == "verify":
+            now[0] += (10 + ids.shape[1]) / 1e3  # 11 ms for one token, +1 ms a token
+        else:
+            skip = kind[1]
+            now[0] += (11 - len(skip.attn) * 1.0 - len(skip.mlp) * 0.5) / 1e3  # 1 ms an attention, 0.5 ms an MLP
+        return real_call(step, ids)
+
+    monkeypatch.setattr(engine_module.Step, "__call__", charged)
+    profile = profile_costs(model, contexts=(8,), max_verify_tokens=3, repeats=6, calibrate=False, clock=lambda: now[0],
+                            compile_mode="regional")
+    [costs] = profile.contexts
+    assert costs.verify_s == pytest.approx([11e-3, 12e-3, 13e-3])
+    assert costs.attn_s == pytest.approx(1e-3) and costs.mlp_s == pytest.approx(0.5e-3)
+    assert costs.rest_s == pytest.approx(11e-3 - 4 * 1.5e-3)
