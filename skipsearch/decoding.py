@@ -72,6 +72,8 @@ class DecodeStats:
     accepted: int = 0
     wall_time_s: float = 0.0
     prefill_time_s: float = 0.0  # the prompt's forward and the first token, inside wall_time_s
+    # Draft forwards run: `drafted` plus, on the device path (CUDA), the drafts past the adaptive cut.
+    draft_forwards: int = 0
     # Time spent in draft forwards alone, for cost accounting; measured only when asked (it syncs).
     draft_time_s: float = 0.0
     # Verification rounds by the number of tokens they verified: the cost model needs the sizes, not the mean.
@@ -98,8 +100,8 @@ class DecodeStats:
         return self.new_tokens / seconds if seconds > 0 else 0.0
 
     def add(self, other: DecodeStats) -> None:
-        for name in ("new_tokens", "rounds", "drafted", "accepted", "wall_time_s", "prefill_time_s", "draft_time_s",
-                     "compile_time_s"):
+        for name in ("new_tokens", "rounds", "drafted", "draft_forwards", "accepted", "wall_time_s", "prefill_time_s",
+                     "draft_time_s", "compile_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.verify_sizes.update(other.verify_sizes)
         self.verify_contexts.update(other.verify_contexts)
@@ -109,6 +111,7 @@ class DecodeStats:
             "new_tokens": self.new_tokens,
             "rounds": self.rounds,
             "drafted": self.drafted,
+            "draft_forwards": self.draft_forwards,
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_tokens": self.mean_accepted_tokens,
@@ -227,7 +230,7 @@ def draft_round_on_device(step: Step, last: torch.Tensor, budget: int, policy: D
             confidences.append(torch.softmax(logits.float(), -1).amax(-1))
     count = budget
     if policy.adaptive and budget:
-        unsure = torch.cat(confidences) < threshold
+        unsure = torch.cat(confidences).double() < threshold  # in float64, as the host path compares
         count = torch.where(unsure.any(), unsure.int().argmax() + 1, budget)
     return Draft(torch.cat(tokens).view(1, -1), count, budget)
 
@@ -249,9 +252,11 @@ def verify_greedy(logits: torch.Tensor, draft: Draft) -> tuple[int, int, list[in
     k = draft.ids.shape[1] - 1
     targets = logits[: k + 1].argmax(-1)
     agree = draft.ids[0, 1:] == targets[:-1]
-    count = torch.as_tensor(draft.count, device=targets.device).view(1)
     if isinstance(draft.count, torch.Tensor):
+        count = draft.count.view(1)
         agree &= torch.arange(k, device=targets.device) < count
+    else:  # a kernel that fills it, not an upload from the host (which would sync)
+        count = torch.full((1,), draft.count, dtype=torch.long, device=targets.device)
     accepted = agree.int().cumprod(0).sum().view(1)
     host = torch.cat([accepted, count, targets]).tolist()
     n = host[0]
@@ -400,6 +405,7 @@ def _round(loop: _Loop, last: torch.Tensor, context: int, room: int, history: to
     budget = min(loop.policy.max_draft_tokens, room - 1) if loop.drafter is not None else 0
     draft = _timed_draft(loop, last, budget, history) if budget else Draft(last.view(1, 1), 0, 0)
     loop.cache.advance(-draft.steps)  # verification overwrites what the drafts wrote
+    loop.stats.draft_forwards += draft.steps
     ids = _pad(draft.ids, loop.verify_width) if loop.verify_width else draft.ids
     logits = loop.verifier(ids)
     if loop.hooks is not None:

@@ -62,7 +62,11 @@ class SpeculativeCache(Cache):
         self.capacity = capacity
         self.layer_types = list(layer_types)
         self.sliding_window = getattr(text_config, "sliding_window", None)
-        self.attn_implementation = getattr(text_config, "_attn_implementation", "sdpa")
+        self.text_config = text_config  # its attention implementation is read at each mask: it can be changed
+        if self.attn_implementation not in ("sdpa", "eager"):
+            # Others (flash attention) take no mask of ours, and theirs would let a query see the stale slots.
+            raise ValueError(f"the speculative cache needs sdpa or eager attention, not {self.attn_implementation!r}: "
+                             "load the model with attn_implementation='sdpa'")
         self.position = torch.zeros((), dtype=torch.long, device=device)
         if torch.device(device).type == "cuda" and not is_torchdynamo_compiling():
             # A fixed address, which CUDA graphs read in place. Not on a CPU: inductor's freezing (engine.py) would
@@ -91,12 +95,13 @@ class SpeculativeCache(Cache):
         """Position ids (1, width) of a forward of `width` tokens at the write position."""
         return (self.position + self.slots[:width]).view(1, -1)
 
-    def attention_mask(self, width: int) -> torch.Tensor | dict[str, torch.Tensor] | None:
+    @property
+    def attn_implementation(self) -> str:
+        return getattr(self.text_config, "_attn_implementation", None) or "sdpa"
+
+    def attention_mask(self, width: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """The mask for a forward of `width` tokens at the write position, in the form the model's forward takes
-        as prepared (a 4D tensor; a mapping by layer type for models with both kinds), or None where the attention
-        implementation wants none of ours (then the model builds its own)."""
-        if self.attn_implementation not in ("sdpa", "eager"):
-            return None
+        as prepared (a 4D tensor; a mapping by layer type for models with both kinds)."""
         query = self.positions(width).view(-1, 1)
         causal = self.slots <= query  # (width, capacity): a token sees itself and what precedes it
         masks = {"full_attention": causal}

@@ -26,18 +26,22 @@ REGIONAL = dict(compile=True, compile_backend="aot_eager", compile_mode="regiona
 
 
 class HostReads(TorchFunctionMode):
-    """Counts the calls that bring a tensor's value to the host: each one is a sync on CUDA."""
+    """Counts the calls that bring a tensor's value to the host, and the tensors made from host data (uploads):
+    each one is a sync on CUDA."""
 
     READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__float__,
              torch.Tensor.__int__, torch.Tensor.__index__}
+    UPLOADS = {torch.tensor, torch.as_tensor}
 
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count = self.uploads = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in self.READS:
             self.count += 1
+        if func in self.UPLOADS and args and not isinstance(args[0], torch.Tensor):
+            self.uploads += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -100,13 +104,20 @@ def test_the_cuda_path_reads_back_once_per_round(monkeypatch, policy, compiled):
     prompt, n = [5, 9, 14, 3, 8], 30
     extra = REGIONAL if compiled else {}
     generate(model, prompt, skip=SkipSet.of([1], [2], NUM_LAYERS), max_new_tokens=4, policy=policy, **extra)  # setup
-    with HostReads() as reads:
-        out = generate(model, prompt, skip=SkipSet.of([1], [2], NUM_LAYERS), max_new_tokens=n, policy=policy,
-                       eos_token_id=None, **extra)
+    reads, decode = HostReads(), decoding._decode
+
+    def counted(*args, **kwargs):  # the loop, from the prefill on (the API's checks of the prompt read it once)
+        with reads:
+            return decode(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "_decode", counted)
+    out = generate(model, prompt, skip=SkipSet.of([1], [2], NUM_LAYERS), max_new_tokens=n, policy=policy,
+                   eos_token_id=None, **extra)
     assert out.tokens == hf_greedy(model, prompt, n, eos=None)
     assert out.stats.drafted > 0 and reads.count == out.stats.rounds + 1  # and the prefill's first token
-    with HostReads() as reads:
-        plain = generate(model, prompt, max_new_tokens=n, eos_token_id=None, **extra)
+    assert reads.uploads == 0
+    reads.count = 0
+    plain = generate(model, prompt, max_new_tokens=n, eos_token_id=None, **extra)
     assert plain.tokens == out.tokens and reads.count == 1 + -(-(n - 1) // decoding.PLAIN_STEPS_PER_READ)
 
 

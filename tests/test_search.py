@@ -257,18 +257,19 @@ def test_the_empty_set_is_plain_decoding_by_definition_and_never_exported(tmp_pa
     assert "trial 0, the empty set, is plain decoding: scored 1 by definition, not decoded" in study_summary(study)
 
 
-def test_a_study_on_a_cpu_compiles_in_inductors_default_mode(monkeypatch):
-    """Frozen weights (generate's CPU default) would keep a model copy per compiled skip set: a study must not."""
+def test_a_compiled_study_runs_regional_steps(monkeypatch):
+    """A study's compiled trials run regional steps (a new skip set compiles nothing; on CUDA they are what
+    generate --compile runs), never frozen ones, which would keep a model copy per compiled skip set."""
     import skipsearch.evaluation as evaluation
 
-    modes = []
+    calls = []
     real_generate = evaluation.generate
-    monkeypatch.setattr(evaluation, "generate", lambda *a, **k: modes.append(k["compile_mode"]) or real_generate(
-        *a, **dict(k, compile_backend="aot_eager")))
+    monkeypatch.setattr(evaluation, "generate", lambda *a, **k: calls.append((k["compile"], k["compile_mode"])) or
+                        real_generate(*a, **dict(k, compile_backend="aot_eager")))
     compiled = make_evaluator()
     compiled.compile = True
     evaluation = compiled.evaluate(SkipSet.of([1], [], 4))
-    assert evaluation.speedup.estimate > 0 and modes and set(modes) == {"default"}
-    modes.clear()
+    assert evaluation.speedup.estimate > 0 and calls and set(calls) == {(True, "regional")}
+    calls.clear()
     make_evaluator().evaluate(SkipSet.of([1], [], 4))
-    assert modes and set(modes) == {None}
+    assert calls and {compile for compile, _ in calls} == {False}
