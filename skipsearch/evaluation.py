@@ -92,8 +92,9 @@ class Evaluator:
         """Share of positions where the draft's argmax equals the full model's greedy token, teacher-forced:
         one parallel forward per prompt (SWIFT's "matchness")."""
         matched = total = 0
+        reference = self.reference_tokens()  # decoded by the full model: before draft mode, never inside it
         with draft_mode(self.model, skip):
-            for prompt, continuation in zip(self.prompts, self.reference_tokens()):
+            for prompt, continuation in zip(self.prompts, reference):
                 ids = torch.tensor([prompt + continuation], device=self.model.device)
                 guesses = self.model(ids).logits[0, len(prompt) - 1 : -1].argmax(-1)
                 matched += int((guesses == ids[0, len(prompt) :]).sum())

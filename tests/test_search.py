@@ -273,3 +273,13 @@ def test_a_compiled_study_runs_regional_steps(monkeypatch):
     calls.clear()
     make_evaluator().evaluate(SkipSet.of([1], [], 4))
     assert calls and {compile for compile, _ in calls} == {False}
+
+
+def test_the_pre_screen_first_decodes_the_reference_with_the_full_model():
+    """The first trial may be pre-screened before any evaluation: its reference is the full model's output, not the
+    draft's (it was once decoded inside draft mode)."""
+    model = tiny_model()
+    expected = make_evaluator(model).reference_tokens()
+    evaluator = make_evaluator(model)
+    assert 0.0 <= evaluator.match_rate(SkipSet.of([1, 2], [1], 4)) <= 1.0
+    assert evaluator.reference_tokens() == expected
