@@ -465,7 +465,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from . import models
     from .bench import bench_verdict, format_table, run_bench, write_outputs
     from .config import load_skip_config
     from .costs import CostProfile, contexts_for, device_name, load_projections, profile_costs

@@ -335,8 +335,6 @@ def test_cpu_inductor_freezes_weights_and_autotunes_gemms_and_decodes_exactly():
     effect (weights frozen and prepacked, GEMMs generated from inductor's C++ template) and be exact."""
     from torch._dynamo.utils import counters
 
-    from skipsearch.engine import CompileSettings
-
     model = tiny_model("llama", seed=7, num_layers=2)
     prompt = [5, 9, 14, 3]
     expected = hf_greedy(model, prompt, 10, eos=None)

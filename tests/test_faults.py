@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import optuna
-import pytest
 import torch
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
