@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 # Nothing heavy at module level: `--help` must answer without importing torch, transformers or optuna.
 from .constants import DEFAULT_MODEL, DTYPE_NAMES
 from .errors import first_line
-from .policy import DraftPolicy
+from .policy import STOP_RULES, DraftPolicy
 
 if TYPE_CHECKING:
     import optuna
@@ -126,6 +126,13 @@ def _add_draft_flags(parser: argparse.ArgumentParser) -> None:
                        help=f"adaptive: acceptance rate the threshold steers toward (default: {d.target_acceptance})")
     group.add_argument("--threshold-step", type=_unit_float, default=None,
                        help=f"adaptive: threshold change per round (default: {d.threshold_step})")
+    group.add_argument("--stop-rule", choices=STOP_RULES, default=None,
+                       help="adaptive: 'threshold' stops below the confidence threshold (Draft & Verify); 'cost' "
+                            "drafts the next token only while its chance of acceptance pays for its measured cost "
+                            f"(default: {d.stop_rule})")
+    group.add_argument("--no-guard", action="store_true",
+                       help="draft even when drafting measures slower than plain decoding (default: the run-time "
+                            "guard decodes plainly then, and probes drafting again later)")
 
 
 def _draft_policy(args: argparse.Namespace, base: DraftPolicy) -> DraftPolicy:
@@ -135,6 +142,8 @@ def _draft_policy(args: argparse.Namespace, base: DraftPolicy) -> DraftPolicy:
         confidence_threshold=base.confidence_threshold if args.confidence_threshold is None else args.confidence_threshold,
         target_acceptance=base.target_acceptance if args.target_acceptance is None else args.target_acceptance,
         threshold_step=base.threshold_step if args.threshold_step is None else args.threshold_step,
+        stop_rule=base.stop_rule if args.stop_rule is None else args.stop_rule,
+        guard=base.guard and not args.no_guard,
     )
 
 
@@ -211,6 +220,8 @@ def _print_generation(args: argparse.Namespace, text: str, output: GenerationOut
             + (f", compile {s.compile_time_s:.1f} s]" if args.compile else "]"),
             file=sys.stderr,
         )
+        if s.guard.reason() is not None:
+            print(f"[{s.guard.reason()}; --no-guard drafts regardless]", file=sys.stderr)
 
 
 def _study_name(text: str) -> str:

@@ -55,6 +55,8 @@ class SkipConfig:
                 "adaptive": self.draft.adaptive,
                 "target_acceptance": self.draft.target_acceptance,
                 "threshold_step": self.draft.threshold_step,
+                "stop_rule": self.draft.stop_rule,
+                "guard": self.draft.guard,
             },
             "metrics": self.metrics,
             "search": self.search,
@@ -134,6 +136,8 @@ def parse_skip_config(data: Any, source: str = "skip config") -> SkipConfig:
             confidence_threshold=float(draft_field("confidence_threshold", (int, float))),
             target_acceptance=float(draft_field("target_acceptance", (int, float))),
             threshold_step=float(draft_field("threshold_step", (int, float))),
+            stop_rule=draft_field("stop_rule", str),
+            guard=draft_field("guard", bool),
         )
     except (TypeError, ValueError) as error:
         message = str(error)

@@ -22,7 +22,9 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .engine import CompileSettings, Step, engine_for, forward_at_position, synchronize
+from .economics import MarginalCost, kept_weight_fraction
+from .engine import CompileSettings, Step, Steps, engine_for, forward_at_position, synchronize
+from .guard import Guard, GuardStats
 from .inputs import check_generate_args, check_prompt
 from .kvcache import SpeculativeCache
 from .policy import DraftPolicy  # re-exported: callers of the loop import it from here too
@@ -82,6 +84,7 @@ class DecodeStats:
     verify_contexts: collections.Counter = field(default_factory=collections.Counter)
     # Time of first calls of compiled steps during this call (tracing and compiling), inside wall_time_s.
     compile_time_s: float = 0.0
+    guard: GuardStats = field(default_factory=GuardStats)  # tokens the run-time guard decoded plainly, and why
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -105,6 +108,7 @@ class DecodeStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.verify_sizes.update(other.verify_sizes)
         self.verify_contexts.update(other.verify_contexts)
+        self.guard.add(other.guard)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -119,6 +123,9 @@ class DecodeStats:
             "prefill_time_s": self.prefill_time_s,
             "compile_time_s": self.compile_time_s,  # inside wall_time_s: a first compiled call is slow for this
             "tokens_per_second": self.tokens_per_second,
+            "guard_plain_tokens": self.guard.plain_tokens,
+            "guard_sample_tokens": self.guard.sample_tokens,
+            "guard_fallbacks": self.guard.fallbacks,
         }
 
 
@@ -170,6 +177,7 @@ def host_reads_stall(device: torch.device) -> bool:
 
 
 PLAIN_STEPS_PER_READ = 8
+ROUND_CLOCK = time.perf_counter  # what the guard and the price of a draft time rounds with (tests inject theirs)
 
 
 def drafting_skip(skip: SkipSet | None, policy: DraftPolicy) -> SkipSet | None:
@@ -187,19 +195,23 @@ class Draft:
     count: int | torch.Tensor
     steps: int
     probs: torch.Tensor | None = None  # (k, vocab)
+    confidence: float | None = None  # the drafts' summed confidence, where read back (the host's cut)
 
 
 def draft_round(
     step: Step, last: torch.Tensor, budget: int, policy: DraftPolicy, threshold: float, sampling: Sampling,
     generator: torch.Generator | None, hooks: DecodeHooks | None = None, history: torch.Tensor | None = None,
+    calibration: float = 1.0,
 ) -> Draft:
-    """Draft up to `budget` tokens after `last` with the draft step, stopping after the first unsure one (adaptive).
+    """Draft up to `budget` tokens after `last` with the draft step, stopping after the first unsure one (adaptive):
+    one whose confidence is below `threshold`; by `policy.stop_rule` "cost", one after which the chance that all
+    drafts so far are accepted (the product of their confidences times `calibration`, each capped at 1) is.
 
     Reads each draft's confidence back when adaptive (a host read per drafted token); fixed-length
     drafting stays on the device. With `hooks`, each draft's logits are processed with `history`
     (the committed ids, `last` included) and the drafts so far.
     """
-    tokens, probs = [last.view(1)], []
+    tokens, probs, running, summed = [last.view(1)], [], 1.0, 0.0
     for _ in range(budget):
         logits = _draft_logits(step, tokens, hooks, history)
         if sampling.do_sample:
@@ -211,14 +223,19 @@ def draft_round(
         # more token costs far less than a forward on memory-bound hardware.
         if policy.adaptive:
             confidence = probs[-1].max() if probs else torch.softmax(logits.float(), -1).max()
-            if float(confidence) < threshold:
+            summed += float(confidence)
+            cost_rule = policy.stop_rule == "cost"
+            running = running * min(1.0, calibration * float(confidence)) if cost_rule else float(confidence)
+            if running < threshold:
                 break
     count = len(tokens) - 1
-    return Draft(torch.cat(tokens).view(1, -1), count, count, torch.stack(probs) if probs else None)
+    return Draft(torch.cat(tokens).view(1, -1), count, count, torch.stack(probs) if probs else None,
+                 summed if policy.adaptive else None)
 
 
 def draft_round_on_device(step: Step, last: torch.Tensor, budget: int, policy: DraftPolicy, threshold: float,
-                          hooks: DecodeHooks | None = None, history: torch.Tensor | None = None) -> Draft:
+                          hooks: DecodeHooks | None = None, history: torch.Tensor | None = None,
+                          calibration: float = 1.0) -> Draft:
     """Greedy drafting with no host read: all `budget` drafts run, and the adaptive cut (after the first token
     below `threshold`) is decided on the device; verification then counts only the drafts up to it. The committed
     tokens and statistics are those of `draft_round`; the forwards past the cut are the price of not reading."""
@@ -230,7 +247,10 @@ def draft_round_on_device(step: Step, last: torch.Tensor, budget: int, policy: D
             confidences.append(torch.softmax(logits.float(), -1).amax(-1))
     count = budget
     if policy.adaptive and budget:
-        unsure = torch.cat(confidences).double() < threshold  # in float64, as the host path compares
+        confidence = torch.cat(confidences).double()  # in float64, as the host path compares
+        if policy.stop_rule == "cost":
+            confidence = (confidence * calibration).clamp(max=1.0).cumprod(0)
+        unsure = confidence < threshold
         count = torch.where(unsure.any(), unsure.int().argmax() + 1, budget)
     return Draft(torch.cat(tokens).view(1, -1), count, budget)
 
@@ -311,23 +331,28 @@ def generate(
     settings = CompileSettings(compile_backend, compile_mode) if compile else None
     # Writes reach at most one verify width (or a batch of plain steps) past the last committed token.
     length = prompt.shape[1] + max_new_tokens + max(verify_width, PLAIN_STEPS_PER_READ)
-    cache, drafter, verifier = engine_for(model).prepare(length, draft_skip, settings, verify_width)
-    loop = _Loop(model, cache, drafter, verifier, verify_width if compile else None, policy, sampling,
-                 _eos_set(eos_token_id), generator, hooks, time_drafts, host_reads_stall(model.device))
-    new_steps = [step for step in (drafter, verifier) if step is not None and step.setup_time_s is None]
+    engine = engine_for(model)
+    steps = engine.prepare(length, draft_skip, settings, verify_width)
+    loop = _Loop(model, steps, verify_width if compile else None, policy, sampling, _eos_set(eos_token_id),
+                 generator, hooks, time_drafts, host_reads_stall(model.device))
+    if draft_skip is not None:
+        loop.guard = Guard(engine.plain_seconds.get(settings)) if policy.guard else None
+        loop.costs = MarginalCost(kept_weight_fraction(model, draft_skip)) if policy.stop_rule == "cost" else None
+    new_steps = {id(step): step for step in steps[1:] if step is not None and step.setup_time_s is None}
     output = _decode(loop, prompt, max_new_tokens)
-    output.stats.compile_time_s = sum(step.setup_time_s or 0.0 for step in new_steps)
+    output.stats.compile_time_s = sum(step.setup_time_s or 0.0 for step in new_steps.values())
+    if loop.guard is not None and loop.guard.plain_s is not None:
+        engine.plain_seconds[settings] = loop.guard.plain_s  # later calls need not sample plain speed again
     return output
 
 
 @dataclass
 class _Loop:
-    """What one call decodes with, and the adaptive threshold's state, which moves from round to round."""
+    """What one call decodes with, and the state that moves from round to round: the adaptive threshold, the
+    run-time guard's (None: off) and the price of a drafted token (None: not asked for by the stop rule)."""
 
     model: torch.nn.Module  # runs the prefill, eagerly
-    cache: SpeculativeCache
-    drafter: Step | None  # None: plain decoding
-    verifier: Step
+    steps: Steps  # steps.draft None: plain decoding
     verify_width: int | None  # compiled: every verification padded to this width
     policy: DraftPolicy
     sampling: Sampling
@@ -337,6 +362,12 @@ class _Loop:
     time_drafts: bool
     read_once: bool  # host reads stall the device: one read per round (`host_reads_stall`)
     stats: DecodeStats = field(default_factory=DecodeStats)
+    guard: Guard | None = None
+    costs: MarginalCost | None = None
+    round_drafts: int = 0  # draft forwards of the latest round
+    # The cost rule's calibration of confidence to acceptance: faded sums of accepted drafts and of their confidence.
+    accepted_seen: float = 1.0
+    confidence_seen: float = 1.0
     threshold: float = field(init=False)
     smoothed_acceptance: float = field(init=False)
 
@@ -351,25 +382,53 @@ def _decode(loop: _Loop, prompt: torch.Tensor, max_new_tokens: int) -> Generatio
     synchronize(prompt.device)
     start_time = time.perf_counter()
     last, tokens, history = _prefill(loop, prompt)
+    since = ROUND_CLOCK()
     loop.stats.prefill_time_s = time.perf_counter() - start_time
     stopped = history is not None and _hooks_stop(loop, history, tokens)
     while len(tokens) < max_new_tokens and tokens[-1] not in loop.eos and not stopped:
-        context = prompt.shape[1] + len(tokens) - 1  # tokens in the cache
-        if loop.drafter is None and loop.hooks is None:
-            new_tokens, last = _plain_steps(loop, last, context, max_new_tokens - len(tokens))
+        context, room = prompt.shape[1] + len(tokens) - 1, max_new_tokens - len(tokens)  # context: tokens cached
+        drafting = loop.steps.draft is not None and (loop.guard is None or loop.guard.drafting())
+        cold = _cold(loop, drafting)
+        if drafting or loop.hooks is not None:
+            new_tokens, last, history, stopped = _round(loop, last, context, room, history, drafting)
         else:
-            new_tokens, last, history, stopped = _round(loop, last, context, max_new_tokens - len(tokens), history)
+            new_tokens, last = _plain_steps(loop, last, context, room)
         tokens.extend(new_tokens)
+        since = _account(loop, len(new_tokens), since, cold, drafting)
     synchronize(prompt.device)
     loop.stats.wall_time_s = time.perf_counter() - start_time
     loop.stats.new_tokens = len(tokens)
-    return GenerationOutput(tokens, loop.stats, loop.threshold if loop.policy.adaptive else None)
+    if loop.guard is not None:
+        loop.stats.guard = loop.guard.stats
+    threshold = loop.threshold if loop.policy.adaptive and loop.policy.stop_rule == "threshold" else None
+    return GenerationOutput(tokens, loop.stats, threshold)
+
+
+def _cold(loop: _Loop, drafting: bool) -> bool:
+    """Whether the iteration runs a compiled step's first call (compiling): its time says nothing of decoding."""
+    steps = (loop.steps.draft, loop.steps.verify) if drafting else (loop.steps.plain,)
+    return any(step.setup_time_s is None for step in steps)
+
+
+def _account(loop: _Loop, tokens: int, since: float, cold: bool, drafting: bool) -> float:
+    """The iteration's wall time, from the previous iteration's end (its host read) to now, to the guard and the
+    price of a draft; returns now. No clock is read when neither is on."""
+    if loop.guard is None and loop.costs is None:
+        return since
+    now = ROUND_CLOCK()
+    seconds = None if cold else now - since
+    if loop.guard is not None:
+        loop.guard.observe(tokens, seconds, drafting)
+    if loop.costs is not None and seconds is not None and tokens:
+        drafts = loop.round_drafts if drafting else 0
+        loop.costs.observe(drafts, seconds if drafting else seconds / tokens)  # plain: per step, as a round of none
+    return now
 
 
 def _prefill(loop: _Loop, prompt: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """The prompt's forward and the first new token; with hooks, the committed ids too (on the device)."""
-    loop.cache.seek(0)
-    logits = forward_at_position(loop.model, loop.cache, prompt, logits_to_keep=1)
+    loop.steps.cache.seek(0)
+    logits = forward_at_position(loop.model, loop.steps.cache, prompt, logits_to_keep=1)
     if loop.hooks is not None:
         logits = loop.hooks.process(prompt, logits)
     last = _next_token(loop, logits)
@@ -390,7 +449,7 @@ def _plain_steps(loop: _Loop, last: torch.Tensor, context: int, room: int) -> tu
     n = min(PLAIN_STEPS_PER_READ if loop.read_once else 1, room)
     steps = [last]
     for _ in range(n):
-        steps.append(_next_token(loop, loop.verifier(steps[-1].view(1, 1))))
+        steps.append(_next_token(loop, loop.steps.plain(steps[-1].view(1, 1))))
     new_tokens = torch.cat(steps[1:]).tolist()
     loop.stats.rounds += n
     loop.stats.verify_sizes[1] += n
@@ -398,24 +457,26 @@ def _plain_steps(loop: _Loop, last: torch.Tensor, context: int, room: int) -> tu
     return _through_eos(new_tokens, loop.eos), steps[-1]
 
 
-def _round(loop: _Loop, last: torch.Tensor, context: int, room: int, history: torch.Tensor | None
+def _round(loop: _Loop, last: torch.Tensor, context: int, room: int, history: torch.Tensor | None, drafting: bool
            ) -> tuple[list[int], torch.Tensor, torch.Tensor | None, bool]:
-    """One speculative round: draft, roll back, verify, commit. With no drafter (plain decoding with hooks)
-    or no room left for a draft, the round verifies `last` alone: a plain step."""
-    budget = min(loop.policy.max_draft_tokens, room - 1) if loop.drafter is not None else 0
+    """One speculative round: draft, roll back, verify, commit. Not `drafting` (plain decoding with hooks) or with
+    no room left for a draft, the round verifies `last` alone: a plain step."""
+    budget = min(loop.policy.max_draft_tokens, room - 1) if drafting else 0
     draft = _timed_draft(loop, last, budget, history) if budget else Draft(last.view(1, 1), 0, 0)
-    loop.cache.advance(-draft.steps)  # verification overwrites what the drafts wrote
+    loop.steps.cache.advance(-draft.steps)  # verification overwrites what the drafts wrote
     loop.stats.draft_forwards += draft.steps
-    ids = _pad(draft.ids, loop.verify_width) if loop.verify_width else draft.ids
-    logits = loop.verifier(ids)
+    loop.round_drafts = draft.steps
+    verifier, width = (loop.steps.verify, loop.verify_width) if drafting else (loop.steps.plain, None)
+    ids = _pad(draft.ids, width) if width else draft.ids
+    logits = verifier(ids)
     if loop.hooks is not None:
         logits = loop.hooks.process(torch.cat([history, draft.ids[0, 1:]]).view(1, -1), logits[: draft.ids.shape[1]])
     if loop.sampling.do_sample:
         accepted, count, new_tokens, last = verify_sampling(logits, draft, loop.sampling, loop.generator)
     else:
         accepted, count, new_tokens, last = verify_greedy(logits, draft)
-    loop.cache.advance(accepted + 1 - ids.shape[1])  # past the committed tokens, `last` excluded
-    _record_round(loop, accepted, count, context)
+    loop.steps.cache.advance(accepted + 1 - ids.shape[1])  # past the committed tokens, `last` excluded
+    _record_round(loop, accepted, count, context, draft.confidence)
     new_tokens = _through_eos(new_tokens[:room], loop.eos)
     stopped = False
     if loop.hooks is not None:
@@ -431,20 +492,36 @@ def _timed_draft(loop: _Loop, last: torch.Tensor, budget: int, history: torch.Te
     if loop.time_drafts:
         synchronize(last.device)
         start = time.perf_counter()
+    threshold, calibration = _stop_threshold(loop), loop.accepted_seen / loop.confidence_seen
     if loop.read_once and not loop.sampling.do_sample:
-        draft = draft_round_on_device(loop.drafter, last, budget, loop.policy, loop.threshold, loop.hooks, history)
+        draft = draft_round_on_device(loop.steps.draft, last, budget, loop.policy, threshold, loop.hooks, history,
+                                      calibration)
     else:
-        draft = draft_round(loop.drafter, last, budget, loop.policy, loop.threshold, loop.sampling, loop.generator,
-                            loop.hooks, history)
+        draft = draft_round(loop.steps.draft, last, budget, loop.policy, threshold, loop.sampling, loop.generator,
+                            loop.hooks, history, calibration)
     if loop.time_drafts:
         synchronize(last.device)
         loop.stats.draft_time_s += time.perf_counter() - start
     return draft
 
 
-def _record_round(loop: _Loop, accepted: int, count: int, context: int) -> None:
-    """Statistics of a round, from the values its one host read brought; then the adaptive threshold moves
-    toward keeping the smoothed acceptance at the target (Draft & Verify)."""
+def _stop_threshold(loop: _Loop) -> float:
+    """What a draft's confidence is compared with ("threshold" rule), or the chance that the drafts so far are all
+    accepted ("cost"): for the next draft to pay, that chance times the smoothed acceptance of one more must
+    exceed its price in plain steps."""
+    if loop.policy.stop_rule == "threshold":
+        return loop.threshold
+    return loop.costs.price / max(loop.smoothed_acceptance, MIN_SMOOTHED_ACCEPTANCE)
+
+
+MIN_SMOOTHED_ACCEPTANCE = 0.05  # below it the cost rule's threshold exceeds any chance: one draft a round
+CALIBRATION_FADE = 0.9  # per round: the calibration follows the last ten rounds or so
+
+
+def _record_round(loop: _Loop, accepted: int, count: int, context: int, confidence: float | None = None) -> None:
+    """Statistics of a round, from the values its one host read brought; then the smoothed acceptance moves, and
+    with the "threshold" stop rule the threshold toward keeping it at the target (Draft & Verify); with the "cost"
+    rule, the calibration where the drafts' `confidence` was read back (the device's cut keeps the last one)."""
     stats = loop.stats
     stats.rounds += 1
     stats.verify_sizes[count + 1] += 1
@@ -453,9 +530,13 @@ def _record_round(loop: _Loop, accepted: int, count: int, context: int) -> None:
     stats.accepted += accepted
     if loop.policy.adaptive and count:
         loop.smoothed_acceptance = 0.5 * loop.smoothed_acceptance + 0.5 * accepted / count
-        up = loop.smoothed_acceptance < loop.policy.target_acceptance
-        step = loop.policy.threshold_step if up else -loop.policy.threshold_step
-        loop.threshold = min(1.0, max(0.0, loop.threshold + step))
+        if confidence is not None:
+            loop.accepted_seen = CALIBRATION_FADE * loop.accepted_seen + accepted
+            loop.confidence_seen = CALIBRATION_FADE * loop.confidence_seen + confidence
+        if loop.policy.stop_rule == "threshold":
+            up = loop.smoothed_acceptance < loop.policy.target_acceptance
+            step = loop.policy.threshold_step if up else -loop.policy.threshold_step
+            loop.threshold = min(1.0, max(0.0, loop.threshold + step))
 
 
 def _hooks_stop(loop: _Loop, history: torch.Tensor, tokens: list[int]) -> bool:

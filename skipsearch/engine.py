@@ -25,6 +25,7 @@ import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch._inductor.config
@@ -186,8 +187,19 @@ def regional_view(model: nn.Module, skip: SkipSet | None, cache: SpeculativeCach
         for i, layer in enumerate(layers)))
 
 
+class Steps(NamedTuple):
+    """What a call decodes with: the cache, the draft step (None: plain decoding), the verify step and the plain
+    step (the full model on one token: the verify step where it takes any width)."""
+
+    cache: SpeculativeCache
+    draft: Step | None
+    verify: Step
+    plain: Step
+
+
 class Engine:
-    """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead."""
+    """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead.
+    `plain_seconds` keeps plain decoding's measured seconds per token by compile settings, for the guard."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -196,6 +208,7 @@ class Engine:
         self.draft_steps: collections.OrderedDict[tuple, Step] = collections.OrderedDict()
         self.layers: dict[str, CompiledLayers] = {}  # by backend
         self.graph_pool = None
+        self.plain_seconds: dict[CompileSettings | None, float] = {}
 
     @property
     def steps(self) -> dict[tuple, Step]:
@@ -204,18 +217,22 @@ class Engine:
                 **{("draft", *key): step for key, step in self.draft_steps.items()}}
 
     def prepare(self, length: int, skip: SkipSet | None, settings: CompileSettings | None, verify_width: int
-                ) -> tuple[SpeculativeCache, Step | None, Step]:
-        """The cache (at least `length` slots), the draft step (None without a skip set) and the verify step
-        (compiled for `verify_width` tokens; eager steps take any width)."""
+                ) -> Steps:
+        """The cache (at least `length` slots) and the steps: the draft step (None without a skip set), the verify
+        step (compiled for `verify_width` tokens; eager steps take any width) and the plain step. Compiled steps
+        compile on their first call, so a plain step that is never called costs nothing."""
         model, device = self.model, self.model.device
         if settings is None:
             cache = SpeculativeCache(model.config, length, device, model.dtype)
             draft = Step(_step(draft_model(model, skip), cache), cache, compiled=False) if skip else None
-            return cache, draft, Step(_step(model, cache), cache, compiled=False)
+            full = Step(_step(model, cache), cache, compiled=False)
+            return Steps(cache, draft, full, full)
         self._fit_cache(length)
-        if (verify_width, settings) not in self.verify_steps:
-            self.verify_steps[verify_width, settings] = self._compiled_step(None, settings)
-        return self.cache, self._draft_step(skip, settings) if skip else None, self.verify_steps[verify_width, settings]
+        for width in {verify_width, 1}:
+            if (width, settings) not in self.verify_steps:
+                self.verify_steps[width, settings] = self._compiled_step(None, settings)
+        return Steps(self.cache, self._draft_step(skip, settings) if skip else None,
+                     self.verify_steps[verify_width, settings], self.verify_steps[1, settings])
 
     def _fit_cache(self, length: int) -> None:
         model, device = self.model, self.model.device

@@ -3,6 +3,7 @@ decoding, or (the modeled objective) measured acceptance priced by a cost profil
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -73,9 +74,10 @@ class Evaluator:
         # Regional steps: a new skip set compiles nothing (on CUDA it is captured as CUDA graphs in milliseconds),
         # and on CUDA they are what generate/bench --compile run. Frozen CPU steps (generate's CPU default) would
         # compile each set for minutes and keep a copy of the model per set.
+        # The run-time guard off: a trial measures the skip set itself, not plain decoding standing in for it.
         return generate(self.model, prompt, skip=skip, max_new_tokens=max_new_tokens or self.max_new_tokens,
-                        policy=self.policy, eos_token_id=self.eos_token_id, compile=self.compile,
-                        compile_mode="regional")
+                        policy=dataclasses.replace(self.policy, guard=False), eos_token_id=self.eos_token_id,
+                        compile=self.compile, compile_mode="regional")
 
     def reference_tokens(self) -> list[list[int]]:
         """Plain greedy decoding of every prompt (untimed; it also warms the process up)."""

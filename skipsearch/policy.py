@@ -6,13 +6,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+STOP_RULES = ("threshold", "cost")
+
+
 @dataclass(frozen=True)
 class DraftPolicy:
     """How many tokens to draft per round.
 
-    With `adaptive`, drafting stops after a token whose draft top-1 probability is below
-    `confidence_threshold`, and after every round the threshold moves by `threshold_step`
-    toward keeping the (smoothed) acceptance rate at `target_acceptance` (Draft & Verify).
+    With `adaptive`, drafting stops early by `stop_rule`:
+    - "threshold" (Draft & Verify): after a token whose draft top-1 probability is below
+      `confidence_threshold`; after every round the threshold moves by `threshold_step` toward
+      keeping the (smoothed) acceptance rate at `target_acceptance`.
+    - "cost": after a token when the chance that the drafts so far and the next are all accepted
+      (the product of their top-1 probabilities, times the smoothed acceptance for the next) is
+      below what one more drafted token costs in plain steps, measured as the call goes
+      (`economics.MarginalCost`): the next token is drafted only while it is expected to pay.
+    `guard` keeps drafting only while it measurably beats plain decoding (guard.py); studies turn
+    it off in their trials, which measure the skip set itself.
     `max_draft_tokens=0` is plain autoregressive decoding through the same loop.
     """
 
@@ -21,8 +31,14 @@ class DraftPolicy:
     confidence_threshold: float = 0.6
     target_acceptance: float = 0.7
     threshold_step: float = 0.05
+    stop_rule: str = "threshold"
+    guard: bool = True
 
     def __post_init__(self) -> None:
+        if self.stop_rule not in STOP_RULES:
+            raise ValueError(f"stop_rule must be one of {', '.join(STOP_RULES)}, got {self.stop_rule!r}")
+        if not isinstance(self.guard, bool):
+            raise ValueError(f"guard must be true or false, got {self.guard!r}")
         if isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be an integer >= 0, got {self.max_draft_tokens!r}")
         for name in ("confidence_threshold", "target_acceptance", "threshold_step"):

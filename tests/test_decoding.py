@@ -265,8 +265,8 @@ def test_compiled_greedy_equals_generate(arch):
     model = SLIDING if arch == "sliding" else tiny_model("llama", seed=3, dtype=torch.float64)
     prompt = [5, 9, 14, 3, 7]
     expected = hf_greedy(model, prompt, 3 * WINDOW, eos=None)
-    for skip, policy in [(None, DraftPolicy()), (SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4)),
-                         (SkipSet.of([0, 3], [], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False))]:
+    for skip, policy in [(None, DraftPolicy()), (SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4, guard=False)),
+                         (SkipSet.of([0, 3], [], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False, guard=False))]:
         out = generate(model, prompt, skip=skip, max_new_tokens=3 * WINDOW, policy=policy, eos_token_id=None, **COMPILED)
         assert out.tokens == expected
         eager = generate(model, prompt, skip=skip, max_new_tokens=3 * WINDOW, policy=policy, eos_token_id=None)
@@ -294,7 +294,7 @@ def test_compiled_sampling_follows_the_same_path_as_eager():
     model = tiny_model("llama", seed=5, dtype=torch.float64)
     skip, sampling = SkipSet.of([0], [3], NUM_LAYERS), Sampling(do_sample=True, temperature=0.8, top_k=20)
     outs = [generate(model, [4, 8], skip=skip, max_new_tokens=16, sampling=sampling, eos_token_id=None,
-                     policy=DraftPolicy(max_draft_tokens=3, adaptive=False),
+                     policy=DraftPolicy(max_draft_tokens=3, adaptive=False, guard=False),
                      generator=torch.Generator().manual_seed(11), **extra).tokens for extra in ({}, COMPILED)]
     assert outs[0] == outs[1]  # the same random draws on the same distributions
 

@@ -92,8 +92,10 @@ def test_a_long_study_keeps_memory_flat():
     assert len(wrappers) <= DRAFT_STEPS_KEPT * 6
 
 
-@pytest.mark.parametrize("policy", [DraftPolicy(max_draft_tokens=4), DraftPolicy(max_draft_tokens=6, adaptive=False),
-                                    DraftPolicy(max_draft_tokens=5, confidence_threshold=0.9)])
+@pytest.mark.parametrize("policy", [DraftPolicy(max_draft_tokens=4, guard=False),
+                                    DraftPolicy(max_draft_tokens=6, adaptive=False, guard=False),
+                                    DraftPolicy(max_draft_tokens=5, confidence_threshold=0.9, guard=False),
+                                    DraftPolicy(max_draft_tokens=5, stop_rule="cost", guard=False)])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "regional"])
 def test_the_cuda_path_reads_back_once_per_round(monkeypatch, policy, compiled):
     """With reads stalling the device (CUDA), a round reads back once, adaptive drafting included, and forwards
@@ -126,7 +128,7 @@ def test_the_adaptive_cut_on_the_device_commits_what_the_host_cut_does(monkeypat
     """The CUDA path drafts the whole budget and cuts on the device; tokens, statistics and the threshold's
     course are those of the CPU's path, which stops drafting at the first unsure token."""
     model = tiny_model("llama", seed=11, dtype=torch.float64)
-    policy = DraftPolicy(max_draft_tokens=5, confidence_threshold=threshold)
+    policy = DraftPolicy(max_draft_tokens=5, confidence_threshold=threshold, guard=False)
     run = dict(skip=SkipSet.of([2], [1], NUM_LAYERS), max_new_tokens=40, policy=policy, eos_token_id=None)
     host = generate(model, [5, 9, 14, 3], **run)
     monkeypatch.setattr(decoding, "host_reads_stall", lambda device: True)

@@ -1,0 +1,74 @@
+"""What one more drafted token costs on this device, in plain decoding steps, measured as decoding goes.
+
+A round that runs `d` draft forwards and verifies `d + 1` tokens takes about `base + d * per_draft`
+seconds: `base` is a one-token forward of the full model plus the round's fixed work (a plain step's
+worth), `per_draft` one draft forward plus one more verified token. Their ratio is the price of the next
+draft in plain steps: drafting it pays only when its chance of being accepted (with all before it) is
+above that price. The two are fit by least squares over the call's rounds (with forgetting, so a
+growing context is tracked), from the wall time between the rounds' host reads, which the loop has
+anyway. Until the rounds vary enough in length to separate the two, the price is the share of the
+model's weights the draft still reads (`kept_weight_fraction`): what it costs where decoding is bound
+by memory bandwidth and verifying a few more tokens is free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from .skipping import SkipSet, decoder_layers, layer_layout
+
+FORGET = 0.95  # per round: the fit follows the last few dozen rounds
+MIN_SPREAD = 0.25  # variance of the draft counts below which the fit cannot separate base and per-draft cost
+PRICE_LIMITS = (0.02, 4.0)  # a fit outside these is noise, not a price
+
+
+def kept_weight_fraction(model: nn.Module, skip: SkipSet) -> float:
+    """The share of the model's parameters a forward of the draft path still reads (embeddings and head
+    included, which every forward reads): the draft's cost over the full model's where memory bound."""
+    def size(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    skipped = 0
+    for index, layer in enumerate(decoder_layers(model)):
+        layout = layer_layout(layer)
+        for skipped_ids, norm, sublayer in ((skip.attn, layout.attn_norm, layout.attn),
+                                            (skip.mlp, layout.mlp_norm, layout.mlp)):
+            if index in skipped_ids:
+                skipped += size(getattr(layer, norm)) + size(getattr(layer, sublayer))
+    return 1.0 - skipped / size(model)
+
+
+@dataclass
+class MarginalCost:
+    """Online least squares of round time on draft forwards; `price` is per_draft / base, or `prior` until the
+    rounds spread enough to tell the two apart."""
+
+    prior: float
+    weight: float = 0.0
+    sum_d: float = 0.0
+    sum_t: float = 0.0
+    sum_dd: float = 0.0
+    sum_dt: float = 0.0
+
+    def observe(self, drafts: int, seconds: float) -> None:
+        self.weight = FORGET * self.weight + 1.0
+        self.sum_d = FORGET * self.sum_d + drafts
+        self.sum_t = FORGET * self.sum_t + seconds
+        self.sum_dd = FORGET * self.sum_dd + drafts * drafts
+        self.sum_dt = FORGET * self.sum_dt + drafts * seconds
+
+    @property
+    def price(self) -> float:
+        if self.weight < 4:
+            return self.prior
+        mean_d, mean_t = self.sum_d / self.weight, self.sum_t / self.weight
+        spread = self.sum_dd / self.weight - mean_d * mean_d
+        if spread < MIN_SPREAD:
+            return self.prior
+        per_draft = (self.sum_dt / self.weight - mean_d * mean_t) / spread
+        base = mean_t - per_draft * mean_d
+        if base <= 0 or not PRICE_LIMITS[0] <= per_draft / base <= PRICE_LIMITS[1]:
+            return self.prior
+        return per_draft / base
