@@ -192,3 +192,26 @@ def test_optimize_takes_over_an_empty_unlabelled_study(capsys, tmp_path, tiny_mo
     assert code == 0, err
     study = optuna.load_study(study_name="cli", storage=f"sqlite:///{tmp_path}/cli.db")
     assert STUDY_ATTR in study.user_attrs and "exported" in out
+
+
+def test_generate_takes_the_stop_rule_and_the_guard_switch(capsys, tiny_model_dir, monkeypatch):
+    from skipsearch import decoding
+
+    seen = []
+    real = decoding.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["policy"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "generate", spy)
+    common = ["generate", "--model", tiny_model_dir, "--prompt", "hello there", "--max-new-tokens", 8, "--json",
+              "--dtype", "float64", "--skip-attn", "1"]
+    code, out, _ = run(capsys, *common, "--stop-rule", "cost", "--no-guard")
+    assert code == 0 and (seen[-1].stop_rule, seen[-1].guard) == ("cost", False)
+    assert json.loads(out)["stats"]["guard_plain_tokens"] == 0
+    code, _, _ = run(capsys, *common)
+    assert code == 0 and (seen[-1].stop_rule, seen[-1].guard) == ("threshold", True)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*map(str, common), "--stop-rule", "fast"])
+    assert exit_info.value.code == 2 and "invalid choice: 'fast'" in capsys.readouterr().err

@@ -11,7 +11,7 @@ from skipsearch.skipping import SkipSet
 def make_config(model, **overrides):
     fields = dict(
         model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([0, 2], [3], 4),
-        draft=DraftPolicy(max_draft_tokens=5, adaptive=False, confidence_threshold=0.4),
+        draft=DraftPolicy(max_draft_tokens=5, adaptive=False, confidence_threshold=0.4, stop_rule="cost", guard=False),
         metrics={"score": 0.5, "speedup": 1.1}, search={"study_name": "s"},
     )
     fields.update(overrides)
@@ -29,6 +29,16 @@ def test_round_trip(tmp_path):
     assert data["model"] == {"name_or_path": "tiny", "architecture": "LlamaForCausalLM", "num_hidden_layers": 4,
                              "hidden_size": 32}
     assert [p.name for p in tmp_path.iterdir()] == ["best.json"]  # no temp file left behind
+
+
+def test_configs_written_before_the_guard_load_with_it_on(tmp_path):
+    """Version 1 files without "stop_rule" and "guard" (every earlier export) load with today's defaults."""
+    model = tiny_model()
+    data = make_config(model).to_json()
+    del data["draft"]["stop_rule"], data["draft"]["guard"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    draft = load_skip_config(tmp_path / "old.json", model).draft
+    assert (draft.stop_rule, draft.guard, draft.max_draft_tokens) == ("threshold", True, 5)
 
 
 def test_other_model_is_refused(tmp_path):
@@ -54,6 +64,8 @@ def test_other_model_is_refused(tmp_path):
         (lambda d: d["draft"].update(max_draft_tokens=2.5), r"draft.'max_draft_tokens' has the wrong type"),
         (lambda d: d["draft"].update(adaptive="yes"), r"draft.'adaptive' has the wrong type"),
         (lambda d: d.update(metrics=[]), r"'metrics' has the wrong type"),
+        (lambda d: d["draft"].update(stop_rule="fast"), r"stop_rule must be one of threshold, cost, got 'fast'"),
+        (lambda d: d["draft"].update(guard="on"), r"draft.'guard' has the wrong type"),
     ],
 )
 def test_bad_configs_are_clear_errors(tmp_path, mutate, message):
