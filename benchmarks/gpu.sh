@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results and the method).
 #
-#   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host speed speed-8b profiles
+#   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host speed speed-8b profiles guard
 # (the order of ../shared/gpu.md; each stage fits one 10-minute call, several fit together)
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
@@ -78,6 +78,11 @@ for stage in "$@"; do
         timeout 95 python3 -m skipsearch profile --config-only --model "benchmarks/configs/$shape.json" \
           --dtype bfloat16 --no-progress --output "$OUT/profile-$shape.json" 2>&1 | tee "$OUT/profile-$shape.log" | tail -9
       done
+      ;;
+    guard)  # the run-time guard and the stop rules, compiled (CUDA graphs) as deployed, paired against plain decoding
+      timeout 560 python3 benchmarks/guard.py --device cuda --dtype bfloat16 --compile --num-prompts 4 \
+        --max-new-tokens 128 --repeats 2 --sets "a20;a8,11,18,20,22,28|m24,26,28" 2>&1 | tee "$OUT/guard.log" \
+        | grep -v "it/s\]$"
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac

@@ -54,19 +54,24 @@ def main() -> None:
     parser.add_argument("--prompt-offset", type=int, default=8, help="held out: the default study uses the first 8")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--compile", action="store_true", help="compiled steps (on CUDA: CUDA graphs), as deployed")
     parser.add_argument("--policies", default=",".join(str(i) for i in range(len(POLICIES))),
                         help="which of the policies, by index (default: all)")
     args = parser.parse_args()
-    loaded = load_model(device="cpu", dtype="float32")
+    loaded = load_model(device=args.device, dtype=args.dtype)
     model, eos = loaded.model, loaded.model.generation_config.eos_token_id
     texts = load_prompts(num_prompts=args.prompt_offset + args.num_prompts, seed=0)[args.prompt_offset:]
     prompts = [encode_prompt(loaded.tokenizer, text) for text in texts]
     chosen = [list(POLICIES.items())[int(i)] for i in args.policies.split(",")]
-    decoders = {"plain": skipsearch_decoder(model, args.max_new_tokens, eos, None, DraftPolicy())}
+    decoders = {"plain": skipsearch_decoder(model, args.max_new_tokens, eos, None, DraftPolicy(), compile=args.compile)}
     for skip in parse_skip_sets(args.sets, model.config.num_hidden_layers):
         for label, policy in chosen:
-            decoders[f"{skip}: {label}"] = skipsearch_decoder(model, args.max_new_tokens, eos, skip, policy)
-    print(f"default model, CPU fp32 eager, torch threads {torch.get_num_threads()}, {len(prompts)} held-out prompts "
+            decoders[f"{skip}: {label}"] = skipsearch_decoder(model, args.max_new_tokens, eos, skip, policy,
+                                                              compile=args.compile)
+    print(f"default model on {model.device} ({model.dtype}, {'compiled' if args.compile else 'eager'}), torch threads "
+          f"{torch.get_num_threads()}, {len(prompts)} held-out prompts "
           f"x {args.max_new_tokens} new tokens, {args.repeats} repeats, paired against plain decoding")
     print(f"the guard's bookkeeping: {guard_microseconds():.2f} us per round (a clock read and its update)")
     runs = timed_runs(decoders, prompts, args.repeats, model.device, show_progress=True)
