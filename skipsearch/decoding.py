@@ -26,7 +26,6 @@ from .economics import MarginalCost, kept_weight_fraction
 from .engine import CompileSettings, Step, Steps, engine_for, forward_at_position, synchronize
 from .guard import Guard, GuardStats
 from .inputs import check_generate_args, check_prompt
-from .kvcache import SpeculativeCache
 from .policy import DraftPolicy  # re-exported: callers of the loop import it from here too
 from .skipping import SkipSet
 
