@@ -22,7 +22,7 @@ from skipsearch import load_model
 from skipsearch.bench import skipsearch_decoder, timed_runs
 from skipsearch.data import load_prompts
 from skipsearch.decoding import DraftPolicy
-from skipsearch.guard import Guard
+from skipsearch.guard import Guard, PlainSpeed
 from skipsearch.measure import ratio_interval
 from skipsearch.models import encode_prompt
 
@@ -40,7 +40,7 @@ POLICIES = {
 
 def guard_microseconds(rounds: int = 200_000) -> float:
     """What the guard adds to a round on the host: one clock read and one update, timed over many rounds."""
-    guard = Guard(plain_s=1.0)
+    guard = Guard(PlainSpeed(1.0))
     start = time.perf_counter()
     for _ in range(rounds):
         guard.observe(3, time.perf_counter() - start, drafted=True)

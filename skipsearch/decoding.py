@@ -24,7 +24,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from .economics import MarginalCost, kept_weight_fraction
 from .engine import CompileSettings, Step, Steps, engine_for, forward_at_position, synchronize
-from .guard import Guard, GuardStats
+from .guard import Guard, GuardStats, PlainSpeed
 from .inputs import check_generate_args, check_prompt
 from .policy import DraftPolicy  # re-exported: callers of the loop import it from here too
 from .skipping import SkipSet
@@ -318,9 +318,8 @@ def generate(
 
     `skip=None`, an empty skip set or `policy.max_draft_tokens == 0` decodes autoregressively
     through the same loop (`drafting_skip`). `generator` seeds sampling; it must live on the
-    model's device. `compile` runs the draft and verify forwards compiled (`compile_backend`,
-    `compile_mode`: engine.py's modes; CUDA graphs by default on CUDA); compiled steps are kept on
-    the model and reused by later calls with the same skip set. The prefill always runs eagerly.
+    model's device. `compile` runs the draft and verify forwards compiled (`compile_backend`, `compile_mode`:
+    engine.py's modes; CUDA graphs by default on CUDA), kept on the model for later calls; the prefill is eager.
     `hooks` put logits processing, stopping and streaming in the caller's hands (`DecodeHooks`).
     """
     prompt = check_prompt(model, input_ids)  # before any work: each a TypeError or ValueError saying what is wrong
@@ -335,14 +334,20 @@ def generate(
     loop = _Loop(model, steps, verify_width if compile else None, policy, sampling, _eos_set(eos_token_id),
                  generator, hooks, time_drafts, host_reads_stall(model.device))
     if draft_skip is not None:
-        loop.guard = Guard(engine.plain_seconds.get(settings)) if policy.guard else None
-        loop.costs = MarginalCost(kept_weight_fraction(model, draft_skip)) if policy.stop_rule == "cost" else None
+        _watch_rounds(loop, draft_skip, engine.plain_speeds.setdefault(settings, PlainSpeed()))
     new_steps = {id(step): step for step in steps[1:] if step is not None and step.setup_time_s is None}
     output = _decode(loop, prompt, max_new_tokens)
     output.stats.compile_time_s = sum(step.setup_time_s or 0.0 for step in new_steps.values())
-    if loop.guard is not None and loop.guard.plain_s is not None:
-        engine.plain_seconds[settings] = loop.guard.plain_s  # later calls need not sample plain speed again
     return output
+
+
+def _watch_rounds(loop: _Loop, draft_skip: SkipSet, plain: PlainSpeed) -> None:
+    """What the policy asks to time rounds for: the guard (with plain speed as earlier calls measured it: later
+    calls need not sample it again) and the price of a draft ("cost" rule; first the share of weights it reads)."""
+    if loop.policy.guard:
+        loop.guard = Guard(plain)
+    if loop.policy.stop_rule == "cost":
+        loop.costs = MarginalCost(kept_weight_fraction(loop.model, draft_skip))
 
 
 @dataclass

@@ -31,6 +31,7 @@ import torch
 import torch._inductor.config
 from torch import nn
 
+from .guard import PlainSpeed
 from .kvcache import SpeculativeCache
 from .skipping import SkippedLayer, SkipSet, decoder_layers, draft_layers, draft_model, forget_draft, model_with_layers
 
@@ -199,7 +200,7 @@ class Steps(NamedTuple):
 
 class Engine:
     """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead.
-    `plain_seconds` keeps plain decoding's measured seconds per token by compile settings, for the guard."""
+    `plain_speeds` keeps plain decoding's measured speed by compile settings, for the guard."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -208,7 +209,7 @@ class Engine:
         self.draft_steps: collections.OrderedDict[tuple, Step] = collections.OrderedDict()
         self.layers: dict[str, CompiledLayers] = {}  # by backend
         self.graph_pool = None
-        self.plain_seconds: dict[CompileSettings | None, float] = {}
+        self.plain_speeds: dict[CompileSettings | None, PlainSpeed] = {}
 
     @property
     def steps(self) -> dict[tuple, Step]:

@@ -28,6 +28,13 @@ PLAIN_SAMPLE_TOKENS = 8  # plain tokens decoded to measure plain speed when none
 
 
 @dataclass
+class PlainSpeed:
+    """Plain decoding's measured seconds per token (None: not yet), kept per model and compile mode across calls."""
+
+    seconds_per_token: float | None = None
+
+
+@dataclass
 class GuardStats:
     """What the guard did in a call: tokens it decoded plainly, and why."""
 
@@ -52,9 +59,9 @@ class GuardStats:
 
 @dataclass
 class Guard:
-    """The guard's state for one call. `plain_s` (seconds per plain token) comes from earlier calls, or None."""
+    """The guard's state for one call; `plain` is shared with the calls before and after it."""
 
-    plain_s: float | None = None
+    plain: PlainSpeed = field(default_factory=PlainSpeed)
     stats: GuardStats = field(default_factory=GuardStats)
     plain_left: int = 0  # tokens to decode plainly before drafting again
     sampling_plain: bool = False  # the plain stretch measures plain speed, it is no fallback
@@ -91,13 +98,15 @@ class Guard:
             per_token = seconds / tokens
             # A moving average weighted by tokens: a batch of 8 steps counts as 8 single steps would.
             weight = 1.0 - 0.8**tokens
-            self.plain_s = per_token if self.plain_s is None else (1 - weight) * self.plain_s + weight * per_token
+            known = self.plain.seconds_per_token
+            self.plain.seconds_per_token = per_token if known is None else (1 - weight) * known + weight * per_token
 
     def _verdict(self) -> None:
-        if self.plain_s is None:
+        plain_s = self.plain.seconds_per_token
+        if plain_s is None:
             self.plain_left, self.sampling_plain = PLAIN_SAMPLE_TOKENS, True
             return  # the rounds timed so far stay: the verdict comes after the plain sample
-        ratio = self.drafted_tokens / self.drafted_s * self.plain_s if self.drafted_s > 0 else float("inf")
+        ratio = self.drafted_tokens / self.drafted_s * plain_s if self.drafted_s > 0 else float("inf")
         self.stats.last_ratio = ratio
         self.drafted_rounds = 0
         if ratio >= KEEP_ABOVE:

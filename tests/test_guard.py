@@ -9,7 +9,7 @@ from skipsearch import decoding
 from skipsearch.decoding import DraftPolicy, Sampling, draft_round, draft_round_on_device, generate
 from skipsearch.economics import MarginalCost, kept_weight_fraction
 from skipsearch.engine import engine_for
-from skipsearch.guard import FIRST_BACKOFF_TOKENS, KEEP_ABOVE, PLAIN_SAMPLE_TOKENS, ROUNDS_PER_CHECK, Guard
+from skipsearch.guard import FIRST_BACKOFF_TOKENS, KEEP_ABOVE, PLAIN_SAMPLE_TOKENS, ROUNDS_PER_CHECK, Guard, PlainSpeed
 from skipsearch.skipping import SkipSet
 from test_engine import HostReads
 
@@ -28,7 +28,7 @@ def test_the_guard_samples_plain_speed_first_then_keeps_a_set_that_pays():
     assert not guard.drafting() and guard.plain_left == PLAIN_SAMPLE_TOKENS  # no plain speed known yet
     for _ in range(PLAIN_SAMPLE_TOKENS):
         guard.observe(1, 1.0, drafted=False)  # 1 token/s
-    assert guard.drafting() and guard.plain_s == pytest.approx(1.0)
+    assert guard.drafting() and guard.plain.seconds_per_token == pytest.approx(1.0)
     drafted_rounds(guard, 1, tokens=3, seconds=2.0)  # the verdict, with the rounds before the sample
     assert guard.stats.last_ratio == pytest.approx(1.5)
     drafted_rounds(guard, 10 * ROUNDS_PER_CHECK, tokens=3, seconds=2.0)
@@ -37,7 +37,7 @@ def test_the_guard_samples_plain_speed_first_then_keeps_a_set_that_pays():
 
 
 def test_the_guard_falls_back_with_back_off_and_comes_back_when_drafting_pays_again():
-    guard = Guard(plain_s=1.0)
+    guard = Guard(PlainSpeed(1.0))
     stretches = []
     for _ in range(3):
         drafted_rounds(guard, ROUNDS_PER_CHECK, tokens=1, seconds=2.0)  # half of plain speed
@@ -52,7 +52,7 @@ def test_the_guard_falls_back_with_back_off_and_comes_back_when_drafting_pays_ag
 
 
 def test_one_slow_round_among_good_ones_is_no_verdict():
-    guard = Guard(plain_s=1.0)
+    guard = Guard(PlainSpeed(1.0))
     drafted_rounds(guard, 3 * ROUNDS_PER_CHECK, tokens=3, seconds=2.0)
     drafted_rounds(guard, ROUNDS_PER_CHECK - 1, tokens=3, seconds=2.0)
     guard.observe(1, 6.0, drafted=True)  # a stretch of rejections, at the verdict
@@ -60,11 +60,11 @@ def test_one_slow_round_among_good_ones_is_no_verdict():
 
 
 def test_untimed_iterations_count_tokens_but_no_time():
-    guard = Guard(plain_s=1.0)
+    guard = Guard(PlainSpeed(1.0))
     guard.observe(3, None, drafted=True)  # a compiled step's first call
     guard.plain_left = 4
     guard.observe(2, None, drafted=False)
-    assert guard.drafted_rounds == 0 and guard.plain_s == 1.0 and guard.plain_left == 2
+    assert guard.drafted_rounds == 0 and guard.plain.seconds_per_token == 1.0 and guard.plain_left == 2
 
 
 def test_the_price_of_a_draft_is_fit_from_round_times():
@@ -125,7 +125,7 @@ def test_where_drafting_pays_the_guard_never_falls_back_and_reads_nothing_more(m
     run = dict(model=model, input_ids=PROMPT, skip=MIDDLE, max_new_tokens=120)
     first, _ = timed(timer, **run)
     assert first.stats.guard.sample_tokens == PLAIN_SAMPLE_TOKENS  # once per model: then kept on its engine
-    assert engine_for(model).plain_seconds[None] > 0
+    assert engine_for(model).plain_speeds[None].seconds_per_token > 0
     monkeypatch.setattr(decoding, "host_reads_stall", lambda device: True)
     outs, reads = {}, {}
     for guard in (True, False):
