@@ -333,17 +333,18 @@ def generate(
     steps = engine.prepare(length, draft_skip, settings, verify_width)
     loop = _Loop(model, steps, verify_width if compile else None, policy, sampling, _eos_set(eos_token_id),
                  generator, hooks, time_drafts, host_reads_stall(model.device))
-    if draft_skip is not None:
-        _watch_rounds(loop, draft_skip, engine.plain_speeds.setdefault(settings, PlainSpeed()))
+    _watch_rounds(loop, draft_skip, engine.plain_speeds.setdefault(settings, PlainSpeed()))
     new_steps = {id(step): step for step in steps[1:] if step is not None and step.setup_time_s is None}
     output = _decode(loop, prompt, max_new_tokens)
     output.stats.compile_time_s = sum(step.setup_time_s or 0.0 for step in new_steps.values())
     return output
 
 
-def _watch_rounds(loop: _Loop, draft_skip: SkipSet, plain: PlainSpeed) -> None:
-    """What the policy asks to time rounds for: the guard (with plain speed as earlier calls measured it: later
-    calls need not sample it again) and the price of a draft ("cost" rule; first the share of weights it reads)."""
+def _watch_rounds(loop: _Loop, draft_skip: SkipSet | None, plain: PlainSpeed) -> None:
+    """What the policy asks to time drafting rounds for: the guard (with plain speed as earlier calls measured it:
+    later calls need not sample it again) and the price of a draft ("cost" rule; first the share of weights read)."""
+    if draft_skip is None:
+        return
     if loop.policy.guard:
         loop.guard = Guard(plain)
     if loop.policy.stop_rule == "cost":
