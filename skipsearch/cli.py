@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
+import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 # Nothing heavy at module level: `--help` must answer without importing torch, transformers or optuna.
-from .constants import DEFAULT_MODEL, DTYPE_NAMES
+from .constants import DEFAULT_MODEL, DTYPE_NAMES, MIN_TEMPERATURE
 from .errors import first_line
 from .policy import STOP_RULES, DraftPolicy
 
@@ -32,6 +35,9 @@ if TYPE_CHECKING:
 
 class UsageError(ValueError):
     """Bad input from the command line: reported as one line, exit code 2."""
+
+
+INTERRUPTED = 130  # the exit code of a command stopped by Ctrl-C (128 + SIGINT, as shells report it) or SIGTERM
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,6 +96,9 @@ def _contexts(text: str) -> list[int]:
 _non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _unit_float = _number(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 _positive_float = _number(float, lambda v: 0 < v < math.inf, "a finite number > 0")
+_temperature = _number(float, lambda v: MIN_TEMPERATURE <= v < math.inf,
+                       f"a finite number >= {MIN_TEMPERATURE:g} (lower samples as greedy decoding does: leave out "
+                       "--do-sample)")
 
 
 def _text(text: str) -> str:
@@ -170,6 +179,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from . import models
     from .config import load_skip_config
     from .decoding import Sampling, generate
+    from .inputs import check_room
     from .skipping import SkipSet
 
     if args.config and (args.skip_attn or args.skip_mlp):
@@ -190,7 +200,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         skip = None
     sampling = Sampling(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompt_ids = models.encode_prompt(loaded.tokenizer, args.prompt, raw=args.raw)
-    models.check_context(loaded.model, len(prompt_ids), args.max_new_tokens, policy.max_draft_tokens)
+    check_room(loaded.model, len(prompt_ids), args.max_new_tokens, skip, policy, flag="--max-new-tokens")
     generator = torch.Generator(loaded.device).manual_seed(args.seed) if args.do_sample else None
     output = generate(
         loaded.model, prompt_ids, skip=skip, max_new_tokens=args.max_new_tokens, policy=policy,
@@ -307,6 +317,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from .export import export_trial, verdict
     from .plots import write_plots
     from .search import StudySettings, run_study, study_summary
+    from .worker import StopRequest
 
     run = _prepare_optimization(args)
     storage, heartbeat = _open_storage(args)
@@ -318,13 +329,22 @@ def cmd_optimize(args: argparse.Namespace) -> int:
         repeats=args.repeats, confirm_top=args.confirm_top, confirm_repeats=args.confirm_repeats,
         first_trials=run.first_trials, heartbeat=heartbeat, compile=args.compile or None,
     )
-    model = run.loaded.model
+    model, stop = run.loaded.model, StopRequest()
     study = run_study(model, run.model_info, run.loaded.dtype_name, run.prompts, settings, run.space, run.policy,
-                      model.generation_config.eos_token_id, profile=run.profile)
+                      model.generation_config.eos_token_id, profile=run.profile, stop=stop)
     config = export_trial(study, run.folder / "best.json")
+    skipped = config.skip if config.skip.size else "nothing (plain decoding)"
+    exported = f"exported {run.folder / 'best.json'}: skip {skipped}"
     print(f"study {args.study_name} in {_storage(args, must_exist=False)}: {study_summary(study)}")
     print(verdict(study)[1])
-    print(f"exported {run.folder / 'best.json'}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
+    print(exported)
+    if stop.signal_name:
+        # No slow extras (a scheduler's kill follows its SIGTERM), and the code of an interrupted command, so that a
+        # script or a Kubernetes Job does not take the study for finished: running the command again resumes it.
+        if not args.no_plots:
+            print("plots not written after the stop signal: `python -m skipsearch plot` writes them")
+        print(f"{args.prog}: stopped by {stop.signal_name} {stop.outcome}; {exported}", file=sys.stderr)
+        return INTERRUPTED
     if run.projections:
         _print_projections(study, run, args.max_new_tokens)
     if not args.no_plots:
@@ -338,14 +358,15 @@ def _prepare_optimization(args: argparse.Namespace) -> _Optimization:
     from .config import ModelInfo
     from .costs import CostProfile, load_projections
     from .data import load_prompts
-    from .search import make_sampler
+    from .search import check_measurable, make_sampler
     from .space import SearchSpace
     from .warmstart import read_warm_starts
 
+    policy = _draft_policy(args, DraftPolicy())
+    check_measurable(args.max_new_tokens, policy.max_draft_tokens, names=("--max-new-tokens", "--max-draft-tokens"))
     warm_files = [entry for spec in args.warm_start or () for entry in read_warm_starts(spec)]
     prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
                            seed=args.seed)
-    policy = _draft_policy(args, DraftPolicy())
     make_sampler(args.sampler, args.seed, args.objective == "pareto")
     if args.heartbeat_grace <= args.heartbeat_interval:
         raise UsageError("--heartbeat-grace must be longer than --heartbeat-interval")
@@ -601,7 +622,7 @@ def _add_generate(commands: Commands, formatter: Formatter) -> None:
     gen.add_argument("--autoregressive", action="store_true", help="decode plainly through the same loop")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens to generate at most")
     gen.add_argument("--do-sample", action="store_true", help="sample (speculative rejection sampling) instead of greedy")
-    gen.add_argument("--temperature", type=_positive_float, default=1.0, help="sampling temperature")
+    gen.add_argument("--temperature", type=_temperature, default=1.0, help="sampling temperature")
     gen.add_argument("--top-k", type=_positive_int, default=None, help="sample among the k most likely tokens")
     gen.add_argument("--top-p", type=_unit_float, default=None, help="nucleus sampling mass")
     gen.add_argument("--seed", type=_seed, default=0, help="sampling seed")
@@ -767,6 +788,22 @@ def _add_plot(commands: Commands, formatter: Formatter) -> None:
     plot.set_defaults(run=cmd_plot)
 
 
+@contextlib.contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM, which batch schedulers (Slurm, Kubernetes) send before they kill, raises KeyboardInterrupt as Ctrl-C
+    does, instead of ending the process at once and silently: a study's trials and confirmation handle both signals
+    themselves (worker.py's `stop_on_signals`), anything else ends in "interrupted". Handlers can only be set in the
+    main thread: elsewhere SIGTERM keeps its own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The CLI prints its own progress; transformers' weight-loading bars would bury the one-line errors.
@@ -780,13 +817,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .storage import disk_full
 
     try:
-        return args.run(args)
+        with _sigterm_as_ctrl_c():
+            return args.run(args)
     except ValueError as error:
         print(f"{args.prog}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{args.prog}: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     except Exception as error:  # faults of the machine, not of the input: one line still, exit 1
         if disk_full(error):
             print(f"{args.prog}: error: no space left on the device ({first_line(error)}); "

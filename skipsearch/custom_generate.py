@@ -27,6 +27,7 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .config import SkipConfig, load_skip_config
+from .constants import MIN_TEMPERATURE
 from .decoding import DecodeHooks, DecodeStats, DraftPolicy, Sampling, generate
 from .skipping import SkipSet
 
@@ -151,6 +152,11 @@ def _check_supported(model: torch.nn.Module, input_ids: torch.Tensor, generation
         given = f" ({option}={getattr(generation_config, option)!r})" if option else ""
         raise ValueError(f"self_speculative decodes greedily or by sampling, not by "
                          f"{mode.name.replace('_', ' ').lower()}{given}")
+    temperature = generation_config.temperature
+    if mode == GenerationMode.SAMPLE and temperature is not None and not temperature >= MIN_TEMPERATURE:
+        # Plain generate fails inside torch there (logits / temperature overflow): say so before any work.
+        raise ValueError(f"self_speculative samples with temperature >= {MIN_TEMPERATURE:g}, got {temperature!r}: "
+                         "lower samples as greedy decoding does (do_sample=False)")
     if input_ids.shape[0] != 1:
         raise ValueError(f"self_speculative decodes one sequence at a time: got a batch of {input_ids.shape[0]}")
     if model.config.is_encoder_decoder:

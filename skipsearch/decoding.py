@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from .constants import MIN_TEMPERATURE
 from .economics import MarginalCost, kept_weight_fraction
 from .engine import CompileSettings, Step, Steps, engine_for, forward_at_position, synchronize
 from .guard import Guard, GuardStats, PlainSpeed
@@ -40,8 +42,10 @@ class Sampling:
     top_p: float | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        if not MIN_TEMPERATURE <= self.temperature < math.inf:  # nan too
+            raise ValueError(f"temperature must be a finite number >= {MIN_TEMPERATURE:g}, got {self.temperature!r}: "
+                             "lower samples as greedy decoding does (use do_sample=False) and overflows float32 "
+                             "logits")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {self.top_k!r}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:

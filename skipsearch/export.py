@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -21,8 +21,8 @@ from optuna.trial import TrialState
 from .config import SkipConfig, save_skip_config
 from .files import write_atomic
 from .ranking import quoted_speedup
-from .records import (ConfirmedCandidate, Figures, Ratio, StudyLabel, TrialRecord, read_confirmation, read_trials,
-                      study_label)
+from .records import (Confirmation, ConfirmedCandidate, Figures, Ratio, StudyLabel, TrialRecord, read_confirmation,
+                      read_trials, study_label)
 from .skipping import SkipSet
 from .warmstart import dv_json, dv_name
 
@@ -63,7 +63,17 @@ def decide(study: optuna.Study) -> Decision:
     confirmation = read_confirmation(study)
     if confirmation is None:
         return Decision(None, None, "no skip set has been confirmed yet (the study stopped before its confirmation "
-                                    "step): run the same `optimize` command again to confirm; plain decoding is exported")
+                                    "step confirmed one): run the same `optimize` command again to confirm; plain "
+                                    "decoding is exported")
+    decision = _decide_by(confirmation, study)
+    if confirmation.complete:
+        return decision
+    stopped = f"the confirmation was stopped after {len(confirmation.candidates)} of {confirmation.wanted} skip sets"
+    return replace(decision, text=f"{decision.text} ({stopped}: run the same `optimize` command again to confirm "
+                                  "them all)")
+
+
+def _decide_by(confirmation: Confirmation, study: optuna.Study) -> Decision:
     objective = study_label(study).objective
 
     def speedup(candidate: ConfirmedCandidate) -> Ratio | None:

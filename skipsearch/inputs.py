@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .policy import DraftPolicy
 from .skipping import SkipSet, decoder_layers
 
 
@@ -104,8 +105,7 @@ def check_generate_args(model: nn.Module, prompt_tokens: int, skip: Any, max_new
     """The options of `decoding.generate`: their types, a skip set that fits the model, and a prompt plus
     `max_new_tokens` plus drafts within the model's context (bounded before the cache is allocated)."""
     from .config import SkipConfig
-    from .decoding import DraftPolicy, Sampling, drafting_skip
-    from .models import check_context
+    from .decoding import Sampling
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
@@ -119,5 +119,20 @@ def check_generate_args(model: nn.Module, prompt_tokens: int, skip: Any, max_new
     for name, value, kind in (("policy", policy, DraftPolicy), ("sampling", sampling, Sampling)):
         if not isinstance(value, kind):
             raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
+    check_room(model, prompt_tokens, max_new_tokens, skip, policy)
+
+
+def check_room(model: nn.Module, prompt_tokens: int, max_new_tokens: int, skip: SkipSet | None,
+               policy: DraftPolicy, flag: str = "max_new_tokens") -> None:
+    """A ValueError unless the prompt, `max_new_tokens` (`flag` names it) and, when drafting, a round's drafts fit
+    the model's context.
+
+    Plain decoding (`drafting_skip`) feeds no token past the last committed one: its steps stop at `max_new_tokens`,
+    so the cache's spare slots past them are never written. A speculative round's drafts and its verification (padded
+    to the full draft width when compiled) reach up to `max_draft_tokens` positions past them: those positions count.
+    """
+    from .decoding import drafting_skip
+    from .models import check_context
+
     drafts = policy.max_draft_tokens if drafting_skip(skip, policy) else 0
-    check_context(model, prompt_tokens, max_new_tokens, drafts, flag="max_new_tokens")
+    check_context(model, prompt_tokens, max_new_tokens, drafts, flag=flag)

@@ -234,16 +234,25 @@ class Confirmation:
     repeats: int | None  # paired runs per prompt
     prompts: int | None = None
     distinct_trials: int | None = None  # distinct skip sets the study had when it confirmed
+    # Candidates it set out to confirm: more than it holds when a stop signal cut it short. None: all (earlier
+    # releases stored complete confirmations only).
+    wanted: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.wanted is None or len(self.candidates) >= self.wanted
 
     def attrs(self) -> dict[str, Any]:
-        return {"candidates": [c.attrs() for c in self.candidates], "top": self.top, "repeats": self.repeats,
-                "prompts": self.prompts, "distinct_trials": self.distinct_trials}
+        attrs = {"candidates": [c.attrs() for c in self.candidates], "top": self.top, "repeats": self.repeats,
+                 "prompts": self.prompts, "distinct_trials": self.distinct_trials}
+        # Only where it says something: a complete confirmation reads back as the release before wrote it.
+        return attrs if self.complete else {**attrs, "wanted": self.wanted}
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> Confirmation:
         return cls(candidates=tuple(ConfirmedCandidate.from_attrs(c) for c in attrs["candidates"]), top=attrs.get("top"),
                    repeats=attrs.get("repeats"), prompts=attrs.get("prompts"),
-                   distinct_trials=attrs.get("distinct_trials"))
+                   distinct_trials=attrs.get("distinct_trials"), wanted=attrs.get("wanted"))
 
     def of_trial(self, number: int) -> ConfirmedCandidate | None:
         return next((c for c in self.candidates if c.trial == number), None)

@@ -29,11 +29,28 @@ from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord,
 from .skipping import SkipSet
 from .space import SearchSpace
 from .storage import Heartbeat, make_storage, worker_tag
-from .worker import SurplusTrial, work
+from .worker import Interrupted, StopRequest, SurplusTrial, stop_on_signals, work
 
 Value = float | tuple[float, float]  # a trial's value: one objective, or (speedup, acceptance rate) for pareto
 PLAIN_DECODING = ("skips nothing: plain decoding, whose speedup is 1 and acceptance counts as 1 by definition; "
                   "not decoded")
+# The fewest new tokens under which a study measures a draft: the prefill gives the first token, and a round needs
+# room for a draft plus the full model's own token (decoding.py's `_round`). With fewer, nothing is ever drafted and
+# a "speedup" is timing noise around 1. Three measure one round; a figure worth ranking by takes many rounds per
+# prompt (the command's default is 32).
+MIN_STUDY_NEW_TOKENS = 3
+
+
+def check_measurable(max_new_tokens: int, max_draft_tokens: int | None = None,
+                     names: tuple[str, str] = ("max_new_tokens", "max_draft_tokens")) -> None:
+    """A ValueError for study settings under which no token is ever drafted (`names`: the two settings as the
+    caller's user knows them, e.g. the command's flags); `max_draft_tokens` None: not checked."""
+    if max_new_tokens < MIN_STUDY_NEW_TOKENS:
+        raise ValueError(f"{names[0]} {max_new_tokens} leaves no room for a draft (the prefill gives the first token, "
+                         f"a round needs one for a draft and one for the full model's): a study needs {names[0]} >= "
+                         f"{MIN_STUDY_NEW_TOKENS} to measure a draft, and many rounds for a meaningful speedup")
+    if max_draft_tokens == 0:
+        raise ValueError(f"{names[1]} 0 drafts nothing, and a study measures drafting: give {names[1]} >= 1")
 
 
 @dataclass(frozen=True)
@@ -65,6 +82,9 @@ class StudySettings:
     # Compiled (regional) draft and verify steps, as `generate --compile` runs them on CUDA; None: on CUDA only,
     # where eager trials would time the host's Python rather than the GPU.
     compile: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_measurable(self.max_new_tokens)
 
 
 def make_sampler(name: str, seed: int | None, multi_objective: bool) -> optuna.samplers.BaseSampler:
@@ -218,9 +238,15 @@ def run_study(
     model: torch.nn.Module, model_info: ModelInfo, dtype: str, prompts: list[list[int]], settings: StudySettings,
     space: SearchSpace, policy: DraftPolicy, eos_token_id: int | list[int] | None,
     profile: CostProfile | None = None, clock: Callable[[], float] = time.perf_counter,
+    stop: StopRequest | None = None,
 ) -> optuna.Study:
     """Run (or resume) the study until it has evaluated `settings.n_trials` distinct skip sets (or until
-    timeout, Ctrl-C or an exhausted space), then confirm its best candidates (see `confirm_candidates`)."""
+    timeout, a stop signal or an exhausted space), then confirm its best candidates (see `confirm_candidates`).
+
+    Ctrl-C or SIGTERM finishes the running trial or confirmation, then returns; a second one abandons it (worker.py's
+    `stop_on_signals`). Either way the study keeps what finished for the export. Pass `stop` to learn whether a
+    signal stopped the run (its `signal_name`) and what that left (`outcome`)."""
+    check_measurable(settings.max_new_tokens, policy.max_draft_tokens)
     study, storage = _open(settings)
     label = StudyLabel(
         model=model_info, objective=settings.objective, sampler=settings.sampler, dataset=settings.dataset,
@@ -249,7 +275,7 @@ def run_study(
                           eos_token_id=eos_token_id, profile=profile, repeats=settings.repeats,
                           timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar,
                           compile=settings.compile if settings.compile is not None else model.device.type == "cuda")
-    _search(study, storage, evaluator, settings, space)
+    _search(study, storage, evaluator, settings, space, stop if stop is not None else StopRequest())
     return study
 
 
@@ -280,19 +306,30 @@ def _enqueue_first_trials(study: optuna.Study, settings: StudySettings, space: S
 
 
 def _search(study: optuna.Study, storage: optuna.storages.BaseStorage, evaluator: Evaluator,
-            settings: StudySettings, space: SearchSpace) -> None:
-    """The trials this worker still owes the study, then the confirmation (unless Ctrl-C stopped the trials)."""
-    interrupted = False
-    if len(distinct_trials(study)) < settings.n_trials:
-        runner = TrialRunner(space, evaluator, settings.objective, settings.min_match, settings.n_trials)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            interrupted = work(study, storage, runner, settings, space).interrupts > 0
-    if interrupted:
-        print("not confirming after Ctrl-C: the export keeps the last confirmation, if any")
-    elif _confirmation_is_stale(study, settings.confirm_top):
-        confirm_candidates(study, evaluator, settings.objective, settings.confirm_top, settings.confirm_repeats,
-                           settings.show_progress_bar)
+            settings: StudySettings, space: SearchSpace, stop: StopRequest) -> None:
+    """The trials this worker still owes the study, then the confirmation (unless a stop signal stopped the trials).
+    The stop signals are handled throughout, so that what finished is kept whenever one comes."""
+    with stop_on_signals(stop):
+        try:
+            if len(distinct_trials(study)) < settings.n_trials:
+                runner = TrialRunner(space, evaluator, settings.objective, settings.min_match, settings.n_trials)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    work(study, storage, runner, settings, space, stop)
+            if stop.interrupts:
+                stop.outcome = "during the trials, before the confirmation: the export keeps the last one, if any"
+                print(f"not confirming after {stop.signal_name}: the export keeps the last confirmation, if any")
+            elif _confirmation_is_stale(study, settings.confirm_top):
+                stop.running = "skip set being confirmed"
+                confirmation = confirm_candidates(study, evaluator, settings.objective, settings.confirm_top,
+                                                  settings.confirm_repeats, settings.show_progress_bar, stop)
+                if stop.interrupts:
+                    stop.outcome = (f"during the confirmation, after {len(confirmation.candidates)} of "
+                                    f"{confirmation.wanted} skip sets were confirmed")
+        except Interrupted:  # a second signal between the steps: nothing was running to abandon
+            pass
+    if stop.interrupts and not stop.outcome:  # between the steps, or after the last
+        stop.outcome = "as the study finished: the export keeps what it had"
 
 
 # What a trial measures: a resumed study must measure its new trials as it did the old. (Label field, its flag.)
@@ -320,28 +357,42 @@ def confirmation_candidates(study: optuna.Study, top: int) -> list[TrialRecord]:
 def _confirmation_is_stale(study: optuna.Study, top: int) -> bool:
     confirmation = read_confirmation(study)
     wanted = [t.number for t in confirmation_candidates(study, top)]
-    return confirmation is None or [c.trial for c in confirmation.candidates] != wanted
+    return confirmation is None or not confirmation.complete or [c.trial for c in confirmation.candidates] != wanted
 
 
 def confirm_candidates(study: optuna.Study, evaluator: Evaluator, objective: str, top: int, repeats: int,
-                       show_progress: bool = True) -> Confirmation:
+                       show_progress: bool = True, stop: StopRequest | None = None) -> Confirmation:
     """Re-measure the best distinct candidates against plain decoding with more paired runs, and store the
     figures on the study: the export reads them, so the verdict, best.json, the plots and the notebook
-    all quote the same confirmed numbers."""
+    all quote the same confirmed numbers.
+
+    With `stop` (handled by `stop_on_signals`), a first stop signal ends the confirmation after the candidate being
+    measured and a second abandons that one: the candidates confirmed by then are stored, marked incomplete, and the
+    export decides by them. With none confirmed nothing is stored: the export keeps the last confirmation, if any."""
     from tqdm.auto import tqdm
 
-    confirmed = []
-    for trial in tqdm(confirmation_candidates(study, top), desc="confirming the best skip sets", unit="set",
-                      disable=not show_progress, dynamic_ncols=True):
-        evaluation = evaluator.evaluate(trial.skip, objective=objective, repeats=repeats)
-        figures = evaluation.figures()
-        confirmed.append(ConfirmedCandidate(trial=trial.number, skip=trial.skip, score=score(figures, objective),
-                                            skipped=trial.skip.size, skipped_fraction=evaluation.skipped_fraction,
-                                            figures=figures))
+    candidates, confirmed = confirmation_candidates(study, top), []
+    try:
+        for trial in tqdm(candidates, desc="confirming the best skip sets", unit="set", disable=not show_progress,
+                          dynamic_ncols=True):
+            if stop is not None and stop.interrupts:
+                break
+            confirmed.append(_confirm(trial, evaluator, objective, repeats))
+    except Interrupted:
+        pass  # the candidate being measured is abandoned; those before it stand
     confirmation = Confirmation(tuple(confirmed), top=top, repeats=repeats if evaluator.timed else 1,
-                                prompts=len(evaluator.prompts), distinct_trials=len(distinct_trials(study)))
-    records.write_confirmation(study, confirmation)
+                                prompts=len(evaluator.prompts), distinct_trials=len(distinct_trials(study)),
+                                wanted=len(candidates))
+    if confirmed or confirmation.complete:
+        records.write_confirmation(study, confirmation)
     return confirmation
+
+
+def _confirm(trial: TrialRecord, evaluator: Evaluator, objective: str, repeats: int) -> ConfirmedCandidate:
+    evaluation = evaluator.evaluate(trial.skip, objective=objective, repeats=repeats)
+    figures = evaluation.figures()
+    return ConfirmedCandidate(trial=trial.number, skip=trial.skip, score=score(figures, objective),
+                              skipped=trial.skip.size, skipped_fraction=evaluation.skipped_fraction, figures=figures)
 
 
 def study_summary(study: optuna.Study) -> str:

@@ -1,7 +1,8 @@
 """A worker's trials: one `study.optimize` call, which Optuna callbacks stop with `study.stop()`.
 
 After each trial the rules decide whether this worker starts another: the trial budget (distinct skip sets,
-counted across all the study's workers), a limit on failures in a row, an exhausted search space, and Ctrl-C.
+counted across all the study's workers), a limit on failures in a row, an exhausted search space, and a stop
+signal (Ctrl-C or SIGTERM).
 A full disk ends the study at once.
 """
 
@@ -11,6 +12,7 @@ import contextlib
 import errno
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -36,17 +38,24 @@ class SurplusTrial(Exception):
 
 
 class Interrupted(Exception):
-    """A second Ctrl-C: abandon the running trial now. An Exception, so that Optuna fails the trial and goes on
-    to the callbacks instead of unwinding the whole study; the caller still exports what finished."""
+    """A second stop signal: abandon the running trial (or confirmation) now. An Exception, so that Optuna fails the
+    trial and goes on to the callbacks instead of unwinding the whole study; the caller still exports what finished."""
+
+
+# Ctrl-C, and what batch schedulers (Slurm, Kubernetes) send before they kill: both stop a study the same way.
+STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
 
 @dataclass
 class StopRequest:
-    """Why this worker stops starting trials: a reason to print (empty: none), and the Ctrl-C presses so far.
-    Called after each trial, it is the Ctrl-C rule."""
+    """Why this worker stops starting trials: a reason to print (empty: none), the stop signals so far and the
+    first one's name, and what a second signal abandons. Called after each trial, it is the stop-signal rule."""
 
     reason: str = ""
     interrupts: int = 0
+    signal_name: str = ""  # "Ctrl-C" or "SIGTERM": the first stop signal; empty while none came
+    running: str = "running trial"  # what runs now, as the messages name it
+    outcome: str = ""  # when a signal stopped the run: where, and what that left for the export
 
     @property
     def requested(self) -> bool:
@@ -62,22 +71,30 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def stop_after_trial_on_interrupt(stop: StopRequest) -> Iterator[None]:
-    """First Ctrl-C: finish the running trial, then stop (the caller still exports). Second: abandon it now."""
+def stop_on_signals(stop: StopRequest) -> Iterator[None]:
+    """First Ctrl-C or SIGTERM: finish what runs (`stop.running`), then stop; the caller still exports.
+    Second: abandon it now (`Interrupted`). Signal handlers can only be set in the main thread: elsewhere the
+    signals keep their handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
 
-    def on_sigint(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Any) -> None:
+        name = STOP_SIGNALS[signum]
         stop.interrupts += 1
+        stop.signal_name = stop.signal_name or name
         if stop.interrupts > 1:
-            stop.reason = "interrupted twice: the running trial was abandoned"
+            stop.reason = f"interrupted twice ({name}): the {stop.running} was abandoned"
             optuna.logging.set_verbosity(optuna.logging.ERROR)  # no traceback for the abandoned trial
-            raise Interrupted("stopped by a second Ctrl-C")
-        print("\nstopping after the running trial (Ctrl-C again to stop now)", flush=True)
+            raise Interrupted(f"stopped by a second {name}")
+        print(f"\n{name}: stopping after the {stop.running} ({name} again to stop now)", flush=True)
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 @dataclass
@@ -183,16 +200,16 @@ class TrialBudget:
 
 
 def work(study: optuna.Study, storage: optuna.storages.BaseStorage, runner: TrialRunner, settings: StudySettings,
-         space: SearchSpace) -> StopRequest:
+         space: SearchSpace, stop: StopRequest) -> StopRequest:
     """Run trials until the study, shared with any other workers, has evaluated `settings.n_trials` distinct skip
-    sets, or a rule stops it; returns why it stopped. Failed trials do not count: they are retried, up to
+    sets, or a rule stops it (`stop` is the stop-signal rule: the caller handles the signals with
+    `stop_on_signals`); returns why it stopped. Failed trials do not count: they are retried, up to
     `settings.max_failures` in a row; a repeated proposal costs no decoding and does not count either."""
-    stop = StopRequest()
     deadline = time.monotonic() + settings.timeout if settings.timeout else None
     budget = TrialBudget(settings.n_trials, storage, stop, (settings.heartbeat or Heartbeat()).grace_s, deadline)
     rules = [FailureLimit(settings.max_failures, stop, runner),
              ExhaustedSpace(space, settings.explore_after_repeats, settings.seed, stop, runner), stop]
-    with stop_after_trial_on_interrupt(stop), _progress(study, settings.n_trials, settings.show_progress_bar) as bar:
+    with _progress(study, settings.n_trials, settings.show_progress_bar) as bar:
         try:
             if budget.room_for_a_trial(study):
                 study.optimize(runner, callbacks=[*rules, bar, budget], catch=(Exception,))

@@ -15,6 +15,7 @@ import torch
 
 from skipsearch import LoadedModel, SkipSet, load_model
 from skipsearch.cli import main
+from skipsearch.search import StudySettings
 
 
 def snapshot(folder):
@@ -131,7 +132,7 @@ CASES = [
     (["generate", "--prompt", "hi", "--config", "{dir}/missing.json"], "does not exist"),
     (["generate", "--prompt", "word " * 300, "--max-new-tokens", "10"], "exceed the model's context of 256"),
     (["generate", "--prompt", "hi", "--device", "cuda"], "CUDA is not available"),
-    (["generate", "--prompt", "hi", "--temperature", "-1"], "number > 0"),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], r"finite number >= 0.0001"),
     (["optimize", "--dataset", "{dir}/missing.jsonl"], "does not exist"),
     (["optimize", "--dataset", "{dir}/prompts.jsonl", "--num-prompts", "1"], "has no field 'prompt'"),
     (["optimize", "--dataset", "{dir}/prompts.jsonl", "--field", "text", "--num-prompts", "5"], "asked for 5 prompts"),
@@ -179,8 +180,8 @@ CASES = [
     (["generate", "--prompt", "hi", "--seed", "1e23"], "argument --seed"),
     (["generate", "--prompt", "hi", "--do-sample", "--seed", "100000000000000000000000"], "argument --seed"),
     (["generate", "--prompt", "caf\udce9"], "argument --prompt: not valid UTF-8"),
-    (["generate", "--prompt", "hi", "--temperature", "inf"], "finite number > 0"),
-    (["generate", "--prompt", "hi", "--temperature", "nan"], "finite number > 0"),
+    (["generate", "--prompt", "hi", "--temperature", "inf"], "finite number >= 0.0001"),
+    (["generate", "--prompt", "hi", "--temperature", "nan"], "finite number >= 0.0001"),
     (["optimize", "--timeout", "inf"], "finite number > 0"),
     (["optimize", "--dataset", "{dir}/a-folder.jsonl"], "is a folder"),
     (["optimize", "--dataset", "{dir}/bad-line.jsonl"], "line 2: not valid JSON"),
@@ -203,6 +204,13 @@ CASES = [
     (["optimize", "--study-name", "plain", "--storage", "sqlite:///{dir}/damaged.db"], r"is damaged \(SQLite"),
     (["plot", "--study-name", "j", "--storage", "journal:{dir}/garbage.log"], "garbage.log., line 2: not valid JSON"),
     (["optimize", "--study-name", "j", "--storage", "journal:{dir}/garbage.log"], "line 2: not valid JSON.*backup"),
+    # 7. settings under which the figures mean nothing: no draft can be measured, or sampling overflows
+    (["optimize", "--max-new-tokens", "1"],
+     r"--max-new-tokens 1 leaves no room for a draft.* needs --max-new-tokens >= 3"),
+    (["optimize", "--max-new-tokens", "2"], r"--max-new-tokens 2 leaves no room for a draft.*>= 3"),
+    (["optimize", "--max-draft-tokens", "0"], r"--max-draft-tokens 0 drafts nothing.*--max-draft-tokens >= 1"),
+    (["generate", "--prompt", "hi", "--do-sample", "--temperature", "1e-45"],
+     r"argument --temperature: expected a finite number >= 0.0001 \(lower samples as greedy decoding does"),
 ]
 
 
@@ -311,10 +319,15 @@ def test_no_traceback_from_the_real_command(workspace):
     assert result.stderr.startswith("python -m skipsearch generate: error: argument --top-p:")
 
 
-def _generate(**kwargs):
-    from skipsearch.decoding import generate
+def _generate(sampling_options=None, **kwargs):
+    """A call of `generate` on a model; `sampling_options` build the Sampling inside the call (its checks count)."""
+    from skipsearch.decoding import Sampling, generate
 
-    return lambda model: generate(model, **{"input_ids": [5, 9, 14], **kwargs})
+    def call(model):
+        sampling = {"sampling": Sampling(**sampling_options)} if sampling_options else {}
+        return generate(model, **{"input_ids": [5, 9, 14], **sampling, **kwargs})
+
+    return call
 
 
 def _custom_generate(**options):
@@ -369,6 +382,13 @@ API_CASES = [
      r"not by dola generation \(dola_layers='high'\)"),
     ("custom_generate with penalty_alpha", _custom_generate(penalty_alpha=0.6, top_k=4), ValueError,
      r"not by contrastive search \(penalty_alpha=0.6\)"),
+    ("a temperature that overflows", _generate(sampling_options=dict(do_sample=True, temperature=1e-45)), ValueError,
+     r"temperature must be a finite number >= 0.0001, got 1e-45: lower samples as greedy decoding does"),
+    ("custom_generate with a temperature that overflows", _custom_generate(do_sample=True, temperature=1e-45),
+     ValueError, r"samples with temperature >= 0.0001, got 1e-45"),
+    ("a study of 2 new tokens", lambda m: StudySettings(study_name="s", storage="sqlite:///unused.db",
+                                                        max_new_tokens=2),
+     ValueError, r"max_new_tokens 2 leaves no room for a draft .*max_new_tokens >= 3"),
 ]
 
 
@@ -405,3 +425,78 @@ def test_every_form_of_one_prompt_decodes_alike(prompt, api_model):
 
 def test_load_model_takes_a_path(tiny_model_dir):
     assert load_model(Path(tiny_model_dir)).name_or_path == str(tiny_model_dir)
+
+
+def test_a_study_refuses_settings_that_measure_no_draft_before_any_work(api_model, tmp_path):
+    """No draft, no figure: `run_study` refuses a policy that drafts nothing before it opens the storage."""
+    from skipsearch.config import ModelInfo
+    from skipsearch.decoding import DraftPolicy
+    from skipsearch.search import run_study
+    from skipsearch.space import SearchSpace
+
+    settings = StudySettings(study_name="s", storage=f"sqlite:///{tmp_path}/s.db", show_progress_bar=False)
+    forwards = []
+    hook = api_model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match="max_draft_tokens 0 drafts nothing, and a study measures drafting"):
+            run_study(api_model, ModelInfo.of(api_model, "tiny"), "float32", [[5, 9, 14]], settings,
+                      SearchSpace(num_layers=4), DraftPolicy(max_draft_tokens=0), None)
+    finally:
+        hook.remove()
+    assert not forwards and not list(tmp_path.iterdir())
+
+
+def _raw_prompt_of(tokens, tokenizer):
+    """A raw prompt text that encodes to exactly `tokens` tokens."""
+    from skipsearch.models import encode_prompt
+
+    text = " ".join(["word"] * tokens)
+    while len(encode_prompt(tokenizer, text, raw=True)) > tokens:
+        text = text[: text.rindex(" ")]
+    assert len(encode_prompt(tokenizer, text, raw=True)) == tokens
+    return text
+
+
+def test_plain_decoding_needs_no_room_for_drafts(tiny_model_dir, default_model, capsys):
+    """`generate --autoregressive` drafts nothing: a prompt plus --max-new-tokens that fill the context exactly
+    decode; drafting, the same run needs room for a round's drafts and is refused."""
+    prompt = _raw_prompt_of(200, default_model.tokenizer)
+    argv = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--raw", "--max-new-tokens", "56"]
+    assert main([*argv, "--autoregressive"]) == 0
+    assert "plain decoding" in capsys.readouterr().err
+    assert main([*argv, "--skip-attn", "1"]) == 2
+    assert "+ drafts (8) exceed the model's context of 256" in capsys.readouterr().err
+
+
+def _positions_fed(model):
+    """The largest position the model's rotary embedding is asked for, per forward (a list filled as it decodes)."""
+    fed = []
+
+    def record(module, args, kwargs):
+        positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        fed.append(int(positions.max()))
+
+    return fed, model.model.rotary_emb.register_forward_pre_hook(record, with_kwargs=True)
+
+
+@pytest.mark.parametrize("skip", [None, SkipSet.of([1], [2], 4)], ids=["plain", "drafting"])
+def test_decoding_at_the_edge_of_the_context_feeds_no_position_past_it(skip, api_model):
+    """The cache has spare slots past prompt + max_new_tokens (a round's verify width, a batch of plain steps), but
+    no token is fed at a position the model does not have: plain decoding stops its steps at max_new_tokens, and a
+    drafting round's positions are inside the drafts the context check counts."""
+    from skipsearch.decoding import DraftPolicy, generate
+
+    policy = DraftPolicy(max_draft_tokens=4, adaptive=False)
+    drafts = policy.max_draft_tokens if skip is not None else 0
+    prompt = [5, 9, 14] * 80  # 240 tokens
+    max_new_tokens = 256 - len(prompt) - drafts
+    fed, hook = _positions_fed(api_model)
+    try:
+        output = generate(api_model, prompt, skip=skip, max_new_tokens=max_new_tokens, policy=policy)
+        with pytest.raises(ValueError, match="exceed the model's context of 256"):
+            generate(api_model, prompt, skip=skip, max_new_tokens=max_new_tokens + 1, policy=policy)
+    finally:
+        hook.remove()
+    assert len(output.tokens) == max_new_tokens
+    assert max(fed) == len(prompt) + max_new_tokens - 2 < 256  # the last token is never fed
+    assert bool(output.stats.drafted) == (skip is not None)

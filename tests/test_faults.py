@@ -1,9 +1,11 @@
-"""Faults a study must survive: a second Ctrl-C, a killed worker on journal storage, a worker killed in the last trial
+"""Faults a study must survive: a second Ctrl-C, SIGTERM (what batch schedulers send before they kill) during the
+trials, a stop signal during the confirmation, a killed worker on journal storage, a worker killed in the last trial
 (SQLite, heartbeats), two workers started together on a new SQLite file, a full disk."""
 
 import contextlib
 import errno
 import io
+import json
 import os
 import shutil
 import signal
@@ -13,13 +15,17 @@ import time
 from pathlib import Path
 
 import optuna
+import pytest
 import torch
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from skipsearch.cli import main
+from skipsearch.evaluation import Evaluator
+from skipsearch.records import read_confirmation
 from skipsearch.search import distinct_trials
 from skipsearch.storage import dead_worker, make_storage, recover_dead_workers_trials
+from skipsearch.worker import Interrupted, StopRequest, stop_on_signals
 from test_workers import finish, worker
 
 SMALL = ["--num-prompts", "2", "--max-new-tokens", "16", "--min-match", "0", "--no-progress", "--no-pruning",
@@ -55,7 +61,7 @@ def test_a_second_ctrl_c_abandons_the_trial_and_still_exports(tiny_model_dir, tm
     process.send_signal(signal.SIGINT)
     time.sleep(0.3)
     process.send_signal(signal.SIGINT)
-    out = finish(process, timeout=120)
+    out = finish(process, timeout=120, code=130)
     assert "Traceback" not in out, out
     assert "interrupted twice" in out and "exported" in out
     study = optuna.load_study(study_name="twice", storage=storage)
@@ -65,6 +71,123 @@ def test_a_second_ctrl_c_abandons_the_trial_and_still_exports(tiny_model_dir, tm
                  if "second Ctrl-C" in t.user_attrs.get("fail_reason", "")]
     assert len(abandoned) <= 1  # the second Ctrl-C may land between trials
     assert (tmp_path / "studies" / "twice" / "best.json").is_file()
+
+
+def test_sigterm_finishes_the_running_trial_and_exports(tiny_model_dir, tmp_path):
+    """What Slurm and Kubernetes send before they kill: handled as Ctrl-C, the trial is finished, not left RUNNING."""
+    storage = f"sqlite:///{tmp_path}/study.db"
+    process = worker(tiny_model_dir, storage, "term", 50, tmp_path)
+
+    def one_done_one_running():
+        study = optuna.load_study(study_name="term", storage=storage)
+        return len(finished(study)) >= 1 and study.get_trials(states=(TrialState.RUNNING,))
+
+    assert wait_for(one_done_one_running)
+    process.send_signal(signal.SIGTERM)
+    out = finish(process, timeout=120, code=130)  # exported, then the code of an interrupted command
+    assert "Traceback" not in out, out
+    assert "SIGTERM: stopping after the running trial" in out
+    [line] = [line for line in out.splitlines() if line.startswith("python -m skipsearch optimize: ")]
+    assert line.startswith("python -m skipsearch optimize: stopped by SIGTERM during the trials"), line
+    assert "exported" in line and str(tmp_path / "studies" / "term" / "best.json") in line
+    study = optuna.load_study(study_name="term", storage=storage)
+    assert 2 <= len(finished(study)) < 50  # the running trial was finished
+    assert not study.get_trials(states=(TrialState.RUNNING,))
+    assert (tmp_path / "studies" / "term" / "best.json").is_file()
+
+
+def _signals_at_the_first_confirmation(monkeypatch, signals):
+    """Sends `signals` to this process when the confirmation starts measuring its first candidate (the confirmation
+    measures with `repeats`, the trials without): each is handled during the sleep after it, in order."""
+    real, sent = Evaluator.evaluate, []
+
+    def evaluate(self, skip, report=None, objective="speed_x_acceptance", repeats=None):
+        if repeats is not None and not sent:
+            sent.append(skip)
+            for signum in signals:
+                os.kill(os.getpid(), signum)
+                time.sleep(0.5)
+        return real(self, skip, report, objective, repeats)
+
+    monkeypatch.setattr(Evaluator, "evaluate", evaluate)
+    return sent
+
+
+@pytest.mark.parametrize("signals, confirmed", [((signal.SIGTERM,), 1), ((signal.SIGINT, signal.SIGINT), 0),
+                                                ((signal.SIGTERM, signal.SIGTERM), 0)],
+                         ids=["SIGTERM", "Ctrl-C twice", "SIGTERM twice"])
+def test_a_stop_signal_during_the_confirmation_still_exports(signals, confirmed, tiny_model_dir, tmp_path, capsys,
+                                                             monkeypatch):
+    """A first signal ends the confirmation after the candidate being measured, a second abandons it: the export
+    decides by the candidates confirmed (none: plain decoding), one line on stderr says so, and a re-run confirms."""
+    storage = f"sqlite:///{tmp_path}/study.db"
+    argv = ["optimize", "--model", str(tiny_model_dir), "--storage", storage, "--study-name", "confirm",
+            "--n-trials", "4", "--confirm-top", "3", "--studies-dir", str(tmp_path / "studies"), *SMALL]
+    sent = _signals_at_the_first_confirmation(monkeypatch, signals)
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert sent and code == 130, captured
+    name = "SIGTERM" if signals[0] == signal.SIGTERM else "Ctrl-C"
+    [line] = captured.err.strip().splitlines()
+    assert line.startswith(f"python -m skipsearch optimize: stopped by {name} during the confirmation, after "
+                           f"{confirmed} of "), line
+    best = tmp_path / "studies" / "confirm" / "best.json"
+    assert f"exported {best}" in line and "Traceback" not in captured.out + captured.err
+    study = optuna.load_study(study_name="confirm", storage=storage)
+    assert not study.get_trials(states=(TrialState.RUNNING,))
+    config = json.loads(best.read_text())
+    confirmation = read_confirmation(study)
+    if confirmed:  # the export decides by the one candidate confirmed and says the rest were not
+        assert [c.skip for c in confirmation.candidates] == sent and confirmation.wanted >= 2
+        assert not confirmation.complete and "stopped after 1 of" in config["metrics"]["verdict"]
+        assert main(argv) == 0  # the same command confirms them all
+        assert read_confirmation(study).complete and len(read_confirmation(study).candidates) >= 2
+    else:  # the one being measured was abandoned: nothing confirmed, plain decoding exported
+        assert confirmation is None and config["skip"] == {"attn": [], "mlp": []}
+        assert "no skip set has been confirmed yet" in config["metrics"]["verdict"]
+
+
+def test_stop_signals_are_handled_in_the_main_thread_only():
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    stop = StopRequest()
+    with stop_on_signals(stop):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+        assert (stop.interrupts, stop.signal_name) == (1, "SIGTERM")
+        with pytest.raises(Interrupted, match="stopped by a second Ctrl-C"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    assert stop.signal_name == "SIGTERM" and "interrupted twice (Ctrl-C)" in stop.reason
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == previous
+    import threading
+
+    outcome = []
+
+    def in_a_thread():
+        with stop_on_signals(StopRequest()):  # Python sets handlers in the main thread only: none set, no error
+            outcome.append(signal.getsignal(signal.SIGTERM))
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert outcome == [previous[0]]
+
+
+def test_sigterm_outside_a_study_ends_the_command_as_ctrl_c(monkeypatch, capsys):
+    """By default SIGTERM ends a process at once and silently; the CLI makes it a KeyboardInterrupt, as Ctrl-C."""
+    from skipsearch import cli
+
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def terminated(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_plot", terminated)
+    assert main(["plot"]) == 130
+    assert capsys.readouterr().err.strip() == "python -m skipsearch plot: interrupted"
+    assert signal.getsignal(signal.SIGTERM) == previous
 
 
 def dead_pid():
