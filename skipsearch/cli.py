@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import optuna
 
     from . import models
+    from .choice import Choice
     from .config import ModelInfo
     from .costs import CostProfile
     from .decoding import GenerationOutput
@@ -159,9 +160,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from . import models
-    from .config import load_skip_config
+    from .costs import CostProfile
     from .decoding import Sampling, generate
-    from .skipping import SkipSet
 
     if args.config and (args.skip_attn or args.skip_mlp):
         raise UsageError("give either --config or --skip-attn/--skip-mlp, not both")
@@ -169,16 +169,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("--autoregressive decodes plainly: it takes no --config, --skip-attn or --skip-mlp")
     if not args.prompt.strip():
         raise UsageError("--prompt is empty: give the text to answer")
+    profile = CostProfile.load(args.cost_profile) if args.cost_profile is not None else None
     loaded = _load(args)
-    num_layers = loaded.model.config.num_hidden_layers
-    base_policy = DraftPolicy()
-    skip: SkipSet | None = SkipSet.of(args.skip_attn or (), args.skip_mlp or (), num_layers)
-    if args.config:
-        config = load_skip_config(args.config, loaded.model)
-        skip, base_policy = config.skip, config.draft
+    skip, base_policy, labels = _generate_skips(args, loaded.model)
     policy = _draft_policy(args, base_policy)
-    if args.autoregressive:
-        skip = None
     sampling = Sampling(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompt_ids = models.encode_prompt(loaded.tokenizer, args.prompt, raw=args.raw)
     models.check_context(loaded.model, len(prompt_ids), args.max_new_tokens, policy.max_draft_tokens)
@@ -186,13 +180,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
     output = generate(
         loaded.model, prompt_ids, skip=skip, max_new_tokens=args.max_new_tokens, policy=policy,
         sampling=sampling, eos_token_id=loaded.model.generation_config.eos_token_id, generator=generator,
-        compile=args.compile,
+        compile=args.compile, cost_profile=profile,
     )
-    _print_generation(args, loaded.tokenizer.decode(output.tokens, skip_special_tokens=True), output, skip)
+    choice = output.stats.choices[0] if output.stats.choices else None
+    text = loaded.tokenizer.decode(output.tokens, skip_special_tokens=True)
+    _print_generation(args, text, output, choice.skip if choice else skip, _choice_text(choice, labels))
     return 0
 
 
-def _print_generation(args: argparse.Namespace, text: str, output: GenerationOutput, skip: SkipSet | None) -> None:
+def _generate_skips(args: argparse.Namespace, model: object
+                    ) -> tuple[SkipSet | tuple[SkipSet, ...] | None, DraftPolicy, dict[SkipSet, str]]:
+    """What `generate` drafts with (one skip set, several to choose among, or None), the draft policy it
+    starts from, and each set's label (its --config file, or the label that file gives it)."""
+    from .config import combine_skip_configs, load_skip_config
+    from .skipping import SkipSet
+
+    if args.autoregressive:
+        return None, DraftPolicy(), {}
+    if not args.config:
+        return SkipSet.of(args.skip_attn or (), args.skip_mlp or (), model.config.num_hidden_layers), DraftPolicy(), {}
+    config = combine_skip_configs([load_skip_config(path, model) for path in args.config], args.config)
+    labels = {entry.skip: entry.label for entry in config.entries}
+    return config.skip_sets if config.others else config.skip, config.draft, labels
+
+
+def _choice_text(choice: Choice | None, labels: dict[SkipSet, str]) -> str:
+    """How the prefill chose among several skip sets, for the summary line ("" when it made no choice)."""
+    if choice is None:
+        return ""
+    agreements = ", ".join(f"{labels.get(skip, str(skip))} {agreement:.2f}"
+                           for skip, agreement in zip(choice.candidates, choice.agreements))
+    chosen = "plain decoding" if choice.skip is None else labels.get(choice.skip, str(choice.skip))
+    return (f"; {chosen} chosen among {len(choice.candidates)} sets and plain decoding by their agreement with the "
+            f"full model over the prompt's last {choice.window} tokens: {agreements}")
+
+
+def _print_generation(args: argparse.Namespace, text: str, output: GenerationOutput, skip: SkipSet | None,
+                      choice: str = "") -> None:
     """The text (on stdout) and what decoding it took (on stderr), or both as one JSON line with --json."""
     if args.json:
         print(json.dumps({
@@ -208,7 +232,7 @@ def _print_generation(args: argparse.Namespace, text: str, output: GenerationOut
             f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, {s.rounds} rounds, "
             f"acceptance {'-' if s.acceptance_rate is None else format(s.acceptance_rate, '.2f')} "
             f"({s.accepted}/{s.drafted}), skip {skip if skip is not None and skip.size else 'none (plain decoding)'}"
-            + (f", compile {s.compile_time_s:.1f} s]" if args.compile else "]"),
+            + choice + (f", compile {s.compile_time_s:.1f} s]" if args.compile else "]"),
             file=sys.stderr,
         )
 
@@ -474,8 +498,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            seed=args.seed)
     output_dir = args.output_dir or args.studies_dir / "bench"
     _check_output_folder(output_dir, "--output-dir" if args.output_dir else "--studies-dir")
-    if args.config:
-        load_skip_config(args.config)  # a broken file is reported before the model loads
+    if args.config and load_skip_config(args.config).others:  # a broken file is reported before the model loads
+        raise UsageError(f"--config {str(args.config)!r} carries several skip sets: bench measures one; "
+                         "`generate --config` chooses among them per prompt")
     if args.cost_profile:
         CostProfile.load(args.cost_profile)
     loaded = _load(args)
@@ -580,11 +605,18 @@ def _add_generate(commands: Commands, formatter: Formatter) -> None:
         "generate", help="decode one prompt with self-speculative decoding", formatter_class=formatter,
         description="Decode one prompt with self-speculative decoding (greedy output equals plain greedy decoding). "
                     "The skip set comes from --config or --skip-attn/--skip-mlp; with neither, nothing is skipped and "
-                    "the prompt is decoded plainly.",
+                    "the prompt is decoded plainly. With several skip sets, the one whose drafts agree best with the "
+                    "full model over the prompt's last tokens is chosen, or plain decoding when none pays.",
     )
     gen.add_argument("--prompt", required=True, type=_text, help="the user message")
     gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
-    gen.add_argument("--config", help="skip config JSON exported by `optimize` / `export`")
+    gen.add_argument("--config", action="append", metavar="FILE",
+                     help="skip config JSON exported by `optimize` / `export`; repeatable: with several skip sets "
+                          "(several files, or a file that carries several), the prefill chooses one of them or plain "
+                          "decoding for the prompt")
+    gen.add_argument("--cost-profile", type=Path, default=None,
+                     help="with several skip sets: price each set's drafts with this profile from `profile` when "
+                          "choosing (default: the share of the weights each draft reads)")
     gen.add_argument("--skip-attn", type=_int_list, default=None, help="attention layers to skip, e.g. 3,7")
     gen.add_argument("--skip-mlp", type=_int_list, default=None, help="MLP layers to skip, e.g. 12")
     gen.add_argument("--autoregressive", action="store_true", help="decode plainly through the same loop")

@@ -17,16 +17,21 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .engine import CompileSettings, Step, engine_for, forward_at_position, synchronize
+from .choice import Choice, prefill_choosing
+from .engine import CompileSettings, Engine, Step, engine_for, forward_at_position, synchronize
 from .inputs import check_generate_args, check_prompt
 from .kvcache import SpeculativeCache
 from .policy import DraftPolicy  # re-exported: callers of the loop import it from here too
 from .skipping import SkipSet
+
+if TYPE_CHECKING:  # costs.py imports this module
+    from .costs import CostProfile
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,8 @@ class DecodeStats:
     verify_contexts: collections.Counter = field(default_factory=collections.Counter)
     # Time of first calls of compiled steps during this call (tracing and compiling), inside wall_time_s.
     compile_time_s: float = 0.0
+    # The choice among several skip sets made at each prompt's prefill (choice.py); empty when none was made.
+    choices: list[Choice] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -105,8 +112,9 @@ class DecodeStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.verify_sizes.update(other.verify_sizes)
         self.verify_contexts.update(other.verify_contexts)
+        self.choices.extend(other.choices)
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "new_tokens": self.new_tokens,
             "rounds": self.rounds,
@@ -119,6 +127,7 @@ class DecodeStats:
             "prefill_time_s": self.prefill_time_s,
             "compile_time_s": self.compile_time_s,  # inside wall_time_s: a first compiled call is slow for this
             "tokens_per_second": self.tokens_per_second,
+            "choices": [choice.as_dict() for choice in self.choices],
         }
 
 
@@ -176,6 +185,13 @@ def drafting_skip(skip: SkipSet | None, policy: DraftPolicy) -> SkipSet | None:
     """The skip set to draft with, or None for plain decoding: no set, an empty set (drafting with nothing skipped
     is the full model twice over) or no draft tokens. The one place that decides what plain decoding is."""
     return skip if skip is not None and skip.size and policy.max_draft_tokens else None
+
+
+def drafting_sets(skip: SkipSet | Sequence[SkipSet] | None, policy: DraftPolicy) -> tuple[SkipSet, ...]:
+    """The distinct skip sets among `skip` (one, several or None) that draft (`drafting_skip`), in their order:
+    with two or more, decoding chooses among them and plain decoding at each prompt's prefill (choice.py)."""
+    given = (skip,) if skip is None or isinstance(skip, SkipSet) else tuple(skip)
+    return tuple(dict.fromkeys(s for s in given if drafting_skip(s, policy) is not None))
 
 
 @dataclass
@@ -283,7 +299,7 @@ def generate(
     model: torch.nn.Module,
     input_ids: torch.Tensor | Sequence[int],
     *,
-    skip: SkipSet | None = None,
+    skip: SkipSet | Sequence[SkipSet] | None = None,
     max_new_tokens: int = 128,
     policy: DraftPolicy = DraftPolicy(),
     sampling: Sampling = Sampling(),
@@ -294,6 +310,7 @@ def generate(
     compile_backend: str = "inductor",
     compile_mode: str | None = None,
     hooks: DecodeHooks | None = None,
+    cost_profile: CostProfile | None = None,
 ) -> GenerationOutput:
     """Decode `max_new_tokens` (or up to EOS) for one prompt with self-speculative decoding.
 
@@ -303,21 +320,65 @@ def generate(
     `compile_mode`: engine.py's modes; CUDA graphs by default on CUDA); compiled steps are kept on
     the model and reused by later calls with the same skip set. The prefill always runs eagerly.
     `hooks` put logits processing, stopping and streaming in the caller's hands (`DecodeHooks`).
+    Several skip sets: the prefill chooses one or plain decoding (choice.py, `cost_profile`; in `stats.choices`).
     """
     prompt = check_prompt(model, input_ids)  # before any work: each a TypeError or ValueError saying what is wrong
-    check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling)
-    draft_skip = drafting_skip(skip, policy)
-    verify_width = policy.max_draft_tokens + 1 if draft_skip else 1
+    check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling, cost_profile)
+    candidates = drafting_sets(skip, policy)
     settings = CompileSettings(compile_backend, compile_mode) if compile else None
-    # Writes reach at most one verify width (or a batch of plain steps) past the last committed token.
-    length = prompt.shape[1] + max_new_tokens + max(verify_width, PLAIN_STEPS_PER_READ)
-    cache, drafter, verifier = engine_for(model).prepare(length, draft_skip, settings, verify_width)
-    loop = _Loop(model, cache, drafter, verifier, verify_width if compile else None, policy, sampling,
-                 _eos_set(eos_token_id), generator, hooks, time_drafts, host_reads_stall(model.device))
-    new_steps = [step for step in (drafter, verifier) if step is not None and step.setup_time_s is None]
+    cache, steps = _prepare(model, prompt.shape[1] + max_new_tokens, candidates, policy, settings)
+    first = next(iter(steps.values()))  # what a single set (or plain decoding) decodes with; a choice replaces it
+    choosing = _Choosing(candidates, steps, cost_profile) if len(candidates) > 1 else None
+    loop = _Loop(model, cache, first.drafter, first.verifier, first.verify_width, policy, sampling,
+                 _eos_set(eos_token_id), generator, hooks, time_drafts, host_reads_stall(model.device), choosing)
+    new_steps = _not_set_up(steps)
     output = _decode(loop, prompt, max_new_tokens)
     output.stats.compile_time_s = sum(step.setup_time_s or 0.0 for step in new_steps)
     return output
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """The steps that decode with one skip set, or plain decoding."""
+
+    drafter: Step | None  # None: plain decoding
+    verifier: Step
+    verify_width: int | None  # compiled: every verification padded to this width
+
+
+def _prepare(model: torch.nn.Module, tokens: int, candidates: tuple[SkipSet, ...], policy: DraftPolicy,
+             settings: CompileSettings | None) -> tuple[SpeculativeCache, dict[SkipSet | None, _Steps]]:
+    """The cache for `tokens` (prompt and new) and the steps of what the call may decode with: its one drafting
+    set, or plain decoding (keyed None); with several sets, each of them and plain decoding."""
+    engine = engine_for(model)
+    # Writes reach at most one verify width (or a batch of plain steps) past the last committed token.
+    widest = policy.max_draft_tokens + 1 if candidates else 1
+    cache = engine.cache_for(tokens + max(widest, PLAIN_STEPS_PER_READ), settings)
+    options = (*candidates, None) if len(candidates) > 1 else candidates or (None,)
+    return cache, {skip: _steps_for(engine, cache, skip, policy, settings) for skip in options}
+
+
+def _not_set_up(steps: dict[SkipSet | None, _Steps]) -> list[Step]:
+    """The steps whose first call (compiling) is still to come, each once: one verify step serves every set."""
+    unique = {id(step): step for option in steps.values() for step in (option.drafter, option.verifier)}
+    return [step for step in unique.values() if step is not None and step.setup_time_s is None]
+
+
+def _steps_for(engine: Engine, cache: SpeculativeCache, skip: SkipSet | None, policy: DraftPolicy,
+               settings: CompileSettings | None) -> _Steps:
+    width = policy.max_draft_tokens + 1 if skip is not None else 1
+    drafter, verifier = engine.steps_for(cache, skip, settings, width)
+    return _Steps(drafter, verifier, width if settings is not None else None)
+
+
+@dataclass(frozen=True)
+class _Choosing:
+    """Several skip sets to choose among at the prefill, the steps of each and of plain decoding (keyed None), and
+    the cost profile that prices drafts (None: the memory-bound estimate; choice.py)."""
+
+    candidates: tuple[SkipSet, ...]
+    steps: dict[SkipSet | None, _Steps]
+    profile: CostProfile | None
 
 
 @dataclass
@@ -336,6 +397,7 @@ class _Loop:
     hooks: DecodeHooks | None
     time_drafts: bool
     read_once: bool  # host reads stall the device: one read per round (`host_reads_stall`)
+    choosing: _Choosing | None = None  # several skip sets: the prefill chooses, and sets the three steps above
     stats: DecodeStats = field(default_factory=DecodeStats)
     threshold: float = field(init=False)
     smoothed_acceptance: float = field(init=False)
@@ -367,15 +429,31 @@ def _decode(loop: _Loop, prompt: torch.Tensor, max_new_tokens: int) -> Generatio
 
 
 def _prefill(loop: _Loop, prompt: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
-    """The prompt's forward and the first new token; with hooks, the committed ids too (on the device)."""
+    """The prompt's forward and the first new token; with hooks, the committed ids too (on the device).
+    With several skip sets, the prefill also chooses the one to draft with (`_prefill_choosing`)."""
     loop.cache.seek(0)
-    logits = forward_at_position(loop.model, loop.cache, prompt, logits_to_keep=1)
+    if loop.choosing is None:
+        logits = forward_at_position(loop.model, loop.cache, prompt, logits_to_keep=1)
+    else:
+        logits = _prefill_choosing(loop, prompt)
     if loop.hooks is not None:
         logits = loop.hooks.process(prompt, logits)
     last = _next_token(loop, logits)
     tokens = last.tolist()  # a host read: the prefill time is exact on CUDA too
     history = torch.cat([prompt[0], last]) if loop.hooks is not None else None
     return last, tokens, history
+
+
+def _prefill_choosing(loop: _Loop, prompt: torch.Tensor) -> torch.Tensor:
+    """The prefill that chooses this prompt's skip set, or plain decoding (choice.py); the loop then runs the
+    chosen one's steps. Returns the logits predicting the first new token."""
+    choosing = loop.choosing
+    logits, choice = prefill_choosing(loop.model, loop.cache, prompt, choosing.candidates,
+                                      loop.policy.max_draft_tokens, loop.sampling, choosing.profile)
+    steps = choosing.steps[choice.skip]
+    loop.drafter, loop.verifier, loop.verify_width = steps.drafter, steps.verifier, steps.verify_width
+    loop.stats.choices.append(choice)
+    return logits
 
 
 def _next_token(loop: _Loop, logits: torch.Tensor) -> torch.Tensor:

@@ -207,15 +207,30 @@ class Engine:
                 ) -> tuple[SpeculativeCache, Step | None, Step]:
         """The cache (at least `length` slots), the draft step (None without a skip set) and the verify step
         (compiled for `verify_width` tokens; eager steps take any width)."""
-        model, device = self.model, self.model.device
+        cache = self.cache_for(length, settings)
+        return (cache, *self.steps_for(cache, skip, settings, verify_width))
+
+    def cache_for(self, length: int, settings: CompileSettings | None) -> SpeculativeCache:
+        """A cache of at least `length` slots: a fresh one of exactly that size for eager steps; for compiled steps
+        the engine's own, whose buffers their graphs read (replaced, and the steps with it, when too small)."""
         if settings is None:
-            cache = SpeculativeCache(model.config, length, device, model.dtype)
-            draft = Step(_step(draft_model(model, skip), cache), cache, compiled=False) if skip else None
-            return cache, draft, Step(_step(model, cache), cache, compiled=False)
+            return SpeculativeCache(self.model.config, length, self.model.device, self.model.dtype)
         self._fit_cache(length)
+        return self.cache
+
+    def steps_for(self, cache: SpeculativeCache, skip: SkipSet | None, settings: CompileSettings | None,
+                  verify_width: int) -> tuple[Step | None, Step]:
+        """The draft step (None without a skip set) and the verify step writing `cache`, as `cache_for` gave it;
+        the preparation is split so that a caller can prefill the cache before it knows which skip set to draft
+        with (choice.py)."""
+        if settings is None:
+            draft = Step(_step(draft_model(self.model, skip), cache), cache, compiled=False) if skip else None
+            return draft, Step(_step(self.model, cache), cache, compiled=False)
+        if cache is not self.cache:
+            raise ValueError("compiled steps write the engine's own cache: get it from cache_for")
         if (verify_width, settings) not in self.verify_steps:
             self.verify_steps[verify_width, settings] = self._compiled_step(None, settings)
-        return self.cache, self._draft_step(skip, settings) if skip else None, self.verify_steps[verify_width, settings]
+        return self._draft_step(skip, settings) if skip else None, self.verify_steps[verify_width, settings]
 
     def _fit_cache(self, length: int) -> None:
         model, device = self.model, self.model.device
