@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
     from . import models
     from .choice import Choice
-    from .config import ModelInfo
+    from .config import ModelInfo, SkipConfig
     from .costs import CostProfile
     from .decoding import GenerationOutput
     from .skipping import SkipSet
@@ -310,6 +310,8 @@ class _Optimization:
     space: SearchSpace
     policy: DraftPolicy
     prompts: list[list[int]]
+    datasets: list[str]  # --dataset, each once
+    prompt_datasets: list[str] | None  # each prompt's dataset, with several
     first_trials: tuple[tuple[str, SkipSet], ...]
     profile: CostProfile | None
     projections: list[tuple[str, CostProfile]]
@@ -317,27 +319,29 @@ class _Optimization:
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
-    from .export import export_trial, verdict
+    from .export import dataset_verdicts, export_trial, verdict
     from .plots import write_plots
     from .search import StudySettings, run_study, study_summary
 
     run = _prepare_optimization(args)
     storage, heartbeat = _open_storage(args)
+    datasets = run.datasets
     settings = StudySettings(
         study_name=args.study_name, storage=storage, objective=args.objective,
         sampler=args.sampler, seed=args.seed, n_trials=args.n_trials, timeout=args.timeout, min_match=args.min_match,
-        dataset=args.dataset, num_prompts=len(run.prompts), max_new_tokens=args.max_new_tokens,
+        dataset=datasets if len(datasets) > 1 else datasets[0], num_prompts=len(run.prompts),
+        max_new_tokens=args.max_new_tokens,
         show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
         repeats=args.repeats, confirm_top=args.confirm_top, confirm_repeats=args.confirm_repeats,
         first_trials=run.first_trials, heartbeat=heartbeat, compile=args.compile or None,
     )
     model = run.loaded.model
     study = run_study(model, run.model_info, run.loaded.dtype_name, run.prompts, settings, run.space, run.policy,
-                      model.generation_config.eos_token_id, profile=run.profile)
+                      model.generation_config.eos_token_id, profile=run.profile, prompt_datasets=run.prompt_datasets)
     config = export_trial(study, run.folder / "best.json")
     print(f"study {args.study_name} in {_storage(args, must_exist=False)}: {study_summary(study)}")
-    print(verdict(study)[1])
-    print(f"exported {run.folder / 'best.json'}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
+    print("\n".join([verdict(study)[1], *dataset_verdicts(study)]))
+    print(f"exported {run.folder / 'best.json'}: {_exported(config)}")
     if run.projections:
         _print_projections(study, run, args.max_new_tokens)
     if not args.no_plots:
@@ -350,14 +354,12 @@ def _prepare_optimization(args: argparse.Namespace) -> _Optimization:
     """Everything `optimize` needs, checked before the storage is opened, so a rejected run leaves no database."""
     from .config import ModelInfo
     from .costs import CostProfile, load_projections
-    from .data import load_prompts
     from .search import make_sampler
     from .space import SearchSpace
     from .warmstart import read_warm_starts
 
     warm_files = [entry for spec in args.warm_start or () for entry in read_warm_starts(spec)]
-    prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
-                           seed=args.seed)
+    datasets, prompts, prompt_datasets = _study_prompts(args)
     policy = _draft_policy(args, DraftPolicy())
     make_sampler(args.sampler, args.seed, args.objective == "pareto")
     if args.heartbeat_grace <= args.heartbeat_interval:
@@ -376,7 +378,23 @@ def _prepare_optimization(args: argparse.Namespace) -> _Optimization:
     if profile is not None:
         profile.check_model(loaded.model)
     projections = load_projections(args.project_with or (), loaded.model)
-    return _Optimization(loaded, model_info, space, policy, encoded, first_trials, profile, projections, folder)
+    return _Optimization(loaded, model_info, space, policy, encoded, datasets, prompt_datasets, first_trials,
+                         profile, projections, folder)
+
+
+def _study_prompts(args: argparse.Namespace) -> tuple[list[str], list[str], list[str] | None]:
+    """The datasets, the calibration prompts of each, interleaved (so that a trial the pruner stops early has
+    measured each dataset), and each prompt's dataset (None with one)."""
+    from .data import BUILTIN, load_prompts
+
+    datasets = args.dataset or [BUILTIN]
+    repeated = next((d for i, d in enumerate(datasets) if d in datasets[:i]), None)
+    if repeated is not None:
+        raise UsageError(f"--dataset {repeated!r} is given twice")
+    texts = [load_prompts(d, field=args.field, split=args.split, num_prompts=args.num_prompts, seed=args.seed)
+             for d in datasets]
+    interleaved = [(text, d) for row in zip(*texts) for text, d in zip(row, datasets)]
+    return datasets, [text for text, _ in interleaved], [d for _, d in interleaved] if len(datasets) > 1 else None
 
 
 def _open_storage(args: argparse.Namespace) -> tuple[optuna.storages.BaseStorage, Heartbeat]:
@@ -460,7 +478,7 @@ def _load_skipsearch_study(args: argparse.Namespace) -> optuna.Study:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from .config import save_skip_config
-    from .export import export_trial, verdict, write_dv
+    from .export import dataset_verdicts, export_trial, verdict, write_dv
 
     default_name = "skip_layers.json" if args.format == "dv" else "best.json"
     output = args.output or args.studies_dir / args.study_name / default_name
@@ -468,9 +486,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     study = _load_skipsearch_study(args)
     config = export_trial(study, output, args.trial, write=write_dv if args.format == "dv" else save_skip_config)
     if args.trial is None:
-        print(verdict(study)[1])
-    print(f"exported {output}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
+        print("\n".join([verdict(study)[1], *dataset_verdicts(study)]))
+    print(f"exported {output}: {_exported(config)}")
     return 0
+
+
+def _exported(config: SkipConfig) -> str:
+    """What an exported config skips, for the line that names its file."""
+    if config.others:
+        sets = "; ".join(f"{entry.label}: {entry.skip}" for entry in config.entries)
+        return f"{len(config.entries)} skip sets, one chosen per prompt at decoding ({sets})"
+    return f"skip {config.skip if config.skip.size else 'nothing (plain decoding)'}"
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -565,12 +591,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_tokens: int) -> None:
+def _add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_tokens: int,
+                      several_datasets: bool = False) -> None:
     from .data import BUILTIN
 
     data = parser.add_argument_group("prompts")
-    data.add_argument("--dataset", default=BUILTIN,
-                      help="'builtin' (32 prompts shipped), a local .json/.jsonl file, or a Hub dataset name")
+    kinds = "'builtin' (32 prompts shipped), a local .json/.jsonl file, or a Hub dataset name"
+    if several_datasets:
+        data.add_argument("--dataset", action="append", default=None,
+                          help=f"{kinds}; repeatable: --num-prompts of each are decoded, and sets are ranked per "
+                               f"dataset too, so best.json carries each dataset's best set (default: {BUILTIN})")
+    else:
+        data.add_argument("--dataset", default=BUILTIN, help=kinds)
     data.add_argument("--field", default="prompt", help="the dataset field holding the prompt text")
     data.add_argument("--split", default="train", help="the split of a Hub dataset")
     data.add_argument("--num-prompts", type=_positive_int, default=num_prompts, help="prompts to decode")
@@ -640,7 +672,7 @@ def _add_optimize(commands: Commands, formatter: Formatter) -> None:
                     "decoding; re-measure the best few, export the one confirmed faster (else plain decoding) as "
                     "JSON and plot the study. Re-running the same command resumes the study up to --n-trials.",
     )
-    _add_prompt_flags(opt, num_prompts=4, max_new_tokens=32)
+    _add_prompt_flags(opt, num_prompts=4, max_new_tokens=32, several_datasets=True)
     _add_search_flags(opt.add_argument_group("search"))
     _add_worker_flags(opt.add_argument_group("workers and crash recovery (SQLite / PostgreSQL storages)"))
     out = opt.add_argument_group("output")
@@ -685,8 +717,8 @@ def _add_search_flags(search: argparse._ArgumentGroup) -> None:
     search.add_argument("--repeats", type=_positive_int, default=1,
                         help="paired runs (plain, then skip set, alternating order) per prompt in a trial")
     search.add_argument("--confirm-top", type=_non_negative_int, default=3,
-                        help="best distinct skip sets re-measured against plain decoding before export (0: none, "
-                             "so plain decoding is exported)")
+                        help="best distinct skip sets re-measured against plain decoding before export, and with "
+                             "several --dataset each dataset's best as many (0: none, so plain decoding is exported)")
     search.add_argument("--confirm-repeats", type=_positive_int, default=2,
                         help="paired runs per prompt when confirming")
     search.add_argument("--no-warm-starts", action="store_true",

@@ -27,8 +27,9 @@ FITS_CHAT = SkipSet.of([], [3], NUM_LAYERS)  # skips the MLP that only code toke
 def two_kinds_model():
     """A tiny Llama where code tokens (2..48) live in the first half of the hidden state and chat tokens (49..95)
     in the second; attention writes nothing; layer 2's MLP reads and writes only the chat half, layer 3's only the
-    code half (both large, the other layers' MLPs off). So skipping layer 2's MLP changes nothing on code tokens and
-    most predictions on chat tokens, and skipping layer 3's the other way round."""
+    code half (both large, the other layers' MLPs off); each half's state predicts tokens of its own kind only. So
+    skipping layer 2's MLP changes nothing on code tokens and most predictions on chat tokens, and skipping layer
+    3's the other way round; and a prompt's continuation stays of its kind."""
     model = tiny_model("llama", seed=3, dtype=torch.float64)
     half = model.config.hidden_size // 2
     code, chat = slice(0, half), slice(half, 2 * half)
@@ -36,6 +37,9 @@ def two_kinds_model():
         embeddings = model.model.embed_tokens.weight
         embeddings[: CODE.stop, chat] = 0
         embeddings[CHAT.start :, code] = 0
+        model.lm_head.weight[: CODE.stop, chat] = 0
+        model.lm_head.weight[CHAT.start :, code] = 0
+        model.lm_head.weight[: CODE.start] = 0  # BOS and EOS: never predicted over a token of either kind
         for index, layer in enumerate(model.model.layers):
             layer.self_attn.o_proj.weight.zero_()
             mlp = layer.mlp
@@ -190,7 +194,7 @@ def test_sampling_chooses_by_the_chance_of_acceptance():
                    sampling=Sampling(do_sample=True), generator=generator)
     [choice] = out.stats.choices
     assert choice.skip == FITS_CHAT and choice.agreements[1] == pytest.approx(1.0, abs=1e-6)  # probabilities in fp32
-    assert choice.agreements[0] < 0.7  # a poor draft's distribution overlaps the full model's, but far less
+    assert choice.agreements[0] < 0.8  # a poor draft's distribution overlaps the full model's, but less
 
 
 def test_the_choice_reads_back_once(monkeypatch):
