@@ -137,7 +137,9 @@ def prefill_choosing(model: nn.Module, cache: SpeculativeCache, prompt: torch.Te
                      max_draft_tokens: int, sampling: Sampling, profile: CostProfile | None = None
                      ) -> tuple[torch.Tensor, Choice]:
     """Prefill `prompt` (1, n) into `cache` from position 0 and choose among `candidates` and plain decoding.
-    Returns the full model's logits predicting the first new token (1, vocab) and the choice; one host read."""
+    Returns the full model's logits predicting the first new token (1, vocab) and the choice; one host read.
+    Drafts are compared on raw logits (with `sampling`'s own warpers): logits processors, which act on draft and
+    full model alike, are left out of an estimate that needs to rank sets, not predict acceptance exactly."""
     n = prompt.shape[1]
     window = min(CHOICE_WINDOW, n)
     start = n - window
