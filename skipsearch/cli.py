@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     import optuna
 
     from . import models
-    from .config import ModelInfo
+    from .choice import Choice
+    from .config import ModelInfo, SkipConfig
     from .costs import CostProfile
     from .decoding import GenerationOutput
     from .skipping import SkipSet
@@ -177,10 +178,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
     from . import models
-    from .config import load_skip_config
+    from .costs import CostProfile
     from .decoding import Sampling, generate
     from .inputs import check_room
-    from .skipping import SkipSet
 
     if args.config and (args.skip_attn or args.skip_mlp):
         raise UsageError("give either --config or --skip-attn/--skip-mlp, not both")
@@ -188,16 +188,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("--autoregressive decodes plainly: it takes no --config, --skip-attn or --skip-mlp")
     if not args.prompt.strip():
         raise UsageError("--prompt is empty: give the text to answer")
+    profile = CostProfile.load(args.cost_profile) if args.cost_profile is not None else None
     loaded = _load(args)
-    num_layers = loaded.model.config.num_hidden_layers
-    base_policy = DraftPolicy()
-    skip: SkipSet | None = SkipSet.of(args.skip_attn or (), args.skip_mlp or (), num_layers)
-    if args.config:
-        config = load_skip_config(args.config, loaded.model)
-        skip, base_policy = config.skip, config.draft
+    skip, base_policy, labels = _generate_skips(args, loaded.model)
     policy = _draft_policy(args, base_policy)
-    if args.autoregressive:
-        skip = None
     sampling = Sampling(do_sample=args.do_sample, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     prompt_ids = models.encode_prompt(loaded.tokenizer, args.prompt, raw=args.raw)
     check_room(loaded.model, len(prompt_ids), args.max_new_tokens, skip, policy, flag="--max-new-tokens")
@@ -205,13 +199,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
     output = generate(
         loaded.model, prompt_ids, skip=skip, max_new_tokens=args.max_new_tokens, policy=policy,
         sampling=sampling, eos_token_id=loaded.model.generation_config.eos_token_id, generator=generator,
-        compile=args.compile,
+        compile=args.compile, cost_profile=profile,
     )
-    _print_generation(args, loaded.tokenizer.decode(output.tokens, skip_special_tokens=True), output, skip)
+    choice = output.stats.choices[0] if output.stats.choices else None
+    text = loaded.tokenizer.decode(output.tokens, skip_special_tokens=True)
+    _print_generation(args, text, output, choice.skip if choice else skip, _choice_text(choice, labels))
     return 0
 
 
-def _print_generation(args: argparse.Namespace, text: str, output: GenerationOutput, skip: SkipSet | None) -> None:
+def _generate_skips(args: argparse.Namespace, model: object
+                    ) -> tuple[SkipSet | tuple[SkipSet, ...] | None, DraftPolicy, dict[SkipSet, str]]:
+    """What `generate` drafts with (one skip set, several to choose among, or None), the draft policy it
+    starts from, and each set's label (its --config file, or the label that file gives it)."""
+    from .config import combine_skip_configs, load_skip_config
+    from .skipping import SkipSet
+
+    if args.autoregressive:
+        return None, DraftPolicy(), {}
+    if not args.config:
+        return SkipSet.of(args.skip_attn or (), args.skip_mlp or (), model.config.num_hidden_layers), DraftPolicy(), {}
+    config = combine_skip_configs([load_skip_config(path, model) for path in args.config], args.config)
+    labels = {entry.skip: entry.label for entry in config.entries}
+    return config.skip_sets if config.others else config.skip, config.draft, labels
+
+
+def _choice_text(choice: Choice | None, labels: dict[SkipSet, str]) -> str:
+    """How the prefill chose among several skip sets, for the summary line ("" when it made no choice)."""
+    if choice is None:
+        return ""
+    agreements = ", ".join(f"{labels.get(skip, str(skip))} {agreement:.2f}"
+                           for skip, agreement in zip(choice.candidates, choice.agreements))
+    chosen = "plain decoding" if choice.skip is None else labels.get(choice.skip, str(choice.skip))
+    return (f"; {chosen} chosen among {len(choice.candidates)} sets and plain decoding by their agreement with the "
+            f"full model over the prompt's last {choice.window} tokens: {agreements}")
+
+
+def _print_generation(args: argparse.Namespace, text: str, output: GenerationOutput, skip: SkipSet | None,
+                      choice: str = "") -> None:
     """The text (on stdout) and what decoding it took (on stderr), or both as one JSON line with --json."""
     if args.json:
         print(json.dumps({
@@ -227,7 +251,7 @@ def _print_generation(args: argparse.Namespace, text: str, output: GenerationOut
             f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, {s.rounds} rounds, "
             f"acceptance {'-' if s.acceptance_rate is None else format(s.acceptance_rate, '.2f')} "
             f"({s.accepted}/{s.drafted}), skip {skip if skip is not None and skip.size else 'none (plain decoding)'}"
-            + (f", compile {s.compile_time_s:.1f} s]" if args.compile else "]"),
+            + choice + (f", compile {s.compile_time_s:.1f} s]" if args.compile else "]"),
             file=sys.stderr,
         )
         if s.guard.reason() is not None:
@@ -307,6 +331,8 @@ class _Optimization:
     space: SearchSpace
     policy: DraftPolicy
     prompts: list[list[int]]
+    datasets: list[str]  # --dataset, each once
+    prompt_datasets: list[str] | None  # each prompt's dataset, with several
     first_trials: tuple[tuple[str, SkipSet], ...]
     profile: CostProfile | None
     projections: list[tuple[str, CostProfile]]
@@ -314,29 +340,31 @@ class _Optimization:
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
-    from .export import export_trial, verdict
+    from .export import dataset_verdicts, export_trial, verdict
     from .plots import write_plots
     from .search import StudySettings, run_study, study_summary
     from .worker import StopRequest
 
     run = _prepare_optimization(args)
     storage, heartbeat = _open_storage(args)
+    datasets = run.datasets
     settings = StudySettings(
         study_name=args.study_name, storage=storage, objective=args.objective,
         sampler=args.sampler, seed=args.seed, n_trials=args.n_trials, timeout=args.timeout, min_match=args.min_match,
-        dataset=args.dataset, num_prompts=len(run.prompts), max_new_tokens=args.max_new_tokens,
+        dataset=datasets if len(datasets) > 1 else datasets[0], num_prompts=len(run.prompts),
+        max_new_tokens=args.max_new_tokens,
         show_progress_bar=not args.no_progress, warm_starts=not args.no_warm_starts, pruning=not args.no_pruning,
         repeats=args.repeats, confirm_top=args.confirm_top, confirm_repeats=args.confirm_repeats,
         first_trials=run.first_trials, heartbeat=heartbeat, compile=args.compile or None,
     )
     model, stop = run.loaded.model, StopRequest()
     study = run_study(model, run.model_info, run.loaded.dtype_name, run.prompts, settings, run.space, run.policy,
-                      model.generation_config.eos_token_id, profile=run.profile, stop=stop)
+                      model.generation_config.eos_token_id, profile=run.profile, stop=stop,
+                      prompt_datasets=run.prompt_datasets)
     config = export_trial(study, run.folder / "best.json")
-    skipped = config.skip if config.skip.size else "nothing (plain decoding)"
-    exported = f"exported {run.folder / 'best.json'}: skip {skipped}"
+    exported = f"exported {run.folder / 'best.json'}: {_exported(config)}"
     print(f"study {args.study_name} in {_storage(args, must_exist=False)}: {study_summary(study)}")
-    print(verdict(study)[1])
+    print("\n".join([verdict(study)[1], *dataset_verdicts(study)]))
     print(exported)
     if stop.signal_name:
         # No slow extras (a scheduler's kill follows its SIGTERM), and the code of an interrupted command, so that a
@@ -357,7 +385,6 @@ def _prepare_optimization(args: argparse.Namespace) -> _Optimization:
     """Everything `optimize` needs, checked before the storage is opened, so a rejected run leaves no database."""
     from .config import ModelInfo
     from .costs import CostProfile, load_projections
-    from .data import load_prompts
     from .search import check_measurable, make_sampler
     from .space import SearchSpace
     from .warmstart import read_warm_starts
@@ -365,8 +392,7 @@ def _prepare_optimization(args: argparse.Namespace) -> _Optimization:
     policy = _draft_policy(args, DraftPolicy())
     check_measurable(args.max_new_tokens, policy.max_draft_tokens, names=("--max-new-tokens", "--max-draft-tokens"))
     warm_files = [entry for spec in args.warm_start or () for entry in read_warm_starts(spec)]
-    prompts = load_prompts(args.dataset, field=args.field, split=args.split, num_prompts=args.num_prompts,
-                           seed=args.seed)
+    datasets, prompts, prompt_datasets = _study_prompts(args)
     make_sampler(args.sampler, args.seed, args.objective == "pareto")
     if args.heartbeat_grace <= args.heartbeat_interval:
         raise UsageError("--heartbeat-grace must be longer than --heartbeat-interval")
@@ -384,7 +410,23 @@ def _prepare_optimization(args: argparse.Namespace) -> _Optimization:
     if profile is not None:
         profile.check_model(loaded.model)
     projections = load_projections(args.project_with or (), loaded.model)
-    return _Optimization(loaded, model_info, space, policy, encoded, first_trials, profile, projections, folder)
+    return _Optimization(loaded, model_info, space, policy, encoded, datasets, prompt_datasets, first_trials,
+                         profile, projections, folder)
+
+
+def _study_prompts(args: argparse.Namespace) -> tuple[list[str], list[str], list[str] | None]:
+    """The datasets, the calibration prompts of each, interleaved (so that a trial the pruner stops early has
+    measured each dataset), and each prompt's dataset (None with one)."""
+    from .data import BUILTIN, load_prompts
+
+    datasets = args.dataset or [BUILTIN]
+    repeated = next((d for i, d in enumerate(datasets) if d in datasets[:i]), None)
+    if repeated is not None:
+        raise UsageError(f"--dataset {repeated!r} is given twice")
+    texts = [load_prompts(d, field=args.field, split=args.split, num_prompts=args.num_prompts, seed=args.seed)
+             for d in datasets]
+    interleaved = [(text, d) for row in zip(*texts) for text, d in zip(row, datasets)]
+    return datasets, [text for text, _ in interleaved], [d for _, d in interleaved] if len(datasets) > 1 else None
 
 
 def _open_storage(args: argparse.Namespace) -> tuple[optuna.storages.BaseStorage, Heartbeat]:
@@ -468,7 +510,7 @@ def _load_skipsearch_study(args: argparse.Namespace) -> optuna.Study:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from .config import save_skip_config
-    from .export import export_trial, verdict, write_dv
+    from .export import dataset_verdicts, export_trial, verdict, write_dv
 
     default_name = "skip_layers.json" if args.format == "dv" else "best.json"
     output = args.output or args.studies_dir / args.study_name / default_name
@@ -476,9 +518,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     study = _load_skipsearch_study(args)
     config = export_trial(study, output, args.trial, write=write_dv if args.format == "dv" else save_skip_config)
     if args.trial is None:
-        print(verdict(study)[1])
-    print(f"exported {output}: skip {config.skip if config.skip.size else 'nothing (plain decoding)'}")
+        print("\n".join([verdict(study)[1], *dataset_verdicts(study)]))
+    print(f"exported {output}: {_exported(config)}")
     return 0
+
+
+def _exported(config: SkipConfig) -> str:
+    """What an exported config skips, for the line that names its file."""
+    if config.others:
+        sets = "; ".join(f"{entry.label}: {entry.skip}" for entry in config.entries)
+        return f"{len(config.entries)} skip sets, one chosen per prompt at decoding ({sets})"
+    return f"skip {config.skip if config.skip.size else 'nothing (plain decoding)'}"
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
@@ -506,8 +556,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                            seed=args.seed)
     output_dir = args.output_dir or args.studies_dir / "bench"
     _check_output_folder(output_dir, "--output-dir" if args.output_dir else "--studies-dir")
-    if args.config:
-        load_skip_config(args.config)  # a broken file is reported before the model loads
+    if args.config and load_skip_config(args.config).others:  # a broken file is reported before the model loads
+        raise UsageError(f"--config {str(args.config)!r} carries several skip sets: bench measures one; "
+                         "`generate --config` chooses among them per prompt")
     if args.cost_profile:
         CostProfile.load(args.cost_profile)
     loaded = _load(args)
@@ -572,12 +623,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_tokens: int) -> None:
+def _add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_tokens: int,
+                      several_datasets: bool = False) -> None:
     from .data import BUILTIN
 
     data = parser.add_argument_group("prompts")
-    data.add_argument("--dataset", default=BUILTIN,
-                      help="'builtin' (32 prompts shipped), a local .json/.jsonl file, or a Hub dataset name")
+    kinds = "'builtin' (32 prompts shipped), a local .json/.jsonl file, or a Hub dataset name"
+    if several_datasets:
+        data.add_argument("--dataset", action="append", default=None,
+                          help=f"{kinds}; repeatable: --num-prompts of each are decoded, and sets are ranked per "
+                               f"dataset too, so best.json carries each dataset's best set (default: {BUILTIN})")
+    else:
+        data.add_argument("--dataset", default=BUILTIN, help=kinds)
     data.add_argument("--field", default="prompt", help="the dataset field holding the prompt text")
     data.add_argument("--split", default="train", help="the split of a Hub dataset")
     data.add_argument("--num-prompts", type=_positive_int, default=num_prompts, help="prompts to decode")
@@ -612,11 +669,18 @@ def _add_generate(commands: Commands, formatter: Formatter) -> None:
         "generate", help="decode one prompt with self-speculative decoding", formatter_class=formatter,
         description="Decode one prompt with self-speculative decoding (greedy output equals plain greedy decoding). "
                     "The skip set comes from --config or --skip-attn/--skip-mlp; with neither, nothing is skipped and "
-                    "the prompt is decoded plainly.",
+                    "the prompt is decoded plainly. With several skip sets, the one whose drafts agree best with the "
+                    "full model over the prompt's last tokens is chosen, or plain decoding when none pays.",
     )
     gen.add_argument("--prompt", required=True, type=_text, help="the user message")
     gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
-    gen.add_argument("--config", help="skip config JSON exported by `optimize` / `export`")
+    gen.add_argument("--config", action="append", metavar="FILE",
+                     help="skip config JSON exported by `optimize` / `export`; repeatable: with several skip sets "
+                          "(several files, or a file that carries several), the prefill chooses one of them or plain "
+                          "decoding for the prompt")
+    gen.add_argument("--cost-profile", type=Path, default=None,
+                     help="with several skip sets: price each set's drafts with this profile from `profile` when "
+                          "choosing (default: the share of the weights each draft reads)")
     gen.add_argument("--skip-attn", type=_int_list, default=None, help="attention layers to skip, e.g. 3,7")
     gen.add_argument("--skip-mlp", type=_int_list, default=None, help="MLP layers to skip, e.g. 12")
     gen.add_argument("--autoregressive", action="store_true", help="decode plainly through the same loop")
@@ -640,7 +704,7 @@ def _add_optimize(commands: Commands, formatter: Formatter) -> None:
                     "decoding; re-measure the best few, export the one confirmed faster (else plain decoding) as "
                     "JSON and plot the study. Re-running the same command resumes the study up to --n-trials.",
     )
-    _add_prompt_flags(opt, num_prompts=4, max_new_tokens=32)
+    _add_prompt_flags(opt, num_prompts=4, max_new_tokens=32, several_datasets=True)
     _add_search_flags(opt.add_argument_group("search"))
     _add_worker_flags(opt.add_argument_group("workers and crash recovery (SQLite / PostgreSQL storages)"))
     out = opt.add_argument_group("output")
@@ -685,8 +749,8 @@ def _add_search_flags(search: argparse._ArgumentGroup) -> None:
     search.add_argument("--repeats", type=_positive_int, default=1,
                         help="paired runs (plain, then skip set, alternating order) per prompt in a trial")
     search.add_argument("--confirm-top", type=_non_negative_int, default=3,
-                        help="best distinct skip sets re-measured against plain decoding before export (0: none, "
-                             "so plain decoding is exported)")
+                        help="best distinct skip sets re-measured against plain decoding before export, and with "
+                             "several --dataset each dataset's best as many (0: none, so plain decoding is exported)")
     search.add_argument("--confirm-repeats", type=_positive_int, default=2,
                         help="paired runs per prompt when confirming")
     search.add_argument("--no-warm-starts", action="store_true",

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
@@ -26,10 +26,15 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .config import SkipConfig, load_skip_config
+from .config import SkipConfig, combine_skip_configs, load_skip_config
 from .constants import MIN_TEMPERATURE
 from .decoding import DecodeHooks, DecodeStats, DraftPolicy, Sampling, generate
 from .skipping import SkipSet
+
+if TYPE_CHECKING:
+    from .costs import CostProfile
+
+Configs = SkipConfig | SkipSet | str | Path
 
 # Generation options this loop does not implement, with the values that mean "off".
 _UNSUPPORTED = {
@@ -49,10 +54,11 @@ _GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 class SelfSpeculative:
     """A `custom_generate` callable for transformers' `generate`; `stats` sums the decode statistics of its calls."""
 
-    def __init__(self, skip: SkipSet, policy: DraftPolicy, config: SkipConfig | None = None, tokenizer: Any = None,
-                 compile: bool = False, compile_backend: str = "inductor"):
+    def __init__(self, skip: SkipSet | tuple[SkipSet, ...], policy: DraftPolicy, config: SkipConfig | None = None,
+                 tokenizer: Any = None, compile: bool = False, compile_backend: str = "inductor",
+                 cost_profile: CostProfile | None = None):
         self.skip, self.policy, self.config, self.tokenizer = skip, policy, config, tokenizer
-        self.compile, self.compile_backend = compile, compile_backend
+        self.compile, self.compile_backend, self.cost_profile = compile, compile_backend, cost_profile
         self.stats = DecodeStats()
 
     # The parameters mirror transformers' `_sample`, which `generate` calls with them; `stop_strings` is extra on
@@ -81,7 +87,7 @@ class SelfSpeculative:
                 sampling=Sampling(do_sample=bool(generation_config.do_sample)), eos_token_id=None,
                 hooks=DecodeHooks(process=_processing(logits_processor), stop=_stopping(stopping_criteria),
                                   commit=(lambda tokens: streamer.put(torch.tensor(tokens))) if streamer else None),
-                compile=self.compile, compile_backend=self.compile_backend,
+                compile=self.compile, compile_backend=self.compile_backend, cost_profile=self.cost_profile,
             )
         finally:
             if streamer is not None:
@@ -95,24 +101,48 @@ class SelfSpeculative:
 
 
 def self_speculative(
-    config: SkipConfig | SkipSet | str | Path, policy: DraftPolicy | None = None, *, tokenizer: Any = None,
-    compile: bool = False,
+    config: Configs | Sequence[Configs], policy: DraftPolicy | None = None, *, tokenizer: Any = None,
+    compile: bool = False, cost_profile: CostProfile | None = None,
 ) -> SelfSpeculative:
     """A `custom_generate` callable: `model.generate(**inputs, custom_generate=self_speculative(config))`.
 
     `config` is a skip config (or the path of its JSON, as `export` writes it), or a `SkipSet`
-    with `policy` (default `DraftPolicy()`). A skip config's own draft policy is used unless
-    `policy` is given. `tokenizer` is needed only for `stop_strings`. `compile` runs the draft and
-    verify steps compiled, as `generate(..., compile=True)` does: the first call per skip set compiles.
+    with `policy` (default `DraftPolicy()`), or a list of them: with several skip sets (a list, or a
+    config that carries several), each call chooses one of them or plain decoding for its prompt
+    (choice.py; `stats.choices` says which), pricing drafts with `cost_profile` when given. A skip
+    config's own draft policy is used unless `policy` is given. `tokenizer` is needed only for
+    `stop_strings`. `compile` runs the draft and verify steps compiled, as `generate(..., compile=True)`
+    does: the first call per skip set compiles.
     """
-    if isinstance(config, (str, Path)):
-        config = load_skip_config(config)
-    if isinstance(config, SkipConfig):
-        return SelfSpeculative(config.skip, policy or config.draft, config, tokenizer, compile)
-    if isinstance(config, SkipSet):
-        return SelfSpeculative(config, policy or DraftPolicy(), None, tokenizer, compile)
-    raise TypeError(f"self_speculative needs a SkipConfig, a skip-config path or a SkipSet, "
-                    f"got {type(config).__name__}")
+    skips, configs = _skip_sets(config)
+    combined = combine_skip_configs(configs) if configs else None
+    if combined is not None:
+        for skip in skips:
+            skip.check_fits(combined.model.num_hidden_layers)
+    policy = policy or (combined.draft if combined is not None else DraftPolicy())
+    return SelfSpeculative(skips[0] if len(skips) == 1 else skips, policy, combined, tokenizer, compile,
+                           cost_profile=cost_profile)
+
+
+def _skip_sets(given: Configs | Sequence[Configs]) -> tuple[tuple[SkipSet, ...], list[SkipConfig]]:
+    """Every skip set given, in order, and the configs among them (read from their paths)."""
+    items = list(given) if isinstance(given, (list, tuple)) else [given]
+    if not items:
+        raise ValueError("self_speculative needs a skip set or config, got an empty list")
+    skips, configs = [], []
+    for item in items:
+        if isinstance(item, (str, Path)):
+            item = load_skip_config(item)
+        if isinstance(item, SkipConfig):
+            configs.append(item)
+            skips.extend(item.skip_sets)
+        elif isinstance(item, SkipSet):
+            skips.append(item)
+        else:
+            raise TypeError(f"self_speculative needs a SkipConfig, a skip-config path or a SkipSet (or a list of "
+                            f"them), got {'a list holding ' if isinstance(given, (list, tuple)) else ''}"
+                            f"{type(item).__name__}")
+    return tuple(skips), configs
 
 
 def _processing(processors: LogitsProcessorList) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -18,18 +18,23 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from .choice import Choice, prefill_choosing
 from .constants import MIN_TEMPERATURE
-from .economics import MarginalCost, kept_weight_fraction
+from .economics import MarginalCost, weight_fraction
 from .engine import CompileSettings, Step, Steps, engine_for, forward_at_position, synchronize
 from .guard import Guard, GuardStats, PlainSpeed
 from .inputs import check_generate_args, check_prompt
 from .policy import DraftPolicy  # re-exported: callers of the loop import it from here too
 from .skipping import SkipSet
+
+if TYPE_CHECKING:  # costs.py imports this module
+    from .costs import CostProfile
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class DecodeStats:
     # Time of first calls of compiled steps during this call (tracing and compiling), inside wall_time_s.
     compile_time_s: float = 0.0
     guard: GuardStats = field(default_factory=GuardStats)  # tokens the run-time guard decoded plainly, and why
+    # The choice among several skip sets made at each prompt's prefill (choice.py); empty when none was made.
+    choices: list[Choice] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -112,8 +119,9 @@ class DecodeStats:
         self.verify_sizes.update(other.verify_sizes)
         self.verify_contexts.update(other.verify_contexts)
         self.guard.add(other.guard)
+        self.choices.extend(other.choices)
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "new_tokens": self.new_tokens,
             "rounds": self.rounds,
@@ -129,6 +137,7 @@ class DecodeStats:
             "guard_plain_tokens": self.guard.plain_tokens,
             "guard_sample_tokens": self.guard.sample_tokens,
             "guard_fallbacks": self.guard.fallbacks,
+            "choices": [choice.as_dict() for choice in self.choices],
         }
 
 
@@ -187,6 +196,13 @@ def drafting_skip(skip: SkipSet | None, policy: DraftPolicy) -> SkipSet | None:
     """The skip set to draft with, or None for plain decoding: no set, an empty set (drafting with nothing skipped
     is the full model twice over) or no draft tokens. The one place that decides what plain decoding is."""
     return skip if skip is not None and skip.size and policy.max_draft_tokens else None
+
+
+def drafting_sets(skip: SkipSet | Sequence[SkipSet] | None, policy: DraftPolicy) -> tuple[SkipSet, ...]:
+    """The distinct skip sets among `skip` (one, several or None) that draft (`drafting_skip`), in their order:
+    with two or more, decoding chooses among them and plain decoding at each prompt's prefill (choice.py)."""
+    given = (skip,) if skip is None or isinstance(skip, SkipSet) else tuple(skip)
+    return tuple(dict.fromkeys(s for s in given if drafting_skip(s, policy) is not None))
 
 
 @dataclass
@@ -306,7 +322,7 @@ def generate(
     model: torch.nn.Module,
     input_ids: torch.Tensor | Sequence[int],
     *,
-    skip: SkipSet | None = None,
+    skip: SkipSet | Sequence[SkipSet] | None = None,
     max_new_tokens: int = 128,
     policy: DraftPolicy = DraftPolicy(),
     sampling: Sampling = Sampling(),
@@ -317,42 +333,78 @@ def generate(
     compile_backend: str = "inductor",
     compile_mode: str | None = None,
     hooks: DecodeHooks | None = None,
+    cost_profile: CostProfile | None = None,
 ) -> GenerationOutput:
     """Decode `max_new_tokens` (or up to EOS) for one prompt with self-speculative decoding.
 
-    `skip=None`, an empty skip set or `policy.max_draft_tokens == 0` decodes autoregressively
-    through the same loop (`drafting_skip`). `generator` seeds sampling; it must live on the
-    model's device. `compile` runs the draft and verify forwards compiled (`compile_backend`, `compile_mode`:
-    engine.py's modes; CUDA graphs by default on CUDA), kept on the model for later calls; the prefill is eager.
-    `hooks` put logits processing, stopping and streaming in the caller's hands (`DecodeHooks`).
+    `skip=None`, an empty skip set or `policy.max_draft_tokens == 0` decodes plainly through the same loop
+    (`drafting_skip`); several sets: the prefill chooses one or plain decoding (choice.py, `cost_profile`).
+    `generator` seeds sampling, on the model's device. `compile` runs the draft and verify forwards compiled
+    (`compile_backend`, `compile_mode`: engine.py's modes; CUDA graphs by default on CUDA), kept on the model for
+    later calls; the prefill is eager. `hooks` put logits processing, stopping and streaming in the caller's hands.
     """
     prompt = check_prompt(model, input_ids)  # before any work: each a TypeError or ValueError saying what is wrong
-    check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling)
-    draft_skip = drafting_skip(skip, policy)
-    verify_width = policy.max_draft_tokens + 1 if draft_skip else 1
+    check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling, cost_profile)
+    candidates = drafting_sets(skip, policy)
     settings = CompileSettings(compile_backend, compile_mode) if compile else None
-    # Writes reach at most one verify width (or a batch of plain steps) past the last committed token.
-    length = prompt.shape[1] + max_new_tokens + max(verify_width, PLAIN_STEPS_PER_READ)
-    engine = engine_for(model)
-    steps = engine.prepare(length, draft_skip, settings, verify_width)
-    loop = _Loop(model, steps, verify_width if compile else None, policy, sampling, _eos_set(eos_token_id),
-                 generator, hooks, time_drafts, host_reads_stall(model.device))
-    _watch_rounds(loop, draft_skip, engine.plain_speeds.setdefault(settings, PlainSpeed()))
-    new_steps = {id(step): step for step in steps[1:] if step is not None and step.setup_time_s is None}
+    steps = _prepare(model, prompt.shape[1] + max_new_tokens, candidates, policy, settings)
+    first = next(iter(steps.values()))  # what a single set (or plain decoding) decodes with; a choice replaces it
+    loop = _Loop(model, first, _verify_width(first, policy, settings), policy, sampling, _eos_set(eos_token_id),
+                 generator, hooks, time_drafts, host_reads_stall(model.device),
+                 _Choosing(candidates, steps, cost_profile) if len(candidates) > 1 else None,
+                 engine_for(model).plain_speeds.setdefault(settings, PlainSpeed()))
+    _watch_rounds(loop, candidates[0] if len(candidates) == 1 else None)  # with a choice: once it is made
+    new_steps = _not_set_up(steps)
     output = _decode(loop, prompt, max_new_tokens)
-    output.stats.compile_time_s = sum(step.setup_time_s or 0.0 for step in new_steps.values())
+    output.stats.compile_time_s = sum(step.setup_time_s or 0.0 for step in new_steps)  # the first calls' setup
     return output
 
 
-def _watch_rounds(loop: _Loop, draft_skip: SkipSet | None, plain: PlainSpeed) -> None:
+def _watch_rounds(loop: _Loop, draft_skip: SkipSet | None) -> None:
     """What the policy asks to time drafting rounds for: the guard (with plain speed as earlier calls measured it:
     later calls need not sample it again) and the price of a draft ("cost" rule; first the share of weights read)."""
     if draft_skip is None:
         return
     if loop.policy.guard:
-        loop.guard = Guard(plain)
+        loop.guard = Guard(loop.plain_speed)
     if loop.policy.stop_rule == "cost":
-        loop.costs = MarginalCost(kept_weight_fraction(loop.model, draft_skip))
+        loop.costs = MarginalCost(weight_fraction(loop.model, draft_skip))
+
+
+def _prepare(model: torch.nn.Module, tokens: int, candidates: tuple[SkipSet, ...], policy: DraftPolicy,
+             settings: CompileSettings | None) -> dict[SkipSet | None, Steps]:
+    """The steps (and the cache for `tokens`, prompt and new) of what the call may decode with: its one drafting
+    set, or plain decoding (keyed None); with several sets, each of them and plain decoding."""
+    engine = engine_for(model)
+    # Writes reach at most one verify width (or a batch of plain steps) past the last committed token.
+    widest = policy.max_draft_tokens + 1 if candidates else 1
+    cache = engine.cache_for(tokens + max(widest, PLAIN_STEPS_PER_READ), settings)
+    options = (*candidates, None) if len(candidates) > 1 else candidates or (None,)
+    return {skip: engine.steps_for(cache, skip, settings, policy.max_draft_tokens + 1 if skip is not None else 1)
+            for skip in options}
+
+
+def _verify_width(steps: Steps, policy: DraftPolicy, settings: CompileSettings | None) -> int | None:
+    """Compiled: the width every verification is padded to (the widest round's); eager: None, any width."""
+    if settings is None:
+        return None
+    return policy.max_draft_tokens + 1 if steps.draft is not None else 1
+
+
+def _not_set_up(steps: dict[SkipSet | None, Steps]) -> list[Step]:
+    """The steps whose first call (compiling) is still to come, each once: one verify step serves every set."""
+    unique = {id(step): step for option in steps.values() for step in option[1:]}
+    return [step for step in unique.values() if step is not None and step.setup_time_s is None]
+
+
+@dataclass(frozen=True)
+class _Choosing:
+    """Several skip sets to choose among at the prefill, the steps of each and of plain decoding (keyed None), and
+    the cost profile that prices drafts (None: the memory-bound estimate; choice.py)."""
+
+    candidates: tuple[SkipSet, ...]
+    steps: dict[SkipSet | None, Steps]
+    profile: CostProfile | None
 
 
 @dataclass
@@ -370,6 +422,8 @@ class _Loop:
     hooks: DecodeHooks | None
     time_drafts: bool
     read_once: bool  # host reads stall the device: one read per round (`host_reads_stall`)
+    choosing: _Choosing | None = None  # several skip sets: the prefill chooses, and sets `steps` and the width
+    plain_speed: PlainSpeed = field(default_factory=PlainSpeed)  # kept on the engine across calls, for the guard
     stats: DecodeStats = field(default_factory=DecodeStats)
     guard: Guard | None = None
     costs: MarginalCost | None = None
@@ -435,15 +489,33 @@ def _account(loop: _Loop, tokens: int, since: float, cold: bool, drafting: bool)
 
 
 def _prefill(loop: _Loop, prompt: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
-    """The prompt's forward and the first new token; with hooks, the committed ids too (on the device)."""
+    """The prompt's forward and the first new token; with hooks, the committed ids too (on the device).
+    With several skip sets, the prefill also chooses the one to draft with (`_prefill_choosing`)."""
     loop.steps.cache.seek(0)
-    logits = forward_at_position(loop.model, loop.steps.cache, prompt, logits_to_keep=1)
+    if loop.choosing is None:
+        logits = forward_at_position(loop.model, loop.steps.cache, prompt, logits_to_keep=1)
+    else:
+        logits = _prefill_choosing(loop, prompt)
     if loop.hooks is not None:
         logits = loop.hooks.process(prompt, logits)
     last = _next_token(loop, logits)
     tokens = last.tolist()  # a host read: the prefill time is exact on CUDA too
     history = torch.cat([prompt[0], last]) if loop.hooks is not None else None
     return last, tokens, history
+
+
+def _prefill_choosing(loop: _Loop, prompt: torch.Tensor) -> torch.Tensor:
+    """The prefill that chooses this prompt's skip set, or plain decoding (choice.py); the loop then runs the
+    chosen one's steps. Returns the logits predicting the first new token."""
+    choosing = loop.choosing
+    logits, choice = prefill_choosing(loop.model, loop.steps.cache, prompt, choosing.candidates,
+                                      loop.policy.max_draft_tokens, loop.sampling, choosing.profile)
+    loop.steps = choosing.steps[choice.skip]
+    if loop.verify_width is not None:  # compiled
+        loop.verify_width = loop.policy.max_draft_tokens + 1 if choice.skip is not None else 1
+    _watch_rounds(loop, choice.skip)
+    loop.stats.choices.append(choice)
+    return logits
 
 
 def _next_token(loop: _Loop, logits: torch.Tensor) -> torch.Tensor:

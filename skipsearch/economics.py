@@ -7,7 +7,7 @@ draft in plain steps: drafting it pays only when its chance of being accepted (w
 above that price. The two are fit by least squares over the call's rounds (with forgetting, so a
 growing context is tracked), from the wall time between the rounds' host reads, which the loop has
 anyway. Until the rounds vary enough in length to separate the two, the price is the share of the
-model's weights the draft still reads (`kept_weight_fraction`): what it costs where decoding is bound
+model's weights the draft still reads (`weight_fraction`): what it costs where decoding is bound
 by memory bandwidth and verifying a few more tokens is free.
 """
 
@@ -17,27 +17,28 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .skipping import SkipSet, decoder_layers, layer_layout
+from .skipping import SkipSet, decoder_layers
 
 FORGET = 0.95  # per round: the fit follows the last few dozen rounds
 MIN_SPREAD = 0.25  # variance of the draft counts below which the fit cannot separate base and per-draft cost
 PRICE_LIMITS = (0.02, 4.0)  # a fit outside these is noise, not a price
 
 
-def kept_weight_fraction(model: nn.Module, skip: SkipSet) -> float:
-    """The share of the model's parameters a forward of the draft path still reads (embeddings and head
-    included, which every forward reads): the draft's cost over the full model's where memory bound."""
-    def size(module: nn.Module) -> int:
-        return sum(p.numel() for p in module.parameters())
+def weight_fraction(model: nn.Module, skip: SkipSet) -> float:
+    """The share of the weights a one-token forward reads (every attention and MLP sublayer's and the output
+    projection's; the embedding lookup reads one row) that the draft still reads: what a draft forward costs
+    relative to a full one where forwards are memory-bound, as batch-1 decoding is on a GPU."""
+    layers = decoder_layers(model)
+    attn = [_size(layer.self_attn) for layer in layers]
+    mlp = [_size(layer.mlp) for layer in layers]
+    full = _size(model.get_output_embeddings()) + sum(attn) + sum(mlp)
+    skipped = sum(attn[i] for i in skip.attn) + sum(mlp[i] for i in skip.mlp)
+    return (full - skipped) / full
 
-    skipped = 0
-    for index, layer in enumerate(decoder_layers(model)):
-        layout = layer_layout(layer)
-        for skipped_ids, norm, sublayer in ((skip.attn, layout.attn_norm, layout.attn),
-                                            (skip.mlp, layout.mlp_norm, layout.mlp)):
-            if index in skipped_ids:
-                skipped += size(getattr(layer, norm)) + size(getattr(layer, sublayer))
-    return 1.0 - skipped / size(model)
+
+def _size(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
 
 
 @dataclass

@@ -219,20 +219,33 @@ class Engine:
 
     def prepare(self, length: int, skip: SkipSet | None, settings: CompileSettings | None, verify_width: int
                 ) -> Steps:
-        """The cache (at least `length` slots) and the steps: the draft step (None without a skip set), the verify
-        step (compiled for `verify_width` tokens; eager steps take any width) and the plain step. Compiled steps
-        compile on their first call, so a plain step that is never called costs nothing."""
-        model, device = self.model, self.model.device
+        """The cache (at least `length` slots) and the steps writing it (`steps_for`)."""
+        return self.steps_for(self.cache_for(length, settings), skip, settings, verify_width)
+
+    def cache_for(self, length: int, settings: CompileSettings | None) -> SpeculativeCache:
+        """A cache of at least `length` slots: a fresh one of exactly that size for eager steps; for compiled steps
+        the engine's own, whose buffers their graphs read (replaced, and the steps with it, when too small)."""
         if settings is None:
-            cache = SpeculativeCache(model.config, length, device, model.dtype)
-            draft = Step(_step(draft_model(model, skip), cache), cache, compiled=False) if skip else None
-            full = Step(_step(model, cache), cache, compiled=False)
-            return Steps(cache, draft, full, full)
+            return SpeculativeCache(self.model.config, length, self.model.device, self.model.dtype)
         self._fit_cache(length)
+        return self.cache
+
+    def steps_for(self, cache: SpeculativeCache, skip: SkipSet | None, settings: CompileSettings | None,
+                  verify_width: int) -> Steps:
+        """The steps writing `cache`, as `cache_for` gave it: the draft step (None without a skip set), the verify step
+        (compiled for `verify_width` tokens; eager steps take any width) and the plain step. Compiled steps compile on
+        their first call, so a plain step that is never called costs nothing. The preparation is split from the
+        cache's so that a caller can prefill the cache before it knows which skip set to draft with (choice.py)."""
+        if settings is None:
+            draft = Step(_step(draft_model(self.model, skip), cache), cache, compiled=False) if skip else None
+            full = Step(_step(self.model, cache), cache, compiled=False)
+            return Steps(cache, draft, full, full)
+        if cache is not self.cache:
+            raise ValueError("compiled steps write the engine's own cache: get it from cache_for")
         for width in {verify_width, 1}:
             if (width, settings) not in self.verify_steps:
                 self.verify_steps[width, settings] = self._compiled_step(None, settings)
-        return Steps(self.cache, self._draft_step(skip, settings) if skip else None,
+        return Steps(cache, self._draft_step(skip, settings) if skip else None,
                      self.verify_steps[verify_width, settings], self.verify_steps[1, settings])
 
     def _fit_cache(self, length: int) -> None:

@@ -33,6 +33,8 @@ class Evaluation:
     skipped_fraction: float
     prompts: int  # prompts the figures cover: fewer than the evaluator's when the pruner stopped the trial early
     predicted_speedup: Interval | None = None  # from a cost profile, one prediction per prompt
+    # In a study of several datasets: the same figures over each dataset's prompts alone.
+    by_dataset: dict[str, Evaluation] = field(default_factory=dict)
 
     def figures(self) -> Figures:
         """The figures a study keeps of this evaluation."""
@@ -42,9 +44,52 @@ class Evaluation:
                        baseline_tokens_per_second=self.baseline_tokens_per_second,
                        mean_accepted_tokens=self.mean_accepted_tokens, identical=self.identical, prompts=self.prompts)
 
+    def dataset_figures(self) -> dict[str, Figures] | None:
+        """The figures a study keeps of each dataset's prompts (None: the prompts are of one dataset)."""
+        return {name: evaluation.figures() for name, evaluation in self.by_dataset.items()} or None
+
     def score(self, objective: str) -> float | tuple[float, float]:
         """The objective's value (see ranking.py). Speed x acceptance counts plain decoding's acceptance as 1."""
         return objective_value(self.figures(), objective)
+
+
+@dataclass
+class _PromptRuns:
+    """What decoding one prompt with a skip set showed: each paired run's speed ratio and rates, its statistics."""
+
+    ratios: list[float]
+    plain_rates: list[float]
+    skip_rates: list[float]
+    stats: DecodeStats
+    identical: bool  # every output equalled plain greedy decoding's
+    prediction: float | None  # the cost profile's speedup for these statistics
+
+    def share(self, skip: SkipSet) -> Figures:
+        """This prompt's figures: the pruner compares its share of the objective with the best trial's, prompt by
+        prompt."""
+        return Figures(speedup=Ratio(ratio_interval(self.ratios).estimate) if self.ratios else None,
+                       predicted_speedup=None if self.prediction is None else Ratio(self.prediction),
+                       acceptance_rate=self.stats.acceptance_rate if skip.size else None)
+
+
+def _summary(skip: SkipSet, runs: list[_PromptRuns], num_layers: int) -> Evaluation:
+    """The evaluation of `skip` over the prompts of `runs`."""
+    total = DecodeStats()
+    for run in runs:
+        total.add(run.stats)
+    ratios = [r for run in runs for r in run.ratios]
+    plain_rates = [r for run in runs for r in run.plain_rates]
+    skip_rates = [r for run in runs for r in run.skip_rates]
+    predictions = [run.prediction for run in runs if run.prediction is not None]
+    return Evaluation(
+        skip=skip, speedup=ratio_interval(ratios) if ratios else None,
+        acceptance_rate=total.acceptance_rate if skip.size else None,
+        tokens_per_second=statistics.fmean(skip_rates) if skip_rates else None,
+        baseline_tokens_per_second=statistics.fmean(plain_rates) if plain_rates else None,
+        mean_accepted_tokens=total.mean_accepted_tokens if skip.size else None,
+        identical=all(run.identical for run in runs), skipped_fraction=skip.skipped_fraction(num_layers),
+        prompts=len(runs), predicted_speedup=_spread(predictions) if predictions else None,
+    )
 
 
 @dataclass
@@ -68,6 +113,8 @@ class Evaluator:
     clock: Callable[[], float] = time.perf_counter
     show_progress: bool = False  # a bar while decoding the reference, which takes a while on big models
     compile: bool = False  # compiled draft and verify steps, reused by trials that share a skip set
+    # The dataset of each prompt, in a study of several: the evaluation then has figures per dataset too.
+    datasets: list[str] | None = None
     _reference: list[list[int]] | None = field(default=None, repr=False)
 
     def _decode(self, prompt: list[int], skip: SkipSet | None, max_new_tokens: int | None = None) -> GenerationOutput:
@@ -116,45 +163,37 @@ class Evaluator:
             # Setting up a new skip set's steps (and compiling, for the first) must not land in a timed run; one
             # round with a draft is enough to set everything up.
             self._decode(self.prompts[0], skip, max_new_tokens=min(self.max_new_tokens, 3))
-        total, ratios, plain_rates, skip_rates, predictions = DecodeStats(), [], [], [], []
-        identical, done = True, 0
+        runs = []
         for index, prompt in enumerate(self.prompts):
-            prompt_stats = DecodeStats()
-            if self.timed:
-                pairs = paired_runs(lambda: self._decode(prompt, None), lambda: self._decode(prompt, skip),
-                                    repeats, first_index=index, clock=self.clock)
-                outputs = [out for _, (out, _) in pairs]
-                for (plain, plain_s), (out, out_s) in pairs:
-                    plain_rates.append(len(plain.tokens) / plain_s)
-                    skip_rates.append(len(out.tokens) / out_s)
-                    ratios.append(skip_rates[-1] / plain_rates[-1])
-                prompt_ratio = ratio_interval(ratios[-repeats:]).estimate
-            else:
-                outputs, prompt_ratio = [self._decode(prompt, skip)], None
-            for out in outputs:
-                identical &= out.tokens == reference[index]
-                prompt_stats.add(out.stats)
-            total.add(prompt_stats)
-            done = index + 1
-            prediction = self._predict(skip, prompt_stats)
-            if prediction is not None:
-                predictions.append(prediction)
-            if report is not None:
-                # This prompt's share of the objective: the pruner compares it with the best trial's, prompt by prompt.
-                share = Figures(speedup=None if prompt_ratio is None else Ratio(prompt_ratio),
-                                predicted_speedup=None if prediction is None else Ratio(prediction),
-                                acceptance_rate=prompt_stats.acceptance_rate if skip.size else None)
-                if report(index, objective_value(share, objective)):
-                    break
-        return Evaluation(
-            skip=skip, speedup=ratio_interval(ratios) if ratios else None,
-            acceptance_rate=total.acceptance_rate if skip.size else None,
-            tokens_per_second=statistics.fmean(skip_rates) if skip_rates else None,
-            baseline_tokens_per_second=statistics.fmean(plain_rates) if plain_rates else None,
-            mean_accepted_tokens=total.mean_accepted_tokens if skip.size else None, identical=identical,
-            skipped_fraction=skip.skipped_fraction(self.model.config.num_hidden_layers), prompts=done,
-            predicted_speedup=_spread(predictions) if predictions else None,
-        )
+            runs.append(self._runs(index, prompt, skip, repeats, reference[index]))
+            if report is not None and report(index, objective_value(runs[-1].share(skip), objective)):
+                break
+        num_layers = self.model.config.num_hidden_layers
+        evaluation = _summary(skip, runs, num_layers)
+        for name in dict.fromkeys(self.datasets or ()):
+            own = [run for run, dataset in zip(runs, self.datasets) if dataset == name]
+            if own:  # a trial stopped early may not have reached every dataset
+                evaluation.by_dataset[name] = _summary(skip, own, num_layers)
+        return evaluation
+
+    def _runs(self, index: int, prompt: list[int], skip: SkipSet, repeats: int, reference: list[int]
+              ) -> _PromptRuns:
+        """Decode `prompt` with `skip`, `repeats` times paired with plain decoding (once, untimed, when not timed)."""
+        stats, ratios, plain_rates, skip_rates = DecodeStats(), [], [], []
+        if self.timed:
+            pairs = paired_runs(lambda: self._decode(prompt, None), lambda: self._decode(prompt, skip),
+                                repeats, first_index=index, clock=self.clock)
+            outputs = [out for _, (out, _) in pairs]
+            for (plain, plain_s), (out, out_s) in pairs:
+                plain_rates.append(len(plain.tokens) / plain_s)
+                skip_rates.append(len(out.tokens) / out_s)
+                ratios.append(skip_rates[-1] / plain_rates[-1])
+        else:
+            outputs = [self._decode(prompt, skip)]
+        for out in outputs:
+            stats.add(out.stats)
+        return _PromptRuns(ratios, plain_rates, skip_rates, stats, all(out.tokens == reference for out in outputs),
+                           self._predict(skip, stats))
 
     def plain_decoding(self, report: Callable[[int, float], bool] | None = None) -> Evaluation:
         """The empty skip set's evaluation, without decoding anything.

@@ -4,6 +4,10 @@ A skip set is exported only when its confirmation (a re-measurement against plai
 more paired runs, stored on the study by `search.confirm_candidates`) puts the lower bound of its
 speedup's interval above 1.0. Otherwise the export is "skip nothing", quoting the best confirmed
 figure. Every surface (verdict line, best.json, plots, notebook, bench) reads this one decision.
+
+A study of several datasets also decides per dataset, from the confirmation's figures over that dataset's prompts;
+when the datasets' confirmed sets differ, best.json carries each (version 2, labelled with its datasets) and
+decoding chooses among them per prompt (choice.py). Otherwise the export is the decision over all prompts.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from .config import SkipConfig, save_skip_config
+from .config import SkipConfig, SkipEntry, save_skip_config
 from .files import write_atomic
-from .ranking import quoted_speedup
+from .ranking import quoted_speedup, score
 from .records import (Confirmation, ConfirmedCandidate, Figures, Ratio, StudyLabel, TrialRecord, read_confirmation,
                       read_trials, study_label)
 from .skipping import SkipSet
@@ -58,14 +62,15 @@ def _figure(figures: Figures, objective: str) -> str:
     return f"{speedup.estimate:.2f}x as fast as plain decoding (95% interval {speedup.low:.2f}-{high}, {basis})"
 
 
-def decide(study: optuna.Study) -> Decision:
-    """Read the study's confirmation and decide: a skip set only when its interval lies above 1.0."""
+def decide(study: optuna.Study, dataset: str | None = None) -> Decision:
+    """Read the study's confirmation and decide: a skip set only when its interval lies above 1.0. With `dataset`
+    (a study of several), by the confirmed figures over that dataset's prompts alone."""
     confirmation = read_confirmation(study)
     if confirmation is None:
         return Decision(None, None, "no skip set has been confirmed yet (the study stopped before its confirmation "
                                     "step confirmed one): run the same `optimize` command again to confirm; plain "
                                     "decoding is exported")
-    decision = _decide_by(confirmation, study)
+    decision = _decide_by(confirmation, study, dataset)
     if confirmation.complete:
         return decision
     stopped = f"the confirmation was stopped after {len(confirmation.candidates)} of {confirmation.wanted} skip sets"
@@ -73,13 +78,13 @@ def decide(study: optuna.Study) -> Decision:
                                   "them all)")
 
 
-def _decide_by(confirmation: Confirmation, study: optuna.Study) -> Decision:
+def _decide_by(confirmation: Confirmation, study: optuna.Study, dataset: str | None) -> Decision:
     objective = study_label(study).objective
 
     def speedup(candidate: ConfirmedCandidate) -> Ratio | None:
         return quoted_speedup(candidate.figures, objective)
 
-    candidates = [c for c in confirmation.candidates if speedup(c) is not None]
+    candidates = [c for c in _measured_on(confirmation.candidates, dataset, objective) if speedup(c) is not None]
     if not candidates and confirmation.top == 0:
         return Decision(None, None, "confirmation was turned off (--confirm-top 0): plain decoding is exported")
     if not candidates:
@@ -100,6 +105,21 @@ def _decide_by(confirmation: Confirmation, study: optuna.Study) -> Decision:
     if speedup(best).estimate > 1.0:
         text += "; that interval includes 1.0, so it cannot be told apart from plain decoding"
     return Decision(None, best, text + "; plain decoding is exported")
+
+
+def _measured_on(candidates: tuple[ConfirmedCandidate, ...], dataset: str | None, objective: str
+                 ) -> list[ConfirmedCandidate]:
+    """The confirmed candidates as measured over `dataset`'s prompts (None: over all prompts)."""
+    if dataset is None:
+        return list(candidates)
+    return [replace(c, figures=c.datasets[dataset], score=score(c.datasets[dataset], objective))
+            for c in candidates if c.datasets and dataset in c.datasets]
+
+
+def dataset_verdicts(study: optuna.Study) -> list[str]:
+    """In a study of several datasets, each one's decision ("<dataset>: <verdict>"); none in a study of one."""
+    datasets = study_label(study).datasets
+    return [f"{d}: {decide(study, d).text}" for d in datasets] if len(datasets) > 1 else []
 
 
 def verdict(study: optuna.Study) -> tuple[bool, str]:
@@ -147,8 +167,12 @@ def _config(study: optuna.Study, label: StudyLabel, skip: SkipSet, metrics: dict
 
 
 def decided_config(study: optuna.Study) -> SkipConfig:
-    """The config the study's decision exports: the confirmed skip set, or plain decoding."""
+    """The config the study's decision exports: the confirmed skip set, or plain decoding; in a study of several
+    datasets whose confirmed sets differ, each of them (`_dataset_entries`)."""
     label = study_label(study)
+    entries = _dataset_entries(study, label)
+    if len(entries) > 1:
+        return SkipConfig.of_entries(label.model, entries, label.draft, _search_settings(study, label, None))
     decision = decide(study)
     if decision.chosen is not None:
         chosen = decision.chosen
@@ -163,6 +187,24 @@ def decided_config(study: optuna.Study) -> SkipConfig:
                "best_skipping": None if best is None else {
                    "trial": best.trial, "skip": best.skip.as_dict(), **_metric_figures(best.figures)}}
     return _config(study, label, SkipSet(), metrics, None)
+
+
+def _dataset_entries(study: optuna.Study, label: StudyLabel) -> list[SkipEntry]:
+    """Each dataset's confirmed set, once per distinct set, labelled with the datasets it was confirmed on (joined
+    by ", ") and carrying the figures of the first; a dataset on which no set pays is left to plain decoding, which
+    decoding always weighs. None in a study of one dataset."""
+    won: dict = {}
+    for dataset in label.datasets if len(label.datasets) > 1 else ():
+        decision = decide(study, dataset)
+        if decision.chosen is not None:
+            won.setdefault(decision.chosen.skip, []).append((dataset, decision))
+    entries = []
+    for skip, wins in won.items():
+        chosen = wins[0][1].chosen
+        metrics = _metrics(label.objective, chosen.score, chosen.figures)
+        metrics.update(confirmed=True, trial=chosen.trial, verdict="; ".join(f"{d}: {w.text}" for d, w in wins))
+        entries.append(SkipEntry(skip, ", ".join(d for d, _ in wins), metrics))
+    return entries
 
 
 def _search_settings(study: optuna.Study, label: StudyLabel, trial_number: int | None) -> dict:
@@ -193,4 +235,7 @@ def export_trial(study: optuna.Study, path: Path, trial_number: int | None = Non
 
 def write_dv(config: SkipConfig, path: Path) -> None:
     """Write `config`'s skip set in the Draft & Verify / SWIFT format, named after its model."""
+    if config.others:
+        raise ValueError(f"the decision carries {len(config.entries)} skip sets, one per dataset, and the Draft & "
+                         "Verify format holds one: export one of them with --trial N")
     write_atomic(path, json.dumps(dv_json(dv_name(config.model), config.skip), indent=2) + "\n")

@@ -101,38 +101,56 @@ def _batch_message(rows: int) -> str:
 
 
 def check_generate_args(model: nn.Module, prompt_tokens: int, skip: Any, max_new_tokens: Any, policy: Any,
-                        sampling: Any) -> None:
-    """The options of `decoding.generate`: their types, a skip set that fits the model, and a prompt plus
-    `max_new_tokens` plus drafts within the model's context (bounded before the cache is allocated)."""
-    from .config import SkipConfig
+                        sampling: Any, cost_profile: Any = None) -> None:
+    """The options of `decoding.generate`: their types, skip sets that fit the model, a cost profile made for its
+    kind, and a prompt plus `max_new_tokens` plus drafts within the model's context (bounded before the cache is
+    allocated)."""
     from .decoding import Sampling
 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if isinstance(skip, SkipConfig):
-        raise TypeError("skip must be a SkipSet, got a SkipConfig: pass skip=config.skip, policy=config.draft")
-    if skip is not None and not isinstance(skip, SkipSet):
-        raise TypeError(f"skip must be a SkipSet (SkipSet.of(attn, mlp, num_layers)) or None, got "
-                        f"{type(skip).__name__}")
-    if skip is not None:
-        skip.check_fits(len(decoder_layers(model)))
+    for one in skip if isinstance(skip, (list, tuple)) else (skip,):
+        _check_skip(model, one, several=isinstance(skip, (list, tuple)))
     for name, value, kind in (("policy", policy, DraftPolicy), ("sampling", sampling, Sampling)):
         if not isinstance(value, kind):
             raise TypeError(f"{name} must be a {kind.__name__}, got {type(value).__name__}")
+    if cost_profile is not None:
+        from .costs import CostProfile
+
+        if not isinstance(cost_profile, CostProfile):
+            raise TypeError(f"cost_profile must be a CostProfile (CostProfile.load(path)), got "
+                            f"{type(cost_profile).__name__}")
+        cost_profile.check_model(model)
     check_room(model, prompt_tokens, max_new_tokens, skip, policy)
 
 
-def check_room(model: nn.Module, prompt_tokens: int, max_new_tokens: int, skip: SkipSet | None,
+def check_room(model: nn.Module, prompt_tokens: int, max_new_tokens: int, skip: SkipSet | Sequence[SkipSet] | None,
                policy: DraftPolicy, flag: str = "max_new_tokens") -> None:
     """A ValueError unless the prompt, `max_new_tokens` (`flag` names it) and, when drafting, a round's drafts fit
     the model's context.
 
-    Plain decoding (`drafting_skip`) feeds no token past the last committed one: its steps stop at `max_new_tokens`,
-    so the cache's spare slots past them are never written. A speculative round's drafts and its verification (padded
-    to the full draft width when compiled) reach up to `max_draft_tokens` positions past them: those positions count.
+    Plain decoding (no set that drafts: `drafting_sets`) feeds no token past the last committed one: its steps stop
+    at `max_new_tokens`, so the cache's spare slots past them are never written. A speculative round's drafts and its
+    verification (padded to the full draft width when compiled) reach up to `max_draft_tokens` positions past them:
+    those positions count.
     """
-    from .decoding import drafting_skip
+    from .decoding import drafting_sets
     from .models import check_context
 
-    drafts = policy.max_draft_tokens if drafting_skip(skip, policy) else 0
+    drafts = policy.max_draft_tokens if drafting_sets(skip, policy) else 0
     check_context(model, prompt_tokens, max_new_tokens, drafts, flag=flag)
+
+
+def _check_skip(model: nn.Module, skip: Any, several: bool) -> None:
+    """One skip set of `generate`'s `skip`: a SkipSet that fits the model (or, alone, None)."""
+    from .config import SkipConfig
+
+    if isinstance(skip, SkipConfig):
+        raise TypeError("skip must be a SkipSet, got a SkipConfig: pass skip=config.skip (config.skip_sets for a "
+                        "config of several sets), policy=config.draft")
+    if skip is None and not several:
+        return
+    if not isinstance(skip, SkipSet):
+        raise TypeError(f"skip must be a SkipSet (SkipSet.of(attn, mlp, num_layers)), a list of them or None, got "
+                        f"{'a list holding ' if several else ''}{type(skip).__name__}")
+    skip.check_fits(len(decoder_layers(model)))

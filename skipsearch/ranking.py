@@ -52,9 +52,25 @@ def quoted_speedup(figures: Figures | None, objective: str) -> Ratio | None:
     return figures.predicted_speedup if objective == "modeled" else figures.speedup
 
 
-def ranked(study: optuna.Study) -> list[TrialRecord]:
+def ranked(study: optuna.Study, dataset: str | None = None) -> list[TrialRecord]:
     """The distinct skip sets the study decoded that skip something, best first. Plain decoding (known without
-    decoding), pre-screen estimates (another scale) and repeated proposals are not ranked."""
+    decoding), pre-screen estimates (another scale) and repeated proposals are not ranked. With `dataset` (a study
+    of several), by the figures of that dataset's prompts alone, among the sets that decoded some of them."""
     objective = study_label(study).objective
     skipping = [t for t in decoded_trials(study) if t.skipped]
-    return sorted(skipping, key=lambda t: score(t.figures, objective), reverse=True)
+    if dataset is None:
+        return sorted(skipping, key=lambda t: score(t.figures, objective), reverse=True)
+    measured = [t for t in skipping if t.datasets and dataset in t.datasets]
+    return sorted(measured, key=lambda t: score(t.datasets[dataset], objective), reverse=True)
+
+
+def best_candidates(study: optuna.Study, top: int) -> list[TrialRecord]:
+    """The `top` best sets (`ranked`), and in a study of several datasets each dataset's `top` best too, each set
+    once: the ones worth measuring again before the export."""
+    datasets = study_label(study).datasets
+    rankings = [ranked(study), *(ranked(study, d) for d in datasets if len(datasets) > 1)]
+    chosen: dict[int, TrialRecord] = {}
+    for ranking in rankings:
+        for trial in ranking[:top]:
+            chosen.setdefault(trial.number, trial)
+    return list(chosen.values())

@@ -84,6 +84,16 @@ class Figures:
 
 _RATIOS = ("speedup", "predicted_speedup")
 _PLAIN_FIGURES = tuple(f.name for f in fields(Figures) if f.name not in _RATIOS)
+DATASETS_ATTR = "dataset_figures"  # a trial's or a confirmed candidate's figures per dataset, in studies of several
+
+
+def _datasets_attrs(datasets: dict[str, Figures] | None) -> dict[str, Any]:
+    return {DATASETS_ATTR: {name: figures.as_dict() for name, figures in datasets.items()}} if datasets else {}
+
+
+def _datasets_of(attrs: dict[str, Any]) -> dict[str, Figures] | None:
+    stored = attrs.get(DATASETS_ATTR)
+    return {name: Figures.from_dict(flat) or Figures() for name, flat in stored.items()} if stored else None
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,7 @@ class TrialRecord:
     screened_out: str | None = None  # why the pre-screen stopped it: its value is an estimate, not a measurement
     stopped_early: str | None = None  # why the pruner stopped it: its figures cover fewer prompts
     figures: Figures | None = None
+    datasets: dict[str, Figures] | None = None  # in a study of several datasets: the figures of each one's prompts
 
     @classmethod
     def of(cls, trial: FrozenTrial) -> TrialRecord:
@@ -122,7 +133,7 @@ class TrialRecord:
         return cls(
             number=trial.number, state=trial.state, values=None if trial.values is None else tuple(trial.values),
             skip=SkipSet.of(attrs["skip_attn"], attrs["skip_mlp"]) if has_skip else None,
-            explored=bool(attrs.get("explored")), figures=Figures.from_dict(attrs),
+            explored=bool(attrs.get("explored")), figures=Figures.from_dict(attrs), datasets=_datasets_of(attrs),
             **{name: _words(value) if name in _WORDS else value for name, value in stored.items()},
         )
 
@@ -136,18 +147,19 @@ class TrialRecord:
             attrs["explored"] = True
         if self.figures is not None:
             attrs.update(self.figures.as_dict())
+        attrs.update(_datasets_attrs(self.datasets))
         return attrs
 
     def measurement(self) -> TrialRecord:
         """What this trial measured, without how it came about: what a repeated proposal of its set copies."""
         return TrialRecord(skip=self.skip, skipped=self.skipped, skipped_fraction=self.skipped_fraction,
                            plain_decoding=self.plain_decoding, match=self.match, screened_out=self.screened_out,
-                           stopped_early=self.stopped_early, figures=self.figures)
+                           stopped_early=self.stopped_early, figures=self.figures, datasets=self.datasets)
 
 
 # The record's fields stored as they are, each under its name or the one crash recovery gives it; those in words.
 _STORED = tuple(f.name for f in fields(TrialRecord)
-                if f.name not in ("number", "state", "values", "skip", "explored", "figures"))
+                if f.name not in ("number", "state", "values", "skip", "explored", "figures", "datasets"))
 _KEYS = {"worker": WORKER_ATTR, "retry_of": RETRY_ATTR, "fail_reason": FAIL_REASON_ATTR}
 _WORDS = {"worker", "fail_reason", "plain_decoding", "screened_out", "stopped_early"}
 
@@ -165,7 +177,7 @@ class StudyLabel:
     model: ModelInfo
     objective: str
     sampler: str | None = None
-    dataset: str | None = None
+    dataset: str | list[str] | None = None  # a list: a study of several datasets, which ranks sets per dataset too
     num_prompts: int | None = None
     max_new_tokens: int | None = None
     seed: int | None = None
@@ -175,6 +187,11 @@ class StudyLabel:
     draft: DraftPolicy | None = None
     space: SearchSpace | None = None
     cost_profile: CostProfile | None = None  # a modeled study's: a resumed study scores with the same costs
+
+    @property
+    def datasets(self) -> tuple[str, ...]:
+        """The datasets whose prompts the trials decode, in order."""
+        return (self.dataset,) if isinstance(self.dataset, str) else tuple(self.dataset or ())
 
     def attrs(self) -> dict[str, Any]:
         values = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -212,17 +229,18 @@ class ConfirmedCandidate:
     skipped: int
     skipped_fraction: float
     figures: Figures
+    datasets: dict[str, Figures] | None = None  # in a study of several datasets: the figures of each one's prompts
 
     def attrs(self) -> dict[str, Any]:
         return {"trial": self.trial, "skip_attn": list(self.skip.attn), "skip_mlp": list(self.skip.mlp),
                 "score": self.score, **self.figures.as_dict(), "skipped_fraction": self.skipped_fraction,
-                "skipped": self.skipped}
+                "skipped": self.skipped, **_datasets_attrs(self.datasets)}
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> ConfirmedCandidate:
         return cls(trial=attrs["trial"], skip=SkipSet.of(attrs["skip_attn"], attrs["skip_mlp"]), score=attrs["score"],
                    skipped=attrs.get("skipped"), skipped_fraction=attrs.get("skipped_fraction"),
-                   figures=Figures.from_dict(attrs) or Figures())
+                   figures=Figures.from_dict(attrs) or Figures(), datasets=_datasets_of(attrs))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from .constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them 
 from .costs import CostProfile, contexts_for, device_name, profile_costs, study_compile_mode
 from .evaluation import Evaluation, Evaluator
 from .policy import DraftPolicy
-from .ranking import ranked, score, screened_score
+from .ranking import best_candidates, score, screened_score
 from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord, distinct_trials, finished_trials,
                       read_confirmation, read_label)
 from .skipping import SkipSet
@@ -63,7 +63,7 @@ class StudySettings:
     n_trials: int = 20  # distinct skip sets to evaluate
     timeout: float | None = None
     min_match: float = 0.5
-    dataset: str = "builtin"
+    dataset: str | list[str] = "builtin"  # a list: several datasets, each prompt's named in run_study's call
     num_prompts: int = 4
     max_new_tokens: int = 32
     show_progress_bar: bool = True
@@ -225,7 +225,7 @@ def _first_trial_of(study: optuna.Study, skip: SkipSet) -> TrialRecord | None:
 
 def _record_of(evaluation: Evaluation) -> TrialRecord:
     return TrialRecord(skipped=evaluation.skip.size, skipped_fraction=evaluation.skipped_fraction,
-                       figures=evaluation.figures())
+                       figures=evaluation.figures(), datasets=evaluation.dataset_figures())
 
 
 def _free_memory(model: torch.nn.Module) -> None:
@@ -239,9 +239,11 @@ def run_study(
     space: SearchSpace, policy: DraftPolicy, eos_token_id: int | list[int] | None,
     profile: CostProfile | None = None, clock: Callable[[], float] = time.perf_counter,
     stop: StopRequest | None = None,
+    prompt_datasets: list[str] | None = None,
 ) -> optuna.Study:
     """Run (or resume) the study until it has evaluated `settings.n_trials` distinct skip sets (or until
     timeout, a stop signal or an exhausted space), then confirm its best candidates (see `confirm_candidates`).
+    `prompt_datasets`: the dataset of each prompt, in a study of several (`settings.dataset` their list).
 
     Ctrl-C or SIGTERM finishes the running trial or confirmation, then returns; a second one abandons it (worker.py's
     `stop_on_signals`). Either way the study keeps what finished for the export. Pass `stop` to learn whether a
@@ -274,7 +276,8 @@ def run_study(
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
                           eos_token_id=eos_token_id, profile=profile, repeats=settings.repeats,
                           timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar,
-                          compile=settings.compile if settings.compile is not None else model.device.type == "cuda")
+                          compile=settings.compile if settings.compile is not None else model.device.type == "cuda",
+                          datasets=prompt_datasets)
     _search(study, storage, evaluator, settings, space, stop if stop is not None else StopRequest())
     return study
 
@@ -350,8 +353,9 @@ def _check_resumable(name: str, existing: StudyLabel, wanted: StudyLabel) -> Non
 
 
 def confirmation_candidates(study: optuna.Study, top: int) -> list[TrialRecord]:
-    """The `top` distinct completed trials that skip something and were decoded, best first (ranking.py)."""
-    return ranked(study)[:top]
+    """The `top` distinct completed trials that skip something and were decoded, best first, and in a study of
+    several datasets each dataset's `top` best too (ranking.py)."""
+    return best_candidates(study, top)
 
 
 def _confirmation_is_stale(study: optuna.Study, top: int) -> bool:
@@ -392,7 +396,8 @@ def _confirm(trial: TrialRecord, evaluator: Evaluator, objective: str, repeats: 
     evaluation = evaluator.evaluate(trial.skip, objective=objective, repeats=repeats)
     figures = evaluation.figures()
     return ConfirmedCandidate(trial=trial.number, skip=trial.skip, score=score(figures, objective),
-                              skipped=trial.skip.size, skipped_fraction=evaluation.skipped_fraction, figures=figures)
+                              skipped=trial.skip.size, skipped_fraction=evaluation.skipped_fraction, figures=figures,
+                              datasets=evaluation.dataset_figures())
 
 
 def study_summary(study: optuna.Study) -> str:

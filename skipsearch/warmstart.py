@@ -38,8 +38,10 @@ def parse_skip_sets(data: Any, source: str) -> list[NamedSkipSet]:
     """The skip sets of a parsed JSON document: one for a skipsearch config, every entry of a D&V/SWIFT file."""
     if isinstance(data, dict) and data.get("format") == CONFIG_FORMAT:
         config = parse_skip_config(data, source=source)
-        name = Path(source).stem
-        return [NamedSkipSet(name, config.skip.attn, config.skip.mlp, source, vars(config.model).copy())]
+        stem, several = Path(source).stem, len(config.entries) > 1
+        names = [entry.label or f"{stem}[{i}]" if several else stem for i, entry in enumerate(config.entries)]
+        return [NamedSkipSet(name, entry.skip.attn, entry.skip.mlp, f"{source}:{name}" if several else source,
+                             vars(config.model).copy()) for name, entry in zip(names, config.entries)]
     if not isinstance(data, dict) or not data:
         raise ValueError(f"{source}: expected a skipsearch skip config or {{\"<name>\": {{\"attention\": [...], "
                          "\"mlp\": [...]}}}")

@@ -3,7 +3,8 @@ import json
 import pytest
 
 from conftest import tiny_model
-from skipsearch.config import FORMAT, ModelInfo, SkipConfig, load_skip_config, save_skip_config
+from skipsearch.config import (FORMAT, ModelInfo, SkipConfig, SkipEntry, combine_skip_configs, load_skip_config,
+                               parse_skip_config, save_skip_config)
 from skipsearch.decoding import DraftPolicy
 from skipsearch.skipping import SkipSet
 
@@ -53,7 +54,8 @@ def test_other_model_is_refused(tmp_path):
     "mutate, message",
     [
         (lambda d: d.update(format="other"), "not a skipsearch skip config"),
-        (lambda d: d.update(version=2), "unsupported version 2"),
+        (lambda d: d.update(version=3), r"unsupported version 3 \(this skipsearch reads versions 1 and 2\)"),
+        (lambda d: d.update(version=True), "unsupported version True"),
         (lambda d: d["skip"].update(attn=[0, 4]), "out of range"),
         (lambda d: d["skip"].update(mlp=[1, 1]), "duplicates"),
         (lambda d: d["skip"].pop("attn"), "missing skip.'attn'"),
@@ -105,3 +107,66 @@ def test_configs_models_and_plots_do_not_import_the_decode_loop():
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+def several(model):
+    return SkipConfig.of_entries(
+        ModelInfo.of(model, "tiny"), [SkipEntry(SkipSet.of([1], [], 4), "code.jsonl", {"speedup": 1.2}),
+                                      SkipEntry(SkipSet.of([], [2], 4), "chat.jsonl", {"speedup": 1.1})],
+        DraftPolicy(max_draft_tokens=5, adaptive=False, confidence_threshold=0.4),
+        {"study_name": "s", "dataset": ["code.jsonl", "chat.jsonl"]})
+
+
+def test_several_sets_round_trip_as_version_2(tmp_path):
+    model = tiny_model()
+    config = several(model)
+    assert config.skip_sets == (SkipSet.of([1], [], 4), SkipSet.of([], [2], 4)) and config.label == "code.jsonl"
+    save_skip_config(config, tmp_path / "best.json")
+    data = json.loads((tmp_path / "best.json").read_text())
+    assert data["version"] == 2 and "skip" not in data and "metrics" not in data
+    assert data["skips"] == [{"label": "code.jsonl", "skip": {"attn": [1], "mlp": []}, "metrics": {"speedup": 1.2}},
+                             {"label": "chat.jsonl", "skip": {"attn": [], "mlp": [2]}, "metrics": {"speedup": 1.1}}]
+    assert load_skip_config(tmp_path / "best.json", model) == config
+    single = SkipConfig.of_entries(config.model, config.entries[:1], config.draft, {})
+    assert single.to_json()["skips"][0]["label"] == "code.jsonl"  # a label is kept: version 2 with one set
+    assert make_config(model).to_json()["version"] == 1  # one unlabelled set: version 1, which every release reads
+
+
+def test_a_version_1_file_still_loads(tmp_path):
+    data = {"format": FORMAT, "version": 1, "skip": {"attn": [2], "mlp": []},
+            "model": {"name_or_path": "x", "architecture": "LlamaForCausalLM", "num_hidden_layers": 4,
+                      "hidden_size": 32}}
+    config = parse_skip_config(data)
+    assert config.skip_sets == (SkipSet.of([2], [], 4),) and config.others == () and config.label is None
+    assert config.metrics == {} and config.draft == DraftPolicy()
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.pop("skips"), "missing 'skips'"),
+    (lambda d: d.update(skips=[]), "'skips' is empty"),
+    (lambda d: d.update(skips={"a": 1}), r"'skips' has the wrong type \(dict\)"),
+    (lambda d: d["skips"].append(3), r"skips\[2\] has the wrong type \(int\), expected an object"),
+    (lambda d: d["skips"][1].pop("skip"), r"missing skips\[1\].'skip'"),
+    (lambda d: d["skips"][1]["skip"].pop("mlp"), r"missing skips\[1\].skip.'mlp'"),
+    (lambda d: d["skips"][1]["skip"].update(attn=[9]), "attn skip id 9 is out of range"),
+    (lambda d: d["skips"][1].update(label=7), r"skips\[1\].'label' has the wrong type \(int\)"),
+    (lambda d: d["skips"][1].update(metrics=[]), r"skips\[1\].'metrics' has the wrong type \(list\)"),
+    (lambda d: d["skips"][1].update(skip=d["skips"][0]["skip"]), r"skips\[1\] repeats an earlier skip set"),
+])
+def test_bad_version_2_configs_are_one_line_errors(tmp_path, mutate, message):
+    data = several(tiny_model()).to_json()
+    mutate(data)
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=message) as raised:
+        load_skip_config(tmp_path / "c.json")
+    assert str(raised.value).startswith(str(tmp_path / "c.json")) and len(str(raised.value).splitlines()) == 1
+
+
+def test_configs_combine_into_one_of_several_sets():
+    model = tiny_model()
+    first, second = make_config(model), several(model)
+    combined = combine_skip_configs([first, second, first], ["a.json", "b.json", "a.json"])
+    assert combined.skip_sets == (first.skip, *second.skip_sets)  # the repeated set kept once
+    assert [entry.label for entry in combined.entries] == ["a.json", "code.jsonl", "chat.jsonl"]
+    assert combined.entries[1].metrics == {"speedup": 1.2} and combined.model == first.model
+    assert combine_skip_configs([first]).label is None  # no sources: no labels made up

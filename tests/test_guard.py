@@ -7,7 +7,7 @@ from conftest import VirtualTimer, tiny_model
 
 from skipsearch import decoding
 from skipsearch.decoding import DraftPolicy, Sampling, draft_round, draft_round_on_device, generate
-from skipsearch.economics import MarginalCost, kept_weight_fraction
+from skipsearch.economics import MarginalCost
 from skipsearch.engine import engine_for
 from skipsearch.guard import FIRST_BACKOFF_TOKENS, KEEP_ABOVE, PLAIN_SAMPLE_TOKENS, ROUNDS_PER_CHECK, Guard, PlainSpeed
 from skipsearch.skipping import SkipSet
@@ -79,17 +79,6 @@ def test_the_price_of_a_draft_is_fit_from_round_times():
     for _ in range(20):
         flat.observe(4, 3.0)  # the device path: every round drafts its budget
     assert flat.price == 0.7
-
-
-def test_kept_weight_fraction_counts_what_the_draft_reads():
-    model = tiny_model("llama", num_layers=LAYERS)
-    total = sum(p.numel() for p in model.parameters())
-    layer = model.model.layers[2]
-    attn = sum(p.numel() for p in [*layer.self_attn.parameters(), *layer.input_layernorm.parameters()])
-    mlp = sum(p.numel() for p in [*layer.mlp.parameters(), *layer.post_attention_layernorm.parameters()])
-    assert kept_weight_fraction(model, SkipSet()) == 1.0
-    assert kept_weight_fraction(model, SkipSet.of([2], [2], LAYERS)) == pytest.approx(1 - (attn + mlp) / total)
-    assert kept_weight_fraction(model, SkipSet.of([2], [], LAYERS)) > kept_weight_fraction(model, SkipSet.of([], [2], LAYERS))
 
 
 def damped_model() -> torch.nn.Module:

@@ -145,3 +145,17 @@ def test_matching_published_sets_become_first_trials(capsys, tmp_path, tiny_mode
     out = capsys.readouterr().out
     assert "published skip set published/paper.json:keeps-last left out" in out and "other-model" not in out
     assert first_skip_sets(tmp_path, "ws", 1) == [("published/paper.json:fits", [2], [1])]
+
+
+def test_a_config_of_several_sets_warm_starts_each(tmp_path):
+    from skipsearch.config import SkipEntry
+    from skipsearch.policy import DraftPolicy
+
+    entries = [SkipEntry(SkipSet.of([1], [], 4), "code.jsonl"), SkipEntry(SkipSet.of([], [2], 4), None)]
+    save_skip_config(SkipConfig.of_entries(TINY, entries, DraftPolicy(), {}), tmp_path / "best.json")
+    sets = read_warm_starts(str(tmp_path / "best.json"))
+    assert [(s.name, s.skip_set(4), s.origin.rsplit(":", 1)[-1]) for s in sets] == [
+        ("code.jsonl", entries[0].skip, "code.jsonl"), ("best[1]", entries[1].skip, "best[1]")]
+    assert all(s.matches(TINY) for s in sets)
+    [chosen] = read_warm_starts(f"{tmp_path / 'best.json'}:best[1]")
+    assert chosen.skip_set(4) == entries[1].skip
