@@ -28,7 +28,7 @@ from .choice import Choice, prefill_choosing
 from .constants import MIN_TEMPERATURE
 from .economics import MarginalCost, weight_fraction
 from .engine import CompileSettings, Step, Steps, engine_for, forward_at_position, synchronize
-from .guard import Guard, GuardStats, PlainSpeed
+from .guard import Guard, GuardStats, PlainSpeed, Schedule
 from .inputs import check_generate_args, check_prompt
 from .policy import DraftPolicy  # re-exported: callers of the loop import it from here too
 from .skipping import SkipSet
@@ -352,7 +352,7 @@ def generate(
     loop = _Loop(model, first, _verify_width(first, policy, settings), policy, sampling, _eos_set(eos_token_id),
                  generator, hooks, time_drafts, host_reads_stall(model.device),
                  _Choosing(candidates, steps, cost_profile) if len(candidates) > 1 else None,
-                 engine_for(model).plain_speeds.setdefault(settings, PlainSpeed()))
+                 settings)
     _watch_rounds(loop, candidates[0] if len(candidates) == 1 else None)  # with a choice: once it is made
     new_steps = _not_set_up(steps)
     output = _decode(loop, prompt, max_new_tokens)
@@ -361,12 +361,14 @@ def generate(
 
 
 def _watch_rounds(loop: _Loop, draft_skip: SkipSet | None) -> None:
-    """What the policy asks to time drafting rounds for: the guard (with plain speed as earlier calls measured it:
-    later calls need not sample it again) and the price of a draft ("cost" rule; first the share of weights read)."""
+    """What the policy asks to time drafting rounds for: the guard (with plain speed and the set's schedule as earlier
+    calls left them: guard.py) and the price of a draft ("cost" rule; first the share of weights read)."""
     if draft_skip is None:
         return
     if loop.policy.guard:
-        loop.guard = Guard(loop.plain_speed)
+        engine = engine_for(loop.model)
+        loop.guard = Guard(engine.plain_speeds.setdefault(loop.settings, PlainSpeed()),
+                           engine.guard_schedules.setdefault((draft_skip, loop.settings), Schedule()))
     if loop.policy.stop_rule == "cost":
         loop.costs = MarginalCost(weight_fraction(loop.model, draft_skip))
 
@@ -423,7 +425,7 @@ class _Loop:
     time_drafts: bool
     read_once: bool  # host reads stall the device: one read per round (`host_reads_stall`)
     choosing: _Choosing | None = None  # several skip sets: the prefill chooses, and sets `steps` and the width
-    plain_speed: PlainSpeed = field(default_factory=PlainSpeed)  # kept on the engine across calls, for the guard
+    settings: CompileSettings | None = None  # how the steps run: the guard's memory on the engine is kept by it
     stats: DecodeStats = field(default_factory=DecodeStats)
     guard: Guard | None = None
     costs: MarginalCost | None = None

@@ -31,7 +31,7 @@ import torch
 import torch._inductor.config
 from torch import nn
 
-from .guard import PlainSpeed
+from .guard import PlainSpeed, Schedule
 from .kvcache import SpeculativeCache
 from .skipping import SkippedLayer, SkipSet, decoder_layers, draft_layers, draft_model, forget_draft, model_with_layers
 
@@ -200,7 +200,8 @@ class Steps(NamedTuple):
 
 class Engine:
     """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead.
-    `plain_speeds` keeps plain decoding's measured speed by compile settings, for the guard."""
+    `plain_speeds` keeps plain decoding's measured speed by compile settings and `guard_schedules` the guard's
+    schedule by skip set and settings, across calls (guard.py)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -210,6 +211,7 @@ class Engine:
         self.layers: dict[str, CompiledLayers] = {}  # by backend
         self.graph_pool = None
         self.plain_speeds: dict[CompileSettings | None, PlainSpeed] = {}
+        self.guard_schedules: dict[tuple[SkipSet, CompileSettings | None], Schedule] = {}
 
     @property
     def steps(self) -> dict[tuple, Step]:

@@ -9,7 +9,9 @@ with plain decoding's, over the drafted rounds since drafting last (re)started, 
 drafting is slower than `KEEP_ABOVE` of plain speed it decodes plainly for a while, then probes
 drafting again, each failed probe doubling the plain stretch (back-off). Plain
 decoding's speed is measured when first needed (`PLAIN_SAMPLE_TOKENS` plain tokens) and then kept on
-the model's engine across calls, refreshed whenever the guard decodes plainly.
+the model's engine across calls, refreshed whenever the guard decodes plainly. So is each skip set's
+schedule (`Schedule`): a set that was losing when a call ended starts the next call where the back-off
+left it, rather than paying a new verdict's drafted rounds per call.
 
 Switching between drafting and plain steps changes no token: greedy output is plain greedy output either
 way, and sampling keeps the full model's distribution either way.
@@ -32,6 +34,15 @@ class PlainSpeed:
     """Plain decoding's measured seconds per token (None: not yet), kept per model and compile mode across calls."""
 
     seconds_per_token: float | None = None
+
+
+@dataclass
+class Schedule:
+    """When the guard drafts again, kept per skip set across calls (on the engine, as `PlainSpeed` is)."""
+
+    plain_left: int = 0  # tokens to decode plainly before drafting again
+    sampling_plain: bool = False  # the plain stretch measures plain speed, it is no fallback
+    backoff: int = FIRST_BACKOFF_TOKENS  # the next failed verdict's plain stretch
 
 
 @dataclass
@@ -59,20 +70,18 @@ class GuardStats:
 
 @dataclass
 class Guard:
-    """The guard's state for one call; `plain` is shared with the calls before and after it."""
+    """The guard's state for one call; `plain` and `schedule` are shared with the calls before and after it."""
 
     plain: PlainSpeed = field(default_factory=PlainSpeed)
+    schedule: Schedule = field(default_factory=Schedule)
     stats: GuardStats = field(default_factory=GuardStats)
-    plain_left: int = 0  # tokens to decode plainly before drafting again
-    sampling_plain: bool = False  # the plain stretch measures plain speed, it is no fallback
-    backoff: int = FIRST_BACKOFF_TOKENS
     drafted_rounds: int = 0  # timed rounds since the last verdict
     drafted_tokens: float = 0.0  # faded sums since drafting (re)started
     drafted_s: float = 0.0
 
     def drafting(self) -> bool:
         """Whether the next iteration drafts (True) or decodes plainly."""
-        return self.plain_left <= 0
+        return self.schedule.plain_left <= 0
 
     def observe(self, tokens: int, seconds: float | None, drafted: bool) -> None:
         """Account one loop iteration: `tokens` committed in `seconds` of wall time (None: untimed, as a compiled
@@ -87,13 +96,13 @@ class Guard:
                 self._verdict()
 
     def _observe_plain(self, tokens: int, seconds: float | None) -> None:
-        if self.sampling_plain:
+        if self.schedule.sampling_plain:
             self.stats.sample_tokens += tokens
         else:
             self.stats.plain_tokens += tokens
-        self.plain_left -= tokens
-        if self.plain_left <= 0:
-            self.sampling_plain = False
+        self.schedule.plain_left -= tokens
+        if self.schedule.plain_left <= 0:
+            self.schedule.sampling_plain = False
         if tokens and seconds:
             per_token = seconds / tokens
             # A moving average weighted by tokens: a batch of 8 steps counts as 8 single steps would.
@@ -104,15 +113,15 @@ class Guard:
     def _verdict(self) -> None:
         plain_s = self.plain.seconds_per_token
         if plain_s is None:
-            self.plain_left, self.sampling_plain = PLAIN_SAMPLE_TOKENS, True
+            self.schedule.plain_left, self.schedule.sampling_plain = PLAIN_SAMPLE_TOKENS, True
             return  # the rounds timed so far stay: the verdict comes after the plain sample
         ratio = self.drafted_tokens / self.drafted_s * plain_s if self.drafted_s > 0 else float("inf")
         self.stats.last_ratio = ratio
         self.drafted_rounds = 0
         if ratio >= KEEP_ABOVE:
-            self.backoff = FIRST_BACKOFF_TOKENS
+            self.schedule.backoff = FIRST_BACKOFF_TOKENS
             return
         self.drafted_tokens, self.drafted_s = 0.0, 0.0  # a probe after the plain stretch is judged on its own
         self.stats.fallbacks += 1
-        self.plain_left = self.backoff
-        self.backoff = min(2 * self.backoff, MAX_BACKOFF_TOKENS)
+        self.schedule.plain_left = self.schedule.backoff
+        self.schedule.backoff = min(2 * self.schedule.backoff, MAX_BACKOFF_TOKENS)

@@ -25,7 +25,7 @@ def drafted_rounds(guard: Guard, rounds: int, tokens: int, seconds: float) -> No
 def test_the_guard_samples_plain_speed_first_then_keeps_a_set_that_pays():
     guard = Guard()
     drafted_rounds(guard, ROUNDS_PER_CHECK, tokens=3, seconds=2.0)  # 1.5 tokens/s
-    assert not guard.drafting() and guard.plain_left == PLAIN_SAMPLE_TOKENS  # no plain speed known yet
+    assert not guard.drafting() and guard.schedule.plain_left == PLAIN_SAMPLE_TOKENS  # no plain speed known yet
     for _ in range(PLAIN_SAMPLE_TOKENS):
         guard.observe(1, 1.0, drafted=False)  # 1 token/s
     assert guard.drafting() and guard.plain.seconds_per_token == pytest.approx(1.0)
@@ -41,14 +41,14 @@ def test_the_guard_falls_back_with_back_off_and_comes_back_when_drafting_pays_ag
     stretches = []
     for _ in range(3):
         drafted_rounds(guard, ROUNDS_PER_CHECK, tokens=1, seconds=2.0)  # half of plain speed
-        stretches.append(guard.plain_left)
+        stretches.append(guard.schedule.plain_left)
         while not guard.drafting():
             guard.observe(1, 1.0, drafted=False)
     assert stretches == [FIRST_BACKOFF_TOKENS, 2 * FIRST_BACKOFF_TOKENS, 4 * FIRST_BACKOFF_TOKENS]
     assert guard.stats.fallbacks == 3 and guard.stats.plain_tokens == 7 * FIRST_BACKOFF_TOKENS
     assert guard.stats.last_ratio == pytest.approx(0.5) and "0.50x" in guard.stats.reason()
     drafted_rounds(guard, ROUNDS_PER_CHECK, tokens=4, seconds=2.0)  # the probe now pays: the back-off resets
-    assert guard.drafting() and guard.backoff == FIRST_BACKOFF_TOKENS
+    assert guard.drafting() and guard.schedule.backoff == FIRST_BACKOFF_TOKENS
 
 
 def test_one_slow_round_among_good_ones_is_no_verdict():
@@ -62,9 +62,9 @@ def test_one_slow_round_among_good_ones_is_no_verdict():
 def test_untimed_iterations_count_tokens_but_no_time():
     guard = Guard(PlainSpeed(1.0))
     guard.observe(3, None, drafted=True)  # a compiled step's first call
-    guard.plain_left = 4
+    guard.schedule.plain_left = 4
     guard.observe(2, None, drafted=False)
-    assert guard.drafted_rounds == 0 and guard.plain.seconds_per_token == 1.0 and guard.plain_left == 2
+    assert guard.drafted_rounds == 0 and guard.plain.seconds_per_token == 1.0 and guard.schedule.plain_left == 2
 
 
 def test_the_price_of_a_draft_is_fit_from_round_times():
@@ -143,6 +143,11 @@ def test_where_drafting_loses_the_guard_decodes_near_plain_speed(monkeypatch):
     stats = guarded.stats.guard
     assert stats.fallbacks >= 2 and stats.plain_tokens > 100 and stats.last_ratio < KEEP_ABOVE
     assert guarded.stats.as_dict()["guard_plain_tokens"] == stats.plain_tokens
+    # The next call starts where the back-off left the set: no new verdict's drafted rounds to pay for.
+    again, again_s = timed(timer, **run)
+    assert again.tokens == plain.tokens and plain_s / again_s > 0.97 and again.stats.guard.plain_tokens > 150
+    schedule = engine_for(model).guard_schedules[SkipSet.of([1], [], 4), None]
+    assert schedule.backoff > FIRST_BACKOFF_TOKENS
 
 
 def test_the_guard_switches_to_plain_steps_with_hooks_and_when_compiled(monkeypatch):
