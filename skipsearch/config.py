@@ -89,15 +89,7 @@ class SkipConfig:
             "version": 2 if several else 1,
             "model": vars(self.model).copy(),
             **({"skips": [entry.to_json() for entry in self.entries]} if several else {"skip": self.skip.as_dict()}),
-            "draft": {
-                "max_draft_tokens": self.draft.max_draft_tokens,
-                "confidence_threshold": self.draft.confidence_threshold,
-                "adaptive": self.draft.adaptive,
-                "target_acceptance": self.draft.target_acceptance,
-                "threshold_step": self.draft.threshold_step,
-                "stop_rule": self.draft.stop_rule,
-                "guard": self.draft.guard,
-            },
+            "draft": self.draft.as_dict(),
             **({} if several else {"metrics": self.metrics}),
             "search": self.search,
         }

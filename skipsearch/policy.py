@@ -3,10 +3,13 @@ read it without importing torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 STOP_RULES = ("threshold", "cost")
+# Fields added after configs and studies were first written, with the values files without them mean: written only
+# when they differ, so that what an earlier release wrote reads back, and is written again, key for key.
+LATER_FIELDS = {"stop_rule": "threshold", "guard": True}
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,11 @@ class DraftPolicy:
     threshold_step: float = 0.05
     stop_rule: str = "threshold"
     guard: bool = True
+
+    def as_dict(self) -> dict[str, object]:
+        """The policy's fields for a file: those added later only where they differ from what their absence means."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {k: v for k, v in values.items() if k not in LATER_FIELDS or v != LATER_FIELDS[k]}
 
     def __post_init__(self) -> None:
         if self.stop_rule not in STOP_RULES:

@@ -195,7 +195,9 @@ class StudyLabel:
 
     def attrs(self) -> dict[str, Any]:
         values = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-        values.update({name: asdict(values[name]) for name in ("model", "draft", "space") if name in values})
+        values.update({name: asdict(values[name]) for name in ("model", "space") if name in values})
+        if self.draft is not None:
+            values["draft"] = self.draft.as_dict()
         if self.cost_profile is not None:
             values["cost_profile"] = self.cost_profile.to_dict()
         return values

@@ -12,7 +12,7 @@ from skipsearch.skipping import SkipSet
 def make_config(model, **overrides):
     fields = dict(
         model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([0, 2], [3], 4),
-        draft=DraftPolicy(max_draft_tokens=5, adaptive=False, confidence_threshold=0.4, stop_rule="cost", guard=False),
+        draft=DraftPolicy(max_draft_tokens=5, adaptive=False, confidence_threshold=0.4),
         metrics={"score": 0.5, "speedup": 1.1}, search={"study_name": "s"},
     )
     fields.update(overrides)
@@ -32,14 +32,19 @@ def test_round_trip(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["best.json"]  # no temp file left behind
 
 
-def test_configs_written_before_the_guard_load_with_it_on(tmp_path):
-    """Version 1 files without "stop_rule" and "guard" (every earlier export) load with today's defaults."""
+def test_the_stop_rule_and_the_guard_are_written_where_they_differ_from_earlier_files(tmp_path):
+    """Earlier exports have no "stop_rule" and "guard": they load with the rule and the guard on, and a config with
+    those values is written as before, key for key; other values are written and read back."""
     model = tiny_model()
     data = make_config(model).to_json()
-    del data["draft"]["stop_rule"], data["draft"]["guard"]
+    assert "stop_rule" not in data["draft"] and "guard" not in data["draft"]
     (tmp_path / "old.json").write_text(json.dumps(data))
     draft = load_skip_config(tmp_path / "old.json", model).draft
     assert (draft.stop_rule, draft.guard, draft.max_draft_tokens) == ("threshold", True, 5)
+    chosen = make_config(model, draft=DraftPolicy(stop_rule="cost", guard=False))
+    save_skip_config(chosen, tmp_path / "cost.json")
+    assert json.loads((tmp_path / "cost.json").read_text())["draft"]["stop_rule"] == "cost"
+    assert load_skip_config(tmp_path / "cost.json", model) == chosen
 
 
 def test_other_model_is_refused(tmp_path):

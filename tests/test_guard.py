@@ -13,6 +13,8 @@ from skipsearch.guard import FIRST_BACKOFF_TOKENS, KEEP_ABOVE, PLAIN_SAMPLE_TOKE
 from skipsearch.skipping import SkipSet
 from test_engine import HostReads
 
+pytestmark = pytest.mark.guarded  # conftest turns the guard off in every other test
+
 LAYERS = 8
 
 
