@@ -236,7 +236,11 @@ def existing_study(storage: optuna.storages.BaseStorage, study_name: str) -> tup
         study_id = storage.get_study_id_from_name(study_name)
     except KeyError:
         return None
-    return storage.get_study_user_attrs(study_id), storage.get_n_trials(study_id)
+    # Trials first: a worker labels a study before it adds any trial, so attributes read after a count of trials
+    # include the label of whoever added them (read the other way round, a label written between the two reads is
+    # missed, and a study being started beside this one looks like another tool's).
+    n_trials = storage.get_n_trials(study_id)
+    return storage.get_study_user_attrs(study_id), n_trials
 
 
 # Trial attributes of crash recovery (records.py reads them with the rest of a trial's record).

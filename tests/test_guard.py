@@ -186,6 +186,7 @@ def test_the_cost_rule_drafts_longer_where_drafts_are_cheap(monkeypatch):
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.3, 0.8])
+@torch.inference_mode()  # as generate runs the draft rounds
 def test_the_cost_rule_cuts_on_the_device_where_the_host_does(threshold):
     model = tiny_model("llama", seed=11, dtype=torch.float64, num_layers=4)
     policy = DraftPolicy(max_draft_tokens=6, stop_rule="cost")
