@@ -64,8 +64,9 @@ class GuardStats:
         """One line for people: how many tokens went plain and why; None when the guard never intervened."""
         if not self.fallbacks:
             return None
-        return (f"the guard decoded {self.plain_tokens} tokens plainly: drafting measured "
-                f"{self.last_ratio:.2f}x of plain decoding's speed ({self.fallbacks} time(s) below {KEEP_ABOVE})")
+        times = "once" if self.fallbacks == 1 else f"{self.fallbacks} times"
+        return (f"the guard decoded {self.plain_tokens} tokens plainly: drafting fell below {KEEP_ABOVE}x of plain "
+                f"decoding's speed {times}, last measured at {self.last_ratio:.2f}x")
 
 
 @dataclass
