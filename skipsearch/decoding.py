@@ -470,7 +470,10 @@ def _decode(loop: _Loop, prompt: torch.Tensor, max_new_tokens: int) -> Generatio
 
 
 def _cold(loop: _Loop, drafting: bool) -> bool:
-    """Whether the iteration runs a compiled step's first call (compiling): its time says nothing of decoding."""
+    """Whether the iteration runs a compiled step's first call (compiling): its time says nothing of decoding.
+    Asked only when something times the rounds (the guard, the cost rule)."""
+    if loop.guard is None and loop.costs is None:
+        return False
     steps = (loop.steps.draft, loop.steps.verify) if drafting else (loop.steps.plain,)
     return any(step.setup_time_s is None for step in steps)
 
