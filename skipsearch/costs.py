@@ -380,8 +380,8 @@ def _compiled_forwards(model: torch.nn.Module, ids: torch.Tensor, context: int, 
     one-token forwards of each draft kind (the full one is the plain step). Each step advances the position."""
     engine, settings = engine_for(model), CompileSettings(mode=mode)
     length = context + max_verify_tokens
-    verify = {n: engine.prepare(length, None, settings, n)[2] for n in range(1, max_verify_tokens + 1)}
-    steps = {name: engine.prepare(length, skip, settings, 1)[1] or verify[1]
+    verify = {n: engine.prepare(length, None, settings, n).verify for n in range(1, max_verify_tokens + 1)}
+    steps = {name: engine.prepare(length, skip, settings, 1).draft or verify[1]
              for name, skip in _draft_kinds(model.config.num_hidden_layers).items()}
     cache = engine.cache
     cache.seek(0)

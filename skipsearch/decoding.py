@@ -231,6 +231,7 @@ def draft_round(
     (the committed ids, `last` included) and the drafts so far.
     """
     tokens, probs, running, summed = [last.view(1)], [], 1.0, 0.0
+    cost_rule = policy.stop_rule == "cost"
     for _ in range(budget):
         logits = _draft_logits(step, tokens, hooks, history)
         if sampling.do_sample:
@@ -241,10 +242,9 @@ def draft_round(
         # The unsure token is kept: its forward is already paid, and verifying one
         # more token costs far less than a forward on memory-bound hardware.
         if policy.adaptive:
-            confidence = probs[-1].max() if probs else torch.softmax(logits.float(), -1).max()
-            summed += float(confidence)
-            cost_rule = policy.stop_rule == "cost"
-            running = running * min(1.0, calibration * float(confidence)) if cost_rule else float(confidence)
+            confidence = float(probs[-1].max() if probs else torch.softmax(logits.float(), -1).max())  # the read
+            summed += confidence
+            running = running * min(1.0, calibration * confidence) if cost_rule else confidence
             if running < threshold:
                 break
     count = len(tokens) - 1
@@ -516,8 +516,7 @@ def _prefill_choosing(loop: _Loop, prompt: torch.Tensor) -> torch.Tensor:
     logits, choice = prefill_choosing(loop.model, loop.steps.cache, prompt, choosing.candidates,
                                       loop.policy.max_draft_tokens, loop.sampling, choosing.profile)
     loop.steps = choosing.steps[choice.skip]
-    if loop.verify_width is not None:  # compiled
-        loop.verify_width = loop.policy.max_draft_tokens + 1 if choice.skip is not None else 1
+    loop.verify_width = _verify_width(loop.steps, loop.policy, loop.settings)
     _watch_rounds(loop, choice.skip)
     loop.stats.choices.append(choice)
     return logits

@@ -40,7 +40,6 @@ def _size(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-
 @dataclass
 class MarginalCost:
     """Online least squares of round time on draft forwards; `price` is per_draft / base, or `prior` until the
