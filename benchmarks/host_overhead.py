@@ -35,7 +35,7 @@ import torch
 PARTS = {  # part: (module, owner or None, attribute)
     "steps": ("skipsearch.engine", "Step", "__call__"),
     "positions": [("skipsearch.kvcache", "SpeculativeCache", "advance"), ("skipsearch.kvcache", "SpeculativeCache", "seek")],
-    "drafting": [("skipsearch.decoding", None, "draft_round"), ("skipsearch.decoding", None, "draft_round_on_device")],
+    "drafting": ("skipsearch.decoding", None, "draft_round"),
     "acceptance + read-back": ("skipsearch.decoding", None, "verify_greedy"),
     "plain batches": ("skipsearch.decoding", None, "_plain_steps"),
     "statistics": ("skipsearch.decoding", None, "_record_round"),

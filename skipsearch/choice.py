@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .economics import weight_fraction
+from .economics import best_draft_length, committed_tokens, weight_fraction
 from .engine import forward_at_position
 from .kvcache import SpeculativeCache
 from .skipping import SkipSet, draft_model
@@ -48,20 +48,17 @@ class RoundCosts:
     def verification(self, n_tokens: int) -> float:
         return self.verify[min(n_tokens, len(self.verify)) - 1] if self.verify else 1.0
 
+    def round(self, drafts: int) -> float:
+        """A round of `drafts` draft forwards and their verification."""
+        return drafts * self.draft + self.verification(drafts + 1)
+
 
 def expected_speedup(acceptance: float, costs: RoundCosts, max_draft_tokens: int) -> float:
     """The speedup over plain decoding that drafting is expected to give at its best draft length, or 1.0 (plain
-    decoding) when no draft length pays.
-
-    With each draft accepted with probability `acceptance` once the ones before it were, a round of k drafts commits
-    1 + a + ... + a^k tokens (the full model adds one) for k draft forwards and one verification of k + 1 tokens,
-    where plain decoding commits one token per forward.
-    """
-    best = 1.0
-    for k in range(1, max_draft_tokens + 1):
-        tokens = sum(acceptance**i for i in range(k + 1))
-        best = max(best, tokens / (k * costs.draft + costs.verification(k + 1)))
-    return best
+    decoding) when no draft length pays: a round of k drafts commits `committed_tokens(acceptance, k)` for k draft
+    forwards and one verification of k + 1 tokens, where plain decoding commits one token per forward."""
+    drafts = best_draft_length(acceptance, costs.round, max_draft_tokens)
+    return max(1.0, committed_tokens(acceptance, drafts) / costs.round(drafts))
 
 
 def round_costs(model: nn.Module, skip: SkipSet, max_draft_tokens: int, profile: CostProfile | None = None,

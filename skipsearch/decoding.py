@@ -26,7 +26,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from .choice import Choice, prefill_choosing
 from .constants import MIN_TEMPERATURE
-from .economics import MarginalCost, weight_fraction
+from .economics import AcceptanceRate, MarginalCost, best_draft_length, weight_fraction
 from .engine import CompileSettings, Step, Steps, engine_for, forward_at_position, synchronize
 from .guard import Guard, GuardStats, PlainSpeed, Schedule
 from .inputs import check_generate_args, check_prompt
@@ -82,8 +82,6 @@ class DecodeStats:
     accepted: int = 0
     wall_time_s: float = 0.0
     prefill_time_s: float = 0.0  # the prompt's forward and the first token, inside wall_time_s
-    # Draft forwards run: `drafted` plus, on the device path (CUDA), the drafts past the adaptive cut.
-    draft_forwards: int = 0
     # Time spent in draft forwards alone, for cost accounting; measured only when asked (it syncs).
     draft_time_s: float = 0.0
     # Verification rounds by the number of tokens they verified: the cost model needs the sizes, not the mean.
@@ -113,7 +111,7 @@ class DecodeStats:
         return self.new_tokens / seconds if seconds > 0 else 0.0
 
     def add(self, other: DecodeStats) -> None:
-        for name in ("new_tokens", "rounds", "drafted", "draft_forwards", "accepted", "wall_time_s", "prefill_time_s",
+        for name in ("new_tokens", "rounds", "drafted", "accepted", "wall_time_s", "prefill_time_s",
                      "draft_time_s", "compile_time_s"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.verify_sizes.update(other.verify_sizes)
@@ -126,7 +124,6 @@ class DecodeStats:
             "new_tokens": self.new_tokens,
             "rounds": self.rounds,
             "drafted": self.drafted,
-            "draft_forwards": self.draft_forwards,
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_tokens": self.mean_accepted_tokens,
@@ -182,9 +179,10 @@ def _through_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
 
 def host_reads_stall(device: torch.device) -> bool:
     """Whether reading a value back stalls the device. On CUDA it does (the queue drains and the GPU idles until the
-    host launches again), so a round reads back once (adaptive cuts are decided on the device, over every draft of
-    the round) and plain decoding once per `PLAIN_STEPS_PER_READ` steps, whose steps past an EOS are dropped. On a
-    CPU a read waits for nothing: drafting stops at the first unsure token and plain decoding at an EOS."""
+    host launches again), so a round reads back once (adaptive drafting chooses each round's length before it,
+    from the acceptance seen and the price of a draft: `economics.best_draft_length`) and plain decoding once per
+    `PLAIN_STEPS_PER_READ` steps, whose steps past an EOS are dropped. On a CPU a read waits for nothing: drafting
+    stops at the first unsure token and plain decoding at an EOS."""
     return device.type == "cuda"
 
 
@@ -207,18 +205,17 @@ def drafting_sets(skip: SkipSet | Sequence[SkipSet] | None, policy: DraftPolicy)
 
 @dataclass
 class Draft:
-    """What a draft round produced: the verify input `[last, d1..dk]`, how many of the drafts count (a device
-    scalar when the adaptive cut was made on the device), the forwards run, and when sampling the distributions."""
+    """What a draft round produced: the verify input `[last, d1..dk]`, its k drafts, and when sampling their
+    distributions."""
 
     ids: torch.Tensor  # (1, k + 1)
-    count: int | torch.Tensor
-    steps: int
+    count: int
     probs: torch.Tensor | None = None  # (k, vocab)
     confidence: float | None = None  # the drafts' summed confidence, where read back (the host's cut)
 
 
 def draft_round(
-    step: Step, last: torch.Tensor, budget: int, policy: DraftPolicy, threshold: float, sampling: Sampling,
+    step: Step, last: torch.Tensor, budget: int, policy: DraftPolicy, threshold: float | None, sampling: Sampling,
     generator: torch.Generator | None, hooks: DecodeHooks | None = None, history: torch.Tensor | None = None,
     calibration: float = 1.0,
 ) -> Draft:
@@ -227,11 +224,12 @@ def draft_round(
     drafts so far are accepted (the product of their confidences times `calibration`, each capped at 1) is.
 
     Reads each draft's confidence back when adaptive (a host read per drafted token); fixed-length
-    drafting stays on the device. With `hooks`, each draft's logits are processed with `history`
-    (the committed ids, `last` included) and the drafts so far.
+    drafting (or `threshold` None: where reads stall the device, the round's length was chosen before it) stays
+    on the device. With `hooks`, each draft's logits are processed with `history` (the committed ids, `last`
+    included) and the drafts so far.
     """
     tokens, probs, running, summed = [last.view(1)], [], 1.0, 0.0
-    cost_rule = policy.stop_rule == "cost"
+    cut, cost_rule = policy.adaptive and threshold is not None, policy.stop_rule == "cost"
     for _ in range(budget):
         logits = _draft_logits(step, tokens, hooks, history)
         if sampling.do_sample:
@@ -241,37 +239,14 @@ def draft_round(
             tokens.append(logits.argmax(-1))
         # The unsure token is kept: its forward is already paid, and verifying one
         # more token costs far less than a forward on memory-bound hardware.
-        if policy.adaptive:
+        if cut:
             confidence = float(probs[-1].max() if probs else torch.softmax(logits.float(), -1).max())  # the read
             summed += confidence
             running = running * min(1.0, calibration * confidence) if cost_rule else confidence
             if running < threshold:
                 break
-    count = len(tokens) - 1
-    return Draft(torch.cat(tokens).view(1, -1), count, count, torch.stack(probs) if probs else None,
-                 summed if policy.adaptive else None)
-
-
-def draft_round_on_device(step: Step, last: torch.Tensor, budget: int, policy: DraftPolicy, threshold: float,
-                          hooks: DecodeHooks | None = None, history: torch.Tensor | None = None,
-                          calibration: float = 1.0) -> Draft:
-    """Greedy drafting with no host read: all `budget` drafts run, and the adaptive cut (after the first token
-    below `threshold`) is decided on the device; verification then counts only the drafts up to it. The committed
-    tokens and statistics are those of `draft_round`; the forwards past the cut are the price of not reading."""
-    tokens, confidences = [last.view(1)], []
-    for _ in range(budget):
-        logits = _draft_logits(step, tokens, hooks, history)
-        tokens.append(logits.argmax(-1))
-        if policy.adaptive:
-            confidences.append(torch.softmax(logits.float(), -1).amax(-1))
-    count = budget
-    if policy.adaptive and budget:
-        confidence = torch.cat(confidences).double()  # in float64, as the host path compares
-        if policy.stop_rule == "cost":
-            confidence = (confidence * calibration).clamp(max=1.0).cumprod(0)
-        unsure = confidence < threshold
-        count = torch.where(unsure.any(), unsure.int().argmax() + 1, budget)
-    return Draft(torch.cat(tokens).view(1, -1), count, budget)
+    return Draft(torch.cat(tokens).view(1, -1), len(tokens) - 1, torch.stack(probs) if probs else None,
+                 summed if cut else None)
 
 
 def _draft_logits(step: Step, tokens: list[torch.Tensor], hooks: DecodeHooks | None, history: torch.Tensor | None
@@ -282,33 +257,27 @@ def _draft_logits(step: Step, tokens: list[torch.Tensor], hooks: DecodeHooks | N
     return logits
 
 
-def verify_greedy(logits: torch.Tensor, draft: Draft) -> tuple[int, int, list[int], torch.Tensor]:
-    """Keep the longest prefix of the counted drafts that the full model's argmax agrees with, then its own token.
+def verify_greedy(logits: torch.Tensor, draft: Draft) -> tuple[int, list[int], torch.Tensor]:
+    """Keep the longest prefix of the drafts that the full model's argmax agrees with, then its own token.
 
-    Acceptance is decided on the device; the round's one host read brings the accepted count,
-    the drafts counted and the tokens. Returns those and the last committed token on the device.
+    Acceptance is decided on the device; the round's one host read brings the accepted count and
+    the tokens. Returns those and the last committed token on the device.
     """
-    k = draft.ids.shape[1] - 1
-    targets = logits[: k + 1].argmax(-1)
+    targets = logits[: draft.count + 1].argmax(-1)
     agree = draft.ids[0, 1:] == targets[:-1]
-    if isinstance(draft.count, torch.Tensor):
-        count = draft.count.view(1)
-        agree &= torch.arange(k, device=targets.device) < count
-    else:  # a kernel that fills it, not an upload from the host (which would sync)
-        count = torch.full((1,), draft.count, dtype=torch.long, device=targets.device)
     accepted = agree.int().cumprod(0).sum().view(1)
-    host = torch.cat([accepted, count, targets]).tolist()
+    host = torch.cat([accepted, targets]).tolist()
     n = host[0]
-    return n, host[1], host[2 : n + 3], targets.gather(0, accepted)
+    return n, host[1 : n + 2], targets.gather(0, accepted)
 
 
 def verify_sampling(
     logits: torch.Tensor, draft: Draft, sampling: Sampling, generator: torch.Generator | None
-) -> tuple[int, int, list[int], torch.Tensor]:
+) -> tuple[int, list[int], torch.Tensor]:
     """Speculative rejection sampling of the drafts against the full model's distributions."""
     accepted, tokens, last = _rejection_sample(
         draft.ids[0, 1:], draft.probs, sampling.probabilities(logits[: draft.count + 1]), generator)
-    return accepted, draft.count, tokens, last.clone()  # a fresh tensor, not a view into the round's samples
+    return accepted, tokens, last.clone()  # a fresh tensor, not a view into the round's samples
 
 
 def _pad(ids: torch.Tensor, width: int) -> torch.Tensor:
@@ -362,14 +331,19 @@ def generate(
 
 def _watch_rounds(loop: _Loop, draft_skip: SkipSet | None) -> None:
     """What the policy asks to time drafting rounds for: the guard (with plain speed and the set's schedule as earlier
-    calls left them: guard.py) and the price of a draft ("cost" rule; first the share of weights read)."""
+    calls left them: guard.py) and the price of a draft ("cost" rule, and adaptive drafting where reads stall the
+    device, which chooses each round's length ahead from it and the acceptance rate; first the share of weights
+    read)."""
     if draft_skip is None:
         return
+    ahead = loop.read_once and loop.policy.adaptive
+    if ahead:
+        loop.acceptance = AcceptanceRate(loop.policy.target_acceptance)
     if loop.policy.guard:
         engine = engine_for(loop.model)
         loop.guard = Guard(engine.plain_speeds.setdefault(loop.settings, PlainSpeed()),
                            engine.guard_schedules.setdefault((draft_skip, loop.settings), Schedule()))
-    if loop.policy.stop_rule == "cost":
+    if loop.policy.stop_rule == "cost" or ahead:
         loop.costs = MarginalCost(weight_fraction(loop.model, draft_skip))
 
 
@@ -412,7 +386,7 @@ class _Choosing:
 @dataclass
 class _Loop:
     """What one call decodes with, and the state that moves from round to round: the adaptive threshold, the
-    run-time guard's (None: off) and the price of a drafted token (None: not asked for by the stop rule)."""
+    run-time guard's (None: off) and the price of a drafted token (None: not asked for)."""
 
     model: torch.nn.Module  # runs the prefill, eagerly
     steps: Steps  # steps.draft None: plain decoding
@@ -429,6 +403,7 @@ class _Loop:
     stats: DecodeStats = field(default_factory=DecodeStats)
     guard: Guard | None = None
     costs: MarginalCost | None = None
+    acceptance: AcceptanceRate | None = None  # where rounds are not cut but their length chosen ahead (CUDA)
     round_drafts: int = 0  # draft forwards of the latest round
     # The cost rule's calibration of confidence to acceptance: faded sums of accepted drafts and of their confidence.
     accepted_seen: float = 1.0
@@ -465,7 +440,8 @@ def _decode(loop: _Loop, prompt: torch.Tensor, max_new_tokens: int) -> Generatio
     loop.stats.new_tokens = len(tokens)
     if loop.guard is not None:
         loop.stats.guard = loop.guard.stats
-    threshold = loop.threshold if loop.policy.adaptive and loop.policy.stop_rule == "threshold" else None
+    moved = loop.policy.adaptive and loop.policy.stop_rule == "threshold" and loop.acceptance is None
+    threshold = loop.threshold if moved else None
     return GenerationOutput(tokens, loop.stats, threshold)
 
 
@@ -547,21 +523,20 @@ def _round(loop: _Loop, last: torch.Tensor, context: int, room: int, history: to
     """One speculative round: draft, roll back, verify, commit. Not `drafting` (plain decoding with hooks) or with
     no room left for a draft, the round verifies `last` alone: a plain step."""
     budget = min(loop.policy.max_draft_tokens, room - 1) if drafting else 0
-    draft = _timed_draft(loop, last, budget, history) if budget else Draft(last.view(1, 1), 0, 0)
-    loop.steps.cache.advance(-draft.steps)  # verification overwrites what the drafts wrote
-    loop.stats.draft_forwards += draft.steps
-    loop.round_drafts = draft.steps
+    draft = _timed_draft(loop, last, budget, history) if budget else Draft(last.view(1, 1), 0)
+    loop.steps.cache.advance(-draft.count)  # verification overwrites what the drafts wrote
+    loop.round_drafts = draft.count
     verifier, width = (loop.steps.verify, loop.verify_width) if drafting else (loop.steps.plain, None)
     ids = _pad(draft.ids, width) if width else draft.ids
     logits = verifier(ids)
     if loop.hooks is not None:
         logits = loop.hooks.process(torch.cat([history, draft.ids[0, 1:]]).view(1, -1), logits[: draft.ids.shape[1]])
     if loop.sampling.do_sample:
-        accepted, count, new_tokens, last = verify_sampling(logits, draft, loop.sampling, loop.generator)
+        accepted, new_tokens, last = verify_sampling(logits, draft, loop.sampling, loop.generator)
     else:
-        accepted, count, new_tokens, last = verify_greedy(logits, draft)
+        accepted, new_tokens, last = verify_greedy(logits, draft)
     loop.steps.cache.advance(accepted + 1 - ids.shape[1])  # past the committed tokens, `last` excluded
-    _record_round(loop, accepted, count, context, draft.confidence)
+    _record_round(loop, accepted, draft.count, context, draft.confidence)
     new_tokens = _through_eos(new_tokens[:room], loop.eos)
     stopped = False
     if loop.hooks is not None:
@@ -572,18 +547,19 @@ def _round(loop: _Loop, last: torch.Tensor, context: int, room: int, history: to
 
 
 def _timed_draft(loop: _Loop, last: torch.Tensor, budget: int, history: torch.Tensor | None) -> Draft:
-    """The round's drafts: cut on the device where host reads stall it (greedy), else at the first unsure token.
+    """The round's drafts: where host reads stall the device (CUDA) as many as chosen before the round
+    (`economics.best_draft_length`), else up to the first unsure one (the stop rule).
     With `time_drafts`, the drafting time is measured (two syncs: for cost accounting only)."""
     if loop.time_drafts:
         synchronize(last.device)
         start = time.perf_counter()
-    threshold, calibration = _stop_threshold(loop), loop.accepted_seen / loop.confidence_seen
-    if loop.read_once and not loop.sampling.do_sample:
-        draft = draft_round_on_device(loop.steps.draft, last, budget, loop.policy, threshold, loop.hooks, history,
-                                      calibration)
+    if loop.acceptance is not None:  # reads stall the device: the round's length is chosen before it, with no cut
+        price = loop.costs.price
+        budget, threshold = best_draft_length(loop.acceptance.rate, lambda drafts: 1.0 + drafts * price, budget), None
     else:
-        draft = draft_round(loop.steps.draft, last, budget, loop.policy, threshold, loop.sampling, loop.generator,
-                            loop.hooks, history, calibration)
+        threshold = _stop_threshold(loop)
+    draft = draft_round(loop.steps.draft, last, budget, loop.policy, threshold, loop.sampling, loop.generator,
+                        loop.hooks, history, loop.accepted_seen / loop.confidence_seen)
     if loop.time_drafts:
         synchronize(last.device)
         loop.stats.draft_time_s += time.perf_counter() - start
@@ -606,7 +582,8 @@ CALIBRATION_FADE = 0.9  # per round: the calibration follows the last ten rounds
 def _record_round(loop: _Loop, accepted: int, count: int, context: int, confidence: float | None = None) -> None:
     """Statistics of a round, from the values its one host read brought; then the smoothed acceptance moves, and
     with the "threshold" stop rule the threshold toward keeping it at the target (Draft & Verify); with the "cost"
-    rule, the calibration where the drafts' `confidence` was read back (the device's cut keeps the last one)."""
+    rule, the calibration where the drafts' `confidence` was read back; where rounds' lengths are chosen ahead,
+    the acceptance rate they are chosen by."""
     stats = loop.stats
     stats.rounds += 1
     stats.verify_sizes[count + 1] += 1
@@ -615,6 +592,8 @@ def _record_round(loop: _Loop, accepted: int, count: int, context: int, confiden
     stats.accepted += accepted
     if loop.policy.adaptive and count:
         loop.smoothed_acceptance = 0.5 * loop.smoothed_acceptance + 0.5 * accepted / count
+        if loop.acceptance is not None:
+            loop.acceptance.observe(accepted, count)
         if confidence is not None:
             loop.accepted_seen = CALIBRATION_FADE * loop.accepted_seen + accepted
             loop.confidence_seen = CALIBRATION_FADE * loop.confidence_seen + confidence

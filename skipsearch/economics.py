@@ -9,11 +9,16 @@ growing context is tracked), from the wall time between the rounds' host reads, 
 anyway. Until the rounds vary enough in length to separate the two, the price is the share of the
 model's weights the draft still reads (`weight_fraction`): what it costs where decoding is bound
 by memory bandwidth and verifying a few more tokens is free.
+
+Where a read stalls the device (CUDA), a round cannot stop drafting at an unsure token without one: the
+length of each round is chosen before it from the acceptance rate seen so far and that price
+(`AcceptanceRate`, `best_draft_length`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -72,3 +77,49 @@ class MarginalCost:
         if base <= 0 or not PRICE_LIMITS[0] <= per_draft / base <= PRICE_LIMITS[1]:
             return self.prior
         return per_draft / base
+
+
+@dataclass
+class AcceptanceRate:
+    """A drafted token's chance of being accepted when every draft before it in the round was, from the rounds so
+    far: accepted drafts over accepted drafts and rejections, where a round that kept fewer drafts than it ran ended
+    in one rejection and a round that kept them all in none. That is the maximum-likelihood rate where acceptances
+    are independent draws and a round's length cuts the draws short. Faded per round, as the calibration of the
+    stop rule is; starts from `prior` (the policy's target acceptance) with the weight of `PRIOR_ROUNDS` drafts."""
+
+    prior: float
+    accepted: float = field(init=False)
+    rejected: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.accepted, self.rejected = self.prior * PRIOR_ROUNDS, (1.0 - self.prior) * PRIOR_ROUNDS
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        self.accepted = ACCEPTANCE_FADE * self.accepted + accepted
+        self.rejected = ACCEPTANCE_FADE * self.rejected + (accepted < drafted)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+PRIOR_ROUNDS = 2.0  # the prior weighs as much as two drafts: the first rounds decide
+ACCEPTANCE_FADE = 0.9  # per round: the rate follows the last ten rounds or so
+
+
+def committed_tokens(acceptance: float, drafts: int) -> float:
+    """The tokens a round of `drafts` commits on average, its accepted drafts and the full model's next token, when
+    each draft is accepted with probability `acceptance` once the ones before it were: 1 + a + ... + a^drafts."""
+    if acceptance >= 1.0:
+        return drafts + 1.0
+    return (1.0 - acceptance ** (drafts + 1)) / (1.0 - acceptance)
+
+
+def best_draft_length(acceptance: float, round_cost: Callable[[int], float], most: int) -> int:
+    """The drafts per round, 1 to `most` (0 when `most` is), that commit the most tokens per unit of cost, a round
+    of k drafts costing `round_cost(k)` (Leviathan et al. 2023, section 3.4). Chosen before the round where reading
+    a draft's confidence back would stall the device; at least one draft, since whether drafting pays at all is the
+    guard's verdict (and the choice's, among skip sets)."""
+    if most <= 0:
+        return 0
+    return max(range(1, most + 1), key=lambda drafts: committed_tokens(acceptance, drafts) / round_cost(drafts))

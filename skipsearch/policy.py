@@ -24,6 +24,10 @@ class DraftPolicy:
       (the product of their top-1 probabilities, times the smoothed acceptance for the next) is
       below what one more drafted token costs in plain steps, measured as the call goes
       (`economics.MarginalCost`): the next token is drafted only while it is expected to pay.
+    Both stop at a token only after reading its confidence back. Where that read would stall the device
+    (CUDA: `decoding.host_reads_stall`), adaptive drafting instead chooses each round's length before it,
+    from the acceptance rate seen so far and the measured price of a draft
+    (`economics.best_draft_length`), and verifies every draft it ran.
     `guard` keeps drafting only while it measurably beats plain decoding (guard.py); studies turn
     it off in their trials, which measure the skip set itself.
     `max_draft_tokens=0` is plain autoregressive decoding through the same loop.

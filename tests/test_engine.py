@@ -4,9 +4,10 @@
   new skip set compiles nothing;
 - a long study's memory stays flat (the draft steps of old skip sets are freed);
 - the code path CUDA takes (`host_reads_stall`) reads back once per round, adaptive drafting
-  included, and gives the tokens and statistics of the CPU's path.
+  included: it drafts the length it chose before the round.
 """
 
+import collections
 import gc
 import weakref
 
@@ -17,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from conftest import tiny_model
 from test_decoding import hf_greedy
 from skipsearch import decoding
-from skipsearch.decoding import DraftPolicy, generate
+from skipsearch.decoding import DraftPolicy, Sampling, generate
 from skipsearch.engine import DRAFT_STEPS_KEPT, CompileSettings, engine_for
 from skipsearch.skipping import SkipSet
 
@@ -123,21 +124,41 @@ def test_the_cuda_path_reads_back_once_per_round(monkeypatch, policy, compiled):
     assert plain.tokens == out.tokens and reads.count == 1 + -(-(n - 1) // decoding.PLAIN_STEPS_PER_READ)
 
 
-@pytest.mark.parametrize("threshold", [0.3, 0.6, 0.95])
-def test_the_adaptive_cut_on_the_device_commits_what_the_host_cut_does(monkeypatch, threshold):
-    """The CUDA path drafts the whole budget and cuts on the device; tokens, statistics and the threshold's
-    course are those of the CPU's path, which stops drafting at the first unsure token."""
-    model = tiny_model("llama", seed=11, dtype=torch.float64)
-    policy = DraftPolicy(max_draft_tokens=5, confidence_threshold=threshold, guard=False)
-    run = dict(skip=SkipSet.of([2], [1], NUM_LAYERS), max_new_tokens=40, policy=policy, eos_token_id=None)
-    host = generate(model, [5, 9, 14, 3], **run)
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(do_sample=True, top_k=20)], ids=["greedy", "sampling"])
+def test_the_cuda_path_drafts_the_length_it_chose_before_each_round(monkeypatch, sampling):
+    """Where reads stall the device, adaptive drafting reads no confidence: each round drafts the length chosen
+    before it (`economics.best_draft_length`), all of it verified, one host read a round, sampling included; greedy
+    output stays plain greedy decoding's."""
     monkeypatch.setattr(decoding, "host_reads_stall", lambda device: True)
-    device = generate(model, [5, 9, 14, 3], **run)
-    assert device.tokens == host.tokens == hf_greedy(model, [5, 9, 14, 3], 40, eos=None)
-    for name in ("rounds", "drafted", "accepted", "verify_sizes", "verify_contexts"):
-        assert getattr(device.stats, name) == getattr(host.stats, name), name
-    assert device.final_threshold == host.final_threshold
-    assert 0 < host.stats.drafted < host.stats.rounds * 5  # the cut did stop some rounds short
+    chosen, choose = [], decoding.best_draft_length
+
+    def recorded(*args):
+        chosen.append(choose(*args))
+        return chosen[-1]
+
+    monkeypatch.setattr(decoding, "best_draft_length", recorded)
+    model = tiny_model("llama", seed=11, dtype=torch.float64)
+    prompt, n = [5, 9, 14, 3], 60
+    run = dict(skip=SkipSet.of([2], [1], NUM_LAYERS), max_new_tokens=n, eos_token_id=None, sampling=sampling,
+               policy=DraftPolicy(max_draft_tokens=5, guard=False), generator=torch.Generator().manual_seed(0))
+    generate(model, prompt, **run)  # setup
+    chosen.clear()
+    reads, decode = HostReads(), decoding._decode
+
+    def counted(*args):
+        with reads:
+            return decode(*args)
+
+    monkeypatch.setattr(decoding, "_decode", counted)
+    out = generate(model, prompt, **run)
+    sizes = out.stats.verify_sizes.copy()
+    no_room = sizes.pop(1, 0)  # the last round may have had room for no draft: it chose nothing
+    assert collections.Counter(k + 1 for k in chosen) == sizes and no_room <= 1  # every draft run was verified
+    assert len(set(chosen)) > 1  # the length follows the acceptance seen
+    assert reads.count == out.stats.rounds + 1 and reads.uploads == 0
+    assert out.final_threshold is None  # no confidence threshold is used, so none moves
+    if not sampling.do_sample:
+        assert out.tokens == hf_greedy(model, prompt, n, eos=None)
 
 
 def test_eager_attention_takes_the_additive_mask():

@@ -6,8 +6,8 @@ import torch
 from conftest import VirtualTimer, tiny_model
 
 from skipsearch import decoding
-from skipsearch.decoding import DraftPolicy, Sampling, draft_round, draft_round_on_device, generate
-from skipsearch.economics import MarginalCost
+from skipsearch.decoding import DraftPolicy, generate
+from skipsearch.economics import AcceptanceRate, MarginalCost, best_draft_length, committed_tokens
 from skipsearch.engine import engine_for
 from skipsearch.guard import FIRST_BACKOFF_TOKENS, KEEP_ABOVE, PLAIN_SAMPLE_TOKENS, ROUNDS_PER_CHECK, Guard, PlainSpeed
 from skipsearch.skipping import SkipSet
@@ -185,19 +185,44 @@ def test_the_cost_rule_drafts_longer_where_drafts_are_cheap(monkeypatch):
     assert cheap.final_threshold is None  # no confidence threshold moves under the cost rule
 
 
-@pytest.mark.parametrize("threshold", [0.05, 0.3, 0.8])
-@torch.inference_mode()  # as generate runs the draft rounds
-def test_the_cost_rule_cuts_on_the_device_where_the_host_does(threshold):
-    model = tiny_model("llama", seed=11, dtype=torch.float64, num_layers=4)
-    policy = DraftPolicy(max_draft_tokens=6, stop_rule="cost")
-    skip = SkipSet.of([2], [1], 4)
-    for start in range(8):
-        steps = engine_for(model).prepare(32, skip, None, 7)
-        steps.cache.seek(0)
-        decoding.forward_at_position(model, steps.cache, torch.tensor([[5, 9, start]]))
-        last = torch.tensor([start])
-        host = draft_round(steps.draft, last, 6, policy, threshold, Sampling(), None)
-        steps.cache.seek(3)
-        device = draft_round_on_device(steps.draft, last, 6, policy, threshold)
-        assert int(device.count) == host.count
-        assert torch.equal(device.ids[0, : host.count + 1], host.ids[0])
+def test_cudas_path_drafts_long_rounds_where_they_pay_and_one_draft_where_they_barely_do(monkeypatch):
+    """Where reads stall the device, each round's length is chosen ahead from the acceptance seen and the price of a
+    draft fit from the rounds' (virtual) times: near the most where drafts are cheap and nearly always accepted,
+    one where a draft costs nearly a forward and is often rejected. Greedy output is plain greedy output."""
+    monkeypatch.setattr(decoding, "host_reads_stall", lambda device: True)
+    policy = DraftPolicy(guard=False)
+    cheap_model, dear_model = damped_model(), tiny_model("llama", seed=3, dtype=torch.float64, num_layers=4)
+    virtual_time(cheap_model, monkeypatch)
+    cheap = generate(cheap_model, PROMPT, skip=MIDDLE, max_new_tokens=100, policy=policy, eos_token_id=None)
+    virtual_time(dear_model, monkeypatch)
+    dear = generate(dear_model, PROMPT, skip=SkipSet.of([1], [], 4), max_new_tokens=100, policy=policy,
+                    eos_token_id=None)
+    assert cheap.tokens == generate(cheap_model, PROMPT, max_new_tokens=100, eos_token_id=None).tokens
+    assert dear.tokens == generate(dear_model, PROMPT, max_new_tokens=100, eos_token_id=None).tokens
+    assert cheap.stats.acceptance_rate > 0.9 and cheap.stats.drafted / cheap.stats.rounds > 6
+    assert dear.stats.acceptance_rate < 0.6 and dear.stats.drafted == dear.stats.rounds - 1  # the last: no room
+
+
+def test_the_acceptance_rate_counts_a_rejection_only_where_a_round_kept_fewer_drafts_than_it_ran():
+    rate = AcceptanceRate(prior=0.7)
+    assert rate.rate == pytest.approx(0.7)
+    for _ in range(60):
+        rate.observe(1, 4)  # one accepted, then one rejected
+    assert rate.rate == pytest.approx(0.5, abs=1e-3)
+    for _ in range(60):
+        rate.observe(2, 2)  # all kept: no rejection seen, only that both were accepted
+    assert rate.rate > 0.99
+
+
+def test_the_best_draft_length_weighs_acceptance_against_the_price_of_a_draft():
+    assert committed_tokens(0.5, 2) == pytest.approx(1.75) and committed_tokens(1.0, 3) == 4.0
+    assert committed_tokens(0.0, 5) == 1.0
+    half = lambda drafts: 1.0 + 0.5 * drafts  # noqa: E731
+    # 1.9 / 1.5, 2.71 / 2, 3.439 / 2.5, 4.0951 / 3: three drafts commit the most tokens per step
+    assert best_draft_length(0.9, half, 8) == 3
+    assert best_draft_length(0.7, half, 8) == 1
+    assert best_draft_length(0.99, lambda drafts: 1.0 + 0.05 * drafts, 8) == 8
+    assert best_draft_length(0.99, lambda drafts: 1.0 + 0.05 * drafts, 5) == 5
+    assert best_draft_length(0.0, half, 8) == 1 and best_draft_length(0.9, half, 0) == 0
+    lengths = [best_draft_length(a / 20, lambda drafts: 1.0 + 0.3 * drafts, 8) for a in range(21)]
+    assert lengths == sorted(lengths) and lengths[0] == 1 and lengths[-1] == 8
