@@ -49,6 +49,7 @@ def guard_microseconds(rounds: int = 200_000) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="Hugging Face name, folder or .gguf (default: the embedded model)")
     parser.add_argument("--sets", default="a8;a8,11,18,20,22,28|m24,26,28", help="skip sets, decode_speed.py's syntax")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--prompt-offset", type=int, default=8, help="held out: the default study uses the first 8")
@@ -60,7 +61,7 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(str(i) for i in range(len(POLICIES))),
                         help="which of the policies, by index (default: all)")
     args = parser.parse_args()
-    loaded = load_model(device=args.device, dtype=args.dtype)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     model, eos = loaded.model, loaded.model.generation_config.eos_token_id
     texts = load_prompts(num_prompts=args.prompt_offset + args.num_prompts, seed=0)[args.prompt_offset:]
     prompts = [encode_prompt(loaded.tokenizer, text) for text in texts]
@@ -70,8 +71,8 @@ def main() -> None:
         for label, policy in chosen:
             decoders[f"{skip}: {label}"] = skipsearch_decoder(model, args.max_new_tokens, eos, skip, policy,
                                                               compile=args.compile)
-    print(f"default model on {model.device} ({model.dtype}, {'compiled' if args.compile else 'eager'}), torch threads "
-          f"{torch.get_num_threads()}, {len(prompts)} held-out prompts "
+    print(f"{loaded.name_or_path} on {model.device} ({model.dtype}, {'compiled' if args.compile else 'eager'}), "
+          f"torch threads {torch.get_num_threads()}, {len(prompts)} held-out prompts "
           f"x {args.max_new_tokens} new tokens, {args.repeats} repeats, paired against plain decoding")
     print(f"the guard's bookkeeping: {guard_microseconds():.2f} us per round (a clock read and its update)")
     runs = timed_runs(decoders, prompts, args.repeats, model.device, show_progress=True)

@@ -32,6 +32,10 @@ from skipsearch.skipping import SkipSet
 
 def sparse_sets(num_layers: int, count: int, seed: int = 0, share: float = 0.15) -> list[SkipSet]:
     """Distinct sets skipping about `share` of the sublayers (the study's prior), first and last layers kept."""
+    possible = 4 ** max(0, num_layers - 2) - 1  # each inner layer skips its attention, MLP, both or neither
+    if count > possible:  # else the draws below never end
+        raise ValueError(f"{num_layers} layers have {possible} distinct skip sets that keep the first and last layers, "
+                         f"not {count}")
     rng, sets = random.Random(seed), []
     while len(sets) < count:
         inner = range(1, num_layers - 1)
@@ -93,6 +97,8 @@ def main() -> None:
     parser.add_argument("--sets", type=int, default=12, help="distinct skip sets per mode (default: 12)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per decode (default: 32)")
     args = parser.parse_args()
+    if args.sets < 2:
+        parser.error("--sets must be at least 2: the later sets' setup is compared with the first's")
 
     from skipsearch import models
 

@@ -1,0 +1,232 @@
+"""The scripts benchmarks/gpu.sh runs, run here small, on the CPU and in float32.
+
+A GPU machine is lent rarely and briefly, and no other test runs these scripts: a script that a change of the package
+broke, or a flag of gpu.sh that a script no longer takes, would otherwise be found there, at the cost of its minutes.
+Each test runs one stage's script as gpu.sh does (a subprocess, the flags it passes; the embedded model replaced by a
+tiny one, sizes cut) and checks the rows and columns the stage reads.
+"""
+
+import ast
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+GPU_SH = ROOT / "benchmarks" / "gpu.sh"
+TINY_CONFIG = "benchmarks/configs/tiny-llama.json"  # 4 layers, hidden 64: the random-weight shape of these tests
+TINY_SET = "a1,2|m2"  # gpu.sh's sets name layers up to 28; the tiny models have 4
+SMALL = ["--device", "cpu", "--dtype", "float32"]
+
+# What each stage of gpu.sh runs: a stage that runs another script needs a test of it here.
+STAGE_SCRIPTS = {
+    "setup": "benchmarks/skip_set_setup.py", "trials": "benchmarks/trial_vs_bench.py",
+    "study": "-m skipsearch optimize", "host": "benchmarks/host_overhead.py", "speed": "benchmarks/engine_speed.py",
+    "speed-8b": "benchmarks/engine_speed.py", "profiles": "-m skipsearch profile", "guard": "benchmarks/guard.py",
+}
+
+# Inductor's code generation takes minutes on two cores. The scripts run through this wrapper, which gives
+# torch.compile the "eager" backend where it would use inductor: dynamo still traces every compiled step (full graph),
+# and the rest runs as gpu.sh runs it. The script's folder goes first on sys.path, as `python script.py` puts it there
+# (the scripts import decode_speed.py beside them).
+RUNNER = """
+import os, runpy, sys
+import torch
+
+compile_with = torch.compile
+def compile_eagerly(*args, backend="inductor", **kwargs):
+    return compile_with(*args, backend="eager" if backend == "inductor" else backend, **kwargs)
+torch.compile = compile_eagerly
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def run_script(script: str, *flags) -> str:
+    """Run `script` (a path, or "-m skipsearch COMMAND" as in STAGE_SCRIPTS) with `flags` from the repo root; its
+    stdout, after checking that it exited with 0."""
+    command = script.split() if script.startswith("-m ") else ["-c", RUNNER, script]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           # One thread: on a busy two-core machine OpenMP's two threads wait on each other, and a tiny model's matrix
+           # products took 10 ms each (a decode of 8 tokens 2.5 s instead of 0.06 s).
+           "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, *command, *map(str, flags)], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def gpu_sh_stages() -> dict[str, str]:
+    """gpu.sh's stages: name -> the stage's commands, with continued lines joined and comments left out."""
+    text = re.sub(r"\\\n", " ", GPU_SH.read_text())
+    body = text.split("case $stage in", 1)[1].split("esac", 1)[0]
+    body = re.sub(r"#.*", "", body)
+    return {match[1]: match[2] for match in re.finditer(r"^\s*([\w-]+)\)(.*?);;", body, re.M | re.S)}
+
+
+def flags_taken(script: str) -> set[str]:
+    """The long flags `script` (as in STAGE_SCRIPTS) defines. A script's are read from its source (its add_argument
+    calls): its --help would import torch, seconds per script."""
+    if script.startswith("-m skipsearch "):
+        from skipsearch.cli import build_parser
+
+        commands = build_parser()._subparsers._group_actions[0].choices
+        return set(commands[script.split()[-1]]._option_string_actions)
+    tree = ast.parse((ROOT / script).read_text())
+    return {arg.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"
+            for arg in node.args if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")}
+
+
+def table_after(out: str, header_start: str) -> tuple[str, list[str]]:
+    """The header line starting with `header_start` and the non-empty lines after it, up to the next empty one."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header_start))
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        rows.append(line)
+    return lines[start], rows
+
+
+def load_benchmark(name: str):
+    """benchmarks/NAME.py as a module, imported in this process (its main() not run)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_flag_gpu_sh_passes_is_one_its_script_takes():
+    stages = gpu_sh_stages()
+    assert {"info", "setup", "guard"} <= set(stages)  # the parse found the stages
+    found = {}
+    for stage, commands in stages.items():
+        scripts = re.findall(r"python3 (benchmarks/\S+\.py|-m skipsearch \w+)", commands)
+        if scripts:
+            assert len(set(scripts)) == 1, (stage, scripts)
+            found[stage] = scripts[0]
+            passed = set(re.findall(r"(?<![\w-])--[a-z][\w-]*", commands))
+            assert passed and passed <= flags_taken(scripts[0]), (stage, passed - flags_taken(scripts[0]))
+    assert found == STAGE_SCRIPTS
+
+
+def test_skip_set_setup():  # stage "setup"
+    # 2 sets: the least it takes (it compares the later sets with the first)
+    out = run_script("benchmarks/skip_set_setup.py", *SMALL, "--config-only", TINY_CONFIG,
+                     "--modes", "regional,default", "--sets", 2, "--new-tokens", 8)
+    assert re.search(r"^LlamaForCausalLM, 4 layers, cpu", out, re.M)  # the stage greps "mode\|layers"
+    for mode in ("regional", "default"):
+        header, rows = table_after(out, f"mode {mode} (")
+        assert header.endswith("set, setup s, decode s, memory MB, identical to HF greedy")
+        # One row per set (index, set, setup s, decode s, MB, identical), then the mode's summary.
+        assert [re.fullmatch(r"\s+\d+ attn=\[.*\] mlp=\[.*\]( +[\d.]+){3} (True|False)", row) is not None
+                for row in rows] == [True, True, False]
+        assert rows[-1].startswith(f"mode {mode} (") and "first set's setup" in rows[-1]
+
+
+def test_skip_set_setups_sets_are_distinct_and_refused_beyond_what_exists():
+    sparse_sets = load_benchmark("skip_set_setup").sparse_sets
+    assert len(set(sparse_sets(4, 15))) == 15  # every set of layers 1 and 2 (4 layers)
+    with pytest.raises(ValueError, match="15 distinct skip sets"):
+        sparse_sets(4, 16)  # drew forever before
+
+
+def test_trial_vs_bench(tiny_model_dir):  # stage "trials"
+    out = run_script("benchmarks/trial_vs_bench.py", *SMALL, "--model", tiny_model_dir, "--num-prompts", 1,
+                     "--max-new-tokens", 8, "--repeats", 1, "--skip-sets", TINY_SET)
+    header, rows = table_after(out, "skip set")
+    assert header.split() == ["skip", "set", "study", "(95%", "interval)", "bench", "(95%", "interval)", "overlap"]
+    assert len(rows) == 1 and re.fullmatch(r"attn=\[1, 2\] mlp=\[2\] .*x \(.*\) .*x \(.*\)  (yes|NO)", rows[0])
+
+
+def test_host_overheads_parts_are_all_in_the_package():
+    """host_overhead.py leaves a piece it cannot find to "loop" (for older checkouts): a piece renamed in the package
+    must be renamed there too, or the GPU's split by part silently goes wrong."""
+    for part, places in load_benchmark("host_overhead").PARTS.items():
+        for module_name, owner_name, name in places if isinstance(places, list) else [places]:
+            module = importlib.import_module(module_name)
+            assert hasattr(getattr(module, owner_name) if owner_name else module, name), (part, owner_name, name)
+
+
+def test_host_overhead():  # stage "host"
+    out = run_script("benchmarks/host_overhead.py", *SMALL, "--models", TINY_CONFIG, "--modes", "eager,regional",
+                     "--new-tokens", 8, "--repeats", 1)
+    header, rows = table_after(out, "model ")
+    parts = ["steps", "positions", "drafting", "acceptance + r", "plain batches", "statistics", "prefill", "loop"]
+    assert header.split()[:4] == ["model", "mode", "decoding", "us/token"] and all(p in header for p in parts)
+    decodings = ["plain", "spec k=4 fixed", "spec adaptive (k<=8)"]
+    assert [list(re.match(r"(\S+) +(\S+) +(.*?) +[\d.]+ ", row).groups()) for row in rows] == [
+        ["tiny-llama.json", mode, decoding] for mode in ("eager", "regional") for decoding in decodings]
+    assert all(row.count("[") == len(parts) for row in rows)  # per token [per round] for every part
+
+
+@pytest.mark.parametrize("stage", ["speed", "speed-8b"])
+def test_engine_speed(stage, request):
+    # "speed" decodes the built-in prompts with a model and its tokenizer, "speed-8b" random prompts, random weights.
+    model = (["--model", request.getfixturevalue("tiny_model_dir")] if stage == "speed"
+             else ["--config-only", TINY_CONFIG])
+    out = run_script("benchmarks/engine_speed.py", *SMALL, "--num-prompts", 1, "--max-new-tokens", 8, "--repeats", 1,
+                     *model, "--skip-sets", TINY_SET)
+    assert re.search(r"^weights read per forward [\d.]+ GB; measured read bandwidth [\d.]+ GB/s$", out, re.M)
+    header, rows = table_after(out, "method ")
+    for column in ("tok/s", "vs HF eager (95% interval)", "vs HF static+compile", "vs ours plain compiled", "GB/s",
+                   "host us/tok", "identical", "accept", "compile s", "gaps"):
+        assert column in header
+    skip = "attn=[1, 2] mlp=[2]"
+    # On a CPU with inductor (the default backend) the regional rows are there too.
+    assert [row[:48].rstrip() for row in rows] == [
+        "HF eager greedy", "HF static cache + compile", "skipsearch plain eager", "skipsearch plain compiled",
+        "skipsearch plain compiled, regional (studies)", f"self-spec {skip} eager", f"self-spec {skip} compiled",
+        f"self-spec {skip} compiled, regional"]
+
+
+def test_guard(tiny_model_dir):  # stage "guard"
+    out = run_script("benchmarks/guard.py", *SMALL, "--model", tiny_model_dir, "--compile", "--num-prompts", 1,
+                     "--max-new-tokens", 8, "--repeats", 1, "--sets", TINY_SET)
+    header, rows = table_after(out, "| method |")
+    assert header == ("| method | tok/s | vs plain (95% interval) | acceptance | drafted / round | guard: plain tokens "
+                      "| identical |")
+    cells = [row.strip("| ").split(" | ") for row in rows[1:]]  # after the | --- | line
+    assert cells[0][0] == "plain" and all(len(c) == 7 for c in cells)
+    policies = [c[0] for c in cells[1:]]
+    assert len(policies) == 5 and all(p.startswith("attn=[1, 2] mlp=[2]: ") for p in policies)
+
+
+def test_profile(tmp_path, virtual_profiles):  # stage "profiles"
+    """In this process and in virtual time (conftest's `virtual_profiles`): a busy machine's real timings are refused
+    as noise, and a subprocess could not be given the virtual clock."""
+    import torch
+
+    from skipsearch.cli import main
+
+    output = tmp_path / "profile-tiny-llama.json"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as run_script's OMP_NUM_THREADS: two threads took 70 s here on a busy machine, one 1 s
+    try:
+        code = main(["profile", "--config-only", "--model", TINY_CONFIG, *SMALL, "--no-progress", "--output",
+                     str(output), "--contexts", "8,16", "--repeats", "2"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    profile = json.loads(output.read_text())
+    keys = {"device", "dtype", "architecture", "num_hidden_layers", "contexts", "overheads", "provenance"}
+    assert keys <= set(profile) and profile["num_hidden_layers"] == 4
+    assert [c["context_tokens"] for c in profile["contexts"]] == [8, 16]
+    assert profile["provenance"]["weights"] == "random (built from the config alone)"
+
+
+def test_optimize(tiny_model_dir, tmp_path):  # stage "study"
+    out = run_script("-m skipsearch optimize", *SMALL, "--model", tiny_model_dir, "--study-name", "gpu30",
+                     "--n-trials", 2, "--no-progress", "--studies-dir", tmp_path, "--num-prompts", 1,
+                     "--max-new-tokens", 8, "--repeats", 1)
+    # The stage reads the unindented summary: the trials evaluated and the verdict.
+    assert re.search(r"^study gpu30 in sqlite:///.*: 2 distinct skip sets evaluated", out, re.M)
+    assert f"exported {tmp_path / 'gpu30' / 'best.json'}" in out and (tmp_path / "gpu30" / "best.json").is_file()
