@@ -85,14 +85,14 @@ class AcceptanceRate:
     far: accepted drafts over accepted drafts and rejections, where a round that kept fewer drafts than it ran ended
     in one rejection and a round that kept them all in none. That is the maximum-likelihood rate where acceptances
     are independent draws and a round's length cuts the draws short. Faded per round, as the calibration of the
-    stop rule is; starts from `prior` (the policy's target acceptance) with the weight of `PRIOR_ROUNDS` drafts."""
+    stop rule is; starts from `prior` (the policy's target acceptance) with the weight of `PRIOR_DRAFTS` drafts."""
 
     prior: float
     accepted: float = field(init=False)
     rejected: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.accepted, self.rejected = self.prior * PRIOR_ROUNDS, (1.0 - self.prior) * PRIOR_ROUNDS
+        self.accepted, self.rejected = self.prior * PRIOR_DRAFTS, (1.0 - self.prior) * PRIOR_DRAFTS
 
     def observe(self, accepted: int, drafted: int) -> None:
         self.accepted = ACCEPTANCE_FADE * self.accepted + accepted
@@ -103,7 +103,7 @@ class AcceptanceRate:
         return self.accepted / (self.accepted + self.rejected)
 
 
-PRIOR_ROUNDS = 2.0  # the prior weighs as much as two drafts: the first rounds decide
+PRIOR_DRAFTS = 2.0  # the prior weighs as much as two drafts: the first rounds decide
 ACCEPTANCE_FADE = 0.9  # per round: the rate follows the last ten rounds or so
 
 
