@@ -331,9 +331,8 @@ def generate(
 
 def _watch_rounds(loop: _Loop, draft_skip: SkipSet | None) -> None:
     """What the policy asks to time drafting rounds for: the guard (with plain speed and the set's schedule as earlier
-    calls left them: guard.py) and the price of a draft ("cost" rule, and adaptive drafting where reads stall the
-    device, which chooses each round's length ahead from it and the acceptance rate; first the share of weights
-    read)."""
+    calls left them: guard.py) and the price of a draft (first the share of weights read), which the "cost" rule
+    and, where reads stall the device, the choice of each round's length (with the acceptance rate) use."""
     if draft_skip is None:
         return
     ahead = loop.read_once and loop.policy.adaptive

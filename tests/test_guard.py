@@ -79,7 +79,7 @@ def test_the_price_of_a_draft_is_fit_from_round_times():
     assert cost.price == pytest.approx(0.25)
     flat = MarginalCost(prior=0.7)
     for _ in range(20):
-        flat.observe(4, 3.0)  # the device path: every round drafts its budget
+        flat.observe(4, 3.0)  # rounds of one length: base and per-draft cost cannot be told apart
     assert flat.price == 0.7
 
 
