@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from . import adapter
 from .decoding import DecodeStats, DraftPolicy, generate, synchronize
 from .engine import CompileSettings, engine_for, forward_at_position
 from .files import read_json, write_atomic
@@ -411,11 +412,12 @@ def _time_forwards(model: torch.nn.Module, runs: list[_ContextRuns], repeats: in
             # A cache sized as the decoder sizes it, per call: attention over a static cache reads every slot
             # (stale ones masked), so a cache sized for the longest context would price every context alike.
             cache = SpeculativeCache(model.config, context + max_verify_tokens, device)
-            model(input_ids=ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            adapter.model_forward(model, ids[:, :context], None, None, cache, logits_to_keep=1)
 
             def forward(n_tokens: int) -> None:
-                model(input_ids=ids[:, context : context + n_tokens], past_key_values=cache, use_cache=True,
-                      position_ids=positions[:, context : context + n_tokens], logits_to_keep=0 if n_tokens > 1 else 1)
+                adapter.model_forward(model, ids[:, context : context + n_tokens],
+                                      positions[:, context : context + n_tokens], None, cache,
+                                      logits_to_keep=0 if n_tokens > 1 else 1)
 
         _time_context(model, context_runs, cache, forward, compiled_drafts if compile_mode else None, drafts,
                       repeats, clock, warm)

@@ -14,18 +14,15 @@ the processed distributions of draft and full model, so it keeps the full model'
 
 from __future__ import annotations
 
-import inspect
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.stopping_criteria import StopStringCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
+from . import adapter
+from .adapter import GenerateDecoderOnlyOutput, GenerationMode
 from .config import SkipConfig, combine_skip_configs, load_skip_config
 from .constants import MIN_TEMPERATURE
 from .decoding import DecodeHooks, DecodeStats, DraftPolicy, Sampling, generate
@@ -45,10 +42,6 @@ _UNSUPPORTED = {
 }
 # The options that ask for a decoding mode of generate's own, for messages.
 _MODE_OPTIONS = {GenerationMode.DOLA_GENERATION: "dola_layers", GenerationMode.CONTRASTIVE_SEARCH: "penalty_alpha"}
-# Model inputs that generate prepares for every decoder-only call and that this loop replaces with its own.
-_PREPARED_INPUTS = {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "use_cache",
-                    "cache_position"}
-_GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
 
 
 class SelfSpeculative:
@@ -75,9 +68,10 @@ class SelfSpeculative:
             if self.tokenizer is None:
                 raise ValueError("stop_strings need the tokenizer: pass it as self_speculative(config, tokenizer=...) "
                                  "(transformers does not hand a custom_generate callable the one given to generate)")
-            stop = StopStringCriteria(self.tokenizer, stop_strings)
+            stop = adapter.stop_string_criteria(self.tokenizer, stop_strings)
             stopping_criteria = StoppingCriteriaList([*stopping_criteria, stop])
-        streamer = streamer if streamer is not None else _streamer_given_to_generate()
+        # The caller of this call is generate (depth 1), which hands a callable no streamer of its own.
+        streamer = streamer if streamer is not None else adapter.streamer_of_generate(depth=1)
         prompt_length = input_ids.shape[1]
         try:
             output = generate(
@@ -196,20 +190,9 @@ def _check_supported(model: torch.nn.Module, input_ids: torch.Tensor, generation
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool(mask.all()):
         raise ValueError("self_speculative does not support padding: the attention mask must be all ones")
-    cache = model_kwargs.get("past_key_values")
+    cache = adapter.generate_cache_input(model_kwargs)
     if cache is not None and cache.get_seq_length() > 0:
-        raise ValueError("self_speculative starts from an empty cache: do not pass a filled past_key_values")
-    extra = sorted(set(model_kwargs) - _PREPARED_INPUTS)
+        raise ValueError("self_speculative starts from an empty cache: do not pass a filled cache")
+    extra = sorted(set(model_kwargs) - adapter.PREPARED_GENERATE_INPUTS)
     if extra:
         raise ValueError(f"self_speculative does not support these model inputs: {extra}")
-
-
-def _streamer_given_to_generate() -> Any:
-    """The streamer given to `generate`, read from its frame.
-
-    transformers (5.x) passes a callable `custom_generate` only the parameters that its own
-    `_sample` lacks, so the streamer never arrives as an argument (generate still puts the prompt
-    into it); without this, the new tokens would never be streamed and `end()` never called.
-    """
-    caller = sys._getframe(2)  # the caller of SelfSpeculative.__call__
-    return caller.f_locals.get("streamer") if caller.f_code is _GENERATE_CODE else None

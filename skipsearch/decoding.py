@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import LogitsProcessorList
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from .choice import Choice, prefill_choosing
 from .constants import MIN_TEMPERATURE

@@ -31,6 +31,7 @@ import torch
 import torch._inductor.config
 from torch import nn
 
+from . import adapter
 from .guard import PlainSpeed, Schedule
 from .kvcache import SpeculativeCache
 from .skipping import SkippedLayer, SkipSet, decoder_layers, draft_layers, draft_model, forget_draft, model_with_layers
@@ -49,10 +50,10 @@ def forward_at_position(model: nn.Module, cache: SpeculativeCache, ids: torch.Te
     """Logits (the last `logits_to_keep` rows; 0: all, as verification needs) of one forward of `ids` (1, width)
     written at the cache's position, which then moves past them."""
     width = ids.shape[1]
-    out = model(input_ids=ids, position_ids=cache.positions(width), attention_mask=cache.attention_mask(width),
-                past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep)
+    logits = adapter.model_forward(model, ids, cache.positions(width), cache.attention_mask(width), cache,
+                                   logits_to_keep)
     cache.advance(width)
-    return out.logits[0]
+    return logits[0]
 
 
 # Batch-1 decoding on a CPU is matrix-vector products over the weights. MKL's, which inductor calls by default,
@@ -133,9 +134,9 @@ class Step:
         return self.logits
 
 
-def _run_layer(layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids, kv) -> torch.Tensor:
-    return layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids,
-                 past_key_values=kv, use_cache=True)
+def _run_layer(layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids, kv, keyword: str
+               ) -> torch.Tensor:
+    return adapter.run_decoder_layer(layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
 
 
 def _own_code(fn: Callable) -> Callable:
@@ -160,31 +161,34 @@ class CompiledLayers:
         self.functions: dict[tuple[type, int], Callable] = {}
         self.warmed = False  # every one-token kind compiled (Engine._warm_layer_kinds)
 
-    def __call__(self, layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids, kv):
+    def __call__(self, layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids, kv,
+                 keyword: str):
         key = (type(layer), hidden.shape[1])
         if key not in self.functions:
             self.functions[key] = torch.compile(_own_code(_run_layer), backend=self.backend, fullgraph=True,
                                                 dynamic=False)
-        return self.functions[key](layer, hidden, mask, position_embeddings, position_ids, kv)
+        return self.functions[key](layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
 
 
 class RegionalLayer(nn.Module):
     """A decoder layer (or a draft wrapper of one) run by its kind's compiled function, with its own cache layer."""
 
-    def __init__(self, layer: nn.Module, kv, compiled: CompiledLayers):
+    def __init__(self, layer: nn.Module, kv, compiled: CompiledLayers, keyword: str):
         super().__init__()
-        self.inner, self.kv, self.compiled = layer, kv, compiled
+        self.inner, self.kv, self.compiled, self.keyword = layer, kv, compiled, keyword
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, position_ids=None, **kwargs):
-        return self.compiled(self.inner, hidden_states, attention_mask, position_embeddings, position_ids, self.kv)
+        return self.compiled(self.inner, hidden_states, attention_mask, position_embeddings, position_ids, self.kv,
+                             self.keyword)
 
 
 def regional_view(model: nn.Module, skip: SkipSet | None, cache: SpeculativeCache, compiled: CompiledLayers
                   ) -> nn.Module:
     """The full model (`skip` None) or a draft path, every layer run through `compiled`."""
     layers = draft_layers(model, skip) if skip else decoder_layers(model)
+    keyword = adapter.cache_keyword(decoder_layers(model)[0])  # draft wrappers pass it on to the layer's attention
     return model_with_layers(model, nn.ModuleList(
-        layer if isinstance(layer, SkippedLayer) else RegionalLayer(layer, cache.layers[i], compiled)
+        layer if isinstance(layer, SkippedLayer) else RegionalLayer(layer, cache.layers[i], compiled, keyword)
         for i, layer in enumerate(layers)))
 
 

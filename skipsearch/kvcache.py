@@ -16,13 +16,13 @@ a host read of the position per multi-token forward on CUDA.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, StaticLayer, get_layer_types_and_kwargs
-from transformers.utils import is_torchdynamo_compiling
+
+from . import adapter
 
 SUPPORTED_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 
 
-class PositionalLayer(StaticLayer):
+class PositionalLayer(adapter.static_layer_class()):
     """A `StaticLayer` that writes at a position shared by all layers instead of counting its own writes.
 
     A shared position is what lets the draft skip attention layers: a skipped layer is not
@@ -50,12 +50,12 @@ class PositionalLayer(StaticLayer):
         return self.position
 
 
-class SpeculativeCache(Cache):
+class SpeculativeCache(adapter.cache_class()):
     """Full-length static layers (transformers' `StaticLayer`) sharing one write position on the device."""
 
     def __init__(self, config, capacity: int, device: torch.device | str, dtype: torch.dtype | None = None):
         text_config = config.get_text_config(decoder=True)
-        layer_types, _ = get_layer_types_and_kwargs(text_config)
+        layer_types = adapter.layer_types(text_config)
         unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
         if unsupported:
             raise ValueError(f"unsupported attention layer types for the speculative cache: {unsupported}")
@@ -68,7 +68,7 @@ class SpeculativeCache(Cache):
             raise ValueError(f"the speculative cache needs sdpa or eager attention, not {self.attn_implementation!r}: "
                              "load the model with attn_implementation='sdpa'")
         self.position = torch.zeros((), dtype=torch.long, device=device)
-        if torch.device(device).type == "cuda" and not is_torchdynamo_compiling():
+        if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
             # A fixed address, which CUDA graphs read in place. Not on a CPU: inductor's freezing (engine.py) would
             # fold a static-address tensor that the graph does not write into a constant, the position of the
             # compiling call; as an input it is read at every call.
@@ -97,7 +97,7 @@ class SpeculativeCache(Cache):
 
     @property
     def attn_implementation(self) -> str:
-        return getattr(self.text_config, "_attn_implementation", None) or "sdpa"
+        return adapter.attn_implementation(self.text_config)
 
     def attention_mask(self, width: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """The mask for a forward of `width` tokens at the write position, in the form the model's forward takes
@@ -107,18 +107,11 @@ class SpeculativeCache(Cache):
         masks = {"full_attention": causal}
         if "sliding_attention" in self.layer_types:
             masks["sliding_attention"] = causal & (self.slots > query - self.sliding_window)
-        masks = {kind: self._as_model_mask(mask) for kind, mask in masks.items() if kind in self.layer_types}
-        return masks if len(masks) > 1 else next(iter(masks.values()))
-
-    def _as_model_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        allowed = allowed.view(1, 1, *allowed.shape)
-        if self.attn_implementation == "sdpa":
-            return allowed
-        dtype = self.layers[0].dtype if self.layers[0].is_initialized else torch.float32
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        dtype = adapter.cache_dtype(self.layers[0]) or torch.float32
+        return adapter.masks_by_layer_type({kind: adapter.prepared_mask(mask, self.attn_implementation, dtype)
+                                            for kind, mask in masks.items() if kind in self.layer_types})
 
     def matches(self, capacity: int, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether this cache can serve a call needing `capacity` slots of `dtype` on `device`."""
-        layer = self.layers[0]
-        return (self.capacity >= capacity and self.position.device == device
-                and (not layer.is_initialized or layer.dtype == dtype))
+        stored = adapter.cache_dtype(self.layers[0])
+        return self.capacity >= capacity and self.position.device == device and stored in (None, dtype)

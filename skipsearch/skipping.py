@@ -20,6 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import adapter
+from .adapter import decoder_layers  # re-exported: callers of the draft path import it from here
+
 
 @dataclass(frozen=True)
 class SkipSet:
@@ -65,19 +68,6 @@ def _layer_ids(ids: Iterable[int], kind: str, num_layers: int | None) -> tuple[i
     return tuple(sorted(ids))
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a Llama-family causal LM (each with `.self_attn` and `.mlp`)."""
-    layers = getattr(model.get_decoder(), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not all(
-        hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers
-    ):
-        raise ValueError(
-            f"{type(model).__name__} is not a supported decoder: expected decoder layers with "
-            "`self_attn` and `mlp` sublayers (Llama, Mistral, Qwen2, SmolLM)"
-        )
-    return layers
-
-
 @dataclass(frozen=True)
 class LayerLayout:
     """Names of a decoder layer's sublayers and of the norm that feeds only each of them."""
@@ -108,7 +98,7 @@ class AttentionOnly(nn.Module):
         self.norm, self.attn = norm, attn
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return hidden_states + self.attn(self.norm(hidden_states), *args, **kwargs)[0]
+        return hidden_states + adapter.attention_output(self.attn(self.norm(hidden_states), *args, **kwargs))
 
 
 class MLPOnly(nn.Module):
@@ -169,11 +159,7 @@ def _with_module(parent: nn.Module, name: str, child: nn.Module) -> nn.Module:
 
 def model_with_layers(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
     """A view of `model` whose decoder runs `layers`: same parameters, the model's own forward."""
-    decoder = model.get_decoder()
-    names = [name for name, child in model._modules.items() if child is decoder]
-    if not names:
-        raise ValueError(f"{type(model).__name__}: the decoder is not a direct submodule")
-    return _with_module(model, names[0], _with_module(decoder, "layers", layers))
+    return _with_module(model, adapter.decoder_attribute(model), _with_module(model.get_decoder(), "layers", layers))
 
 
 def draft_model(model: nn.Module, skip: SkipSet) -> nn.Module:

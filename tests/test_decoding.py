@@ -4,6 +4,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
+from skipsearch import adapter
 from skipsearch.decoding import (DecodeStats, Divergence, DraftPolicy, Sampling, _rejection_sample, first_divergence,
                                  generate, reference_logits)
 from skipsearch.kvcache import SpeculativeCache
@@ -121,7 +122,7 @@ def test_every_forward_writes_at_its_first_position(max_new_tokens):
     seen = []
 
     def check(module, args, kwargs):
-        cache, start = kwargs["past_key_values"], int(kwargs["position_ids"][0, 0])
+        cache, start = kwargs[adapter.cache_keyword(model.model)], int(kwargs["position_ids"][0, 0])
         assert int(cache.position) == start
         seen.append(start)
 
@@ -140,12 +141,12 @@ def test_cache_rolls_back_by_position_and_hides_stale_slots():
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     cache = SpeculativeCache(model.config, 16, "cpu")
     positions = torch.arange(16).view(1, -1)
-    model(ids, position_ids=positions[:, :5], past_key_values=cache, use_cache=True)
+    adapter.model_forward(model, ids, positions[:, :5], None, cache)
     # Junk written at positions 3..7 (a rejected draft), then a roll-back to 3 and the true tokens again.
     cache.seek(3)
-    model(torch.tensor([[90, 91, 92, 93, 94]]), position_ids=positions[:, 3:8], past_key_values=cache, use_cache=True)
+    adapter.model_forward(model, torch.tensor([[90, 91, 92, 93, 94]]), positions[:, 3:8], None, cache)
     cache.seek(3)
-    logits = model(ids[:, 3:], position_ids=positions[:, 3:5], past_key_values=cache, use_cache=True).logits
+    logits = adapter.model_forward(model, ids[:, 3:], positions[:, 3:5], None, cache)
     torch.testing.assert_close(logits, model(ids).logits[:, 3:])
     assert int(cache.layers[0].get_seq_length()) == 3  # the write position, not a count of writes
     with pytest.raises(ValueError, match="outside"):

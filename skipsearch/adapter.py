@@ -1,0 +1,238 @@
+"""Every assumption skipsearch makes about transformers beyond its documented API, one function per touchpoint.
+
+transformers moves monthly and renames what it does not document (5.24 renamed the cache keyword
+and stopped giving static cache layers a `dtype`). So the rest of the package imports transformers
+only for public names (`AutoModelForCausalLM`, configs, `GenerationConfig`, logits processors) and
+reaches everything else through here. Each touchpoint is named in `TOUCHPOINTS` and tested by name
+(tests/test_adapter.py); when one fails on a release outside the tested window, the error is an
+`AdapterError` naming the touchpoint and the window in one line, not an AttributeError from inside a
+forward. `.ci/newest` runs those tests against the newest releases.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import warnings
+from typing import Any
+
+import torch
+import transformers
+from packaging.version import Version
+from torch import nn
+from transformers import GenerationMixin
+from transformers import cache_utils
+from transformers.generation import configuration_utils as generation_configuration
+from transformers.generation import utils as generation_utils
+
+# The minor releases CI tests: constraints.txt pins the newest, .ci/run checks the oldest with tests/test_adapter.py.
+TESTED_TRANSFORMERS = ("5.23", "5.24")
+
+TOUCHPOINTS = {
+    "cache keyword": "the keyword under which a model's, a decoder layer's and an attention's forward take the KV "
+                     "cache ('cache' from 5.24, 'past_key_values' before)",
+    "static cache layer": "transformers.cache_utils.StaticLayer and Cache: a static layer's `keys`/`values` buffers, "
+                          "`is_initialized`, `lazy_initialization` and `early_initialization`",
+    "layer types": "the attention kind of each decoder layer, from the config (cache_utils.get_layer_types_and_kwargs)",
+    "prepared mask": "a 4D mask given to the model's forward is used as prepared: boolean for sdpa, additive for "
+                     "eager; a mapping by layer type where a model has several kinds",
+    "attention implementation": "config._attn_implementation names the attention kernel",
+    "decoder layers": "model.get_decoder().layers: decoder layers, each with `self_attn` and `mlp` and a norm before "
+                      "each",
+    "attention output": "an attention module returns a tuple whose first item is its output",
+    "custom_generate call": "generate calls a callable custom_generate like its `_sample`, with the prepared model "
+                            "inputs as keywords; its streamer is a local of generate's frame",
+    "generation mode": "GenerationMode and GenerationConfig.get_generation_mode()",
+}
+
+
+class AdapterError(RuntimeError):
+    """A transformers internal that skipsearch relies on is not what the tested releases have."""
+
+    def __init__(self, touchpoint: str, detail: str):
+        self.touchpoint = touchpoint
+        super().__init__(f"transformers {transformers.__version__} breaks skipsearch's assumption '{touchpoint}' "
+                         f"({detail}); tested: transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[-1]}")
+
+
+def within_tested_window(version: str = transformers.__version__) -> bool:
+    """Whether `version`'s minor release is in the tested window (a patch or pre-release counts as its minor)."""
+    low, high = (Version(v).release[:2] for v in TESTED_TRANSFORMERS)
+    return low <= Version(version).release[:2] <= high
+
+
+def warn_if_untested(version: str = transformers.__version__) -> None:
+    """Say that transformers is outside the tested window (once, at import); the tool runs on regardless."""
+    if not within_tested_window(version):
+        warnings.warn(f"transformers {version} is outside skipsearch's tested window ({TESTED_TRANSFORMERS[0]} to "
+                      f"{TESTED_TRANSFORMERS[-1]}); `bash .ci/newest` checks a release", UserWarning, stacklevel=2)
+
+
+# --- cache keyword -------------------------------------------------------------------------------------------------
+
+@functools.cache
+def _cache_keyword_of(cls: type) -> str:
+    # inspect.signature follows the __wrapped__ that transformers' deprecate_kwarg leaves, to the real parameters.
+    parameters = inspect.signature(cls.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise AdapterError("cache keyword", f"{cls.__name__}.forward takes neither 'cache' nor 'past_key_values'")
+
+
+def cache_keyword(module: nn.Module) -> str:
+    """The keyword under which `module`'s forward (a model, a decoder layer or an attention) takes the KV cache."""
+    return _cache_keyword_of(type(module))
+
+
+def model_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor | None, mask: Any, cache: Any,
+                  logits_to_keep: int = 0) -> torch.Tensor:
+    """Logits (1, width or logits_to_keep, vocab) of one forward writing `cache` with a prepared `mask` (None:
+    transformers makes the positions and the mask from the cache's length)."""
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                logits_to_keep=logits_to_keep, **{cache_keyword(model): cache})
+    return out.logits
+
+
+def run_decoder_layer(layer: nn.Module, hidden: torch.Tensor, mask: Any, position_embeddings: Any,
+                      position_ids: torch.Tensor, cache: Any, keyword: str) -> torch.Tensor:
+    """One decoder layer's forward as the decoder calls it (`keyword`: `cache_keyword(layer)`, resolved outside so
+    that compiled code sees a constant)."""
+    out = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids,
+                use_cache=True, **{keyword: cache})
+    return out[0] if isinstance(out, tuple) else out
+
+
+# --- static cache layer, layer types, masks ------------------------------------------------------------------------
+
+def static_layer_class() -> type:
+    """transformers' StaticLayer, which `kvcache.PositionalLayer` extends."""
+    layer = getattr(cache_utils, "StaticLayer", None)
+    if layer is None or not all(hasattr(layer, name) for name in ("lazy_initialization", "update")):
+        raise AdapterError("static cache layer", "cache_utils.StaticLayer with lazy_initialization is gone")
+    return layer
+
+
+def cache_class() -> type:
+    """transformers' Cache, made of layers, which `kvcache.SpeculativeCache` extends."""
+    cache = getattr(cache_utils, "Cache", None)
+    if cache is None or not hasattr(cache, "early_initialization"):
+        raise AdapterError("static cache layer", "cache_utils.Cache with early_initialization is gone")
+    return cache
+
+
+def cache_dtype(layer: Any) -> torch.dtype | None:
+    """The dtype a static layer stores (None until it is allocated). Read from its buffer: 5.24's layers have no
+    `dtype` field."""
+    if not getattr(layer, "is_initialized", False):
+        return None
+    keys = getattr(layer, "keys", None)
+    if not isinstance(keys, torch.Tensor):
+        raise AdapterError("static cache layer", f"{type(layer).__name__}.keys is not a tensor once initialized")
+    return keys.dtype
+
+
+def layer_types(config: Any) -> list[str]:
+    """The attention kind of each decoder layer ("full_attention", "sliding_attention", ...)."""
+    read = getattr(cache_utils, "get_layer_types_and_kwargs", None)
+    if read is not None:
+        return list(read(config)[0])
+    given = getattr(config, "layer_types", None)
+    if given is not None:
+        return list(given)
+    if getattr(config, "sliding_window", None) is not None:
+        return ["sliding_attention"] * config.num_hidden_layers
+    return ["full_attention"] * config.num_hidden_layers
+
+
+def attn_implementation(config: Any) -> str:
+    """The attention kernel a model runs ("sdpa", "eager", "flash_attention_2", ...)."""
+    return getattr(config, "_attn_implementation", None) or "sdpa"
+
+
+def prepared_mask(allowed: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """A (width, capacity) boolean mask of allowed slots in the 4D form the model's forward takes as prepared."""
+    allowed = allowed.view(1, 1, *allowed.shape)
+    if implementation == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def masks_by_layer_type(masks: dict[str, torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor]:
+    """What the forward takes for `masks` (one per layer type the model has): a mapping only where there are several."""
+    return masks if len(masks) > 1 else next(iter(masks.values()))
+
+
+# --- decoder structure ---------------------------------------------------------------------------------------------
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM (each with `.self_attn` and `.mlp`); ValueError for other decoders."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not all(
+        hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers
+    ):
+        raise ValueError(
+            f"{type(model).__name__} is not a supported decoder: expected decoder layers with "
+            "`self_attn` and `mlp` sublayers (Llama, Mistral, Qwen2, SmolLM)"
+        )
+    return layers
+
+
+def decoder_attribute(model: nn.Module) -> str:
+    """The name under which `model` holds its decoder as a direct submodule."""
+    decoder = model.get_decoder()
+    names = [name for name, child in model._modules.items() if child is decoder]
+    if not names:
+        raise AdapterError("decoder layers", f"{type(model).__name__}: the decoder is not a direct submodule")
+    return names[0]
+
+
+def attention_output(out: Any) -> torch.Tensor:
+    """An attention module's output tensor (its forward returns (output, weights))."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+# --- generate() and custom_generate --------------------------------------------------------------------------------
+
+GenerationMode = generation_configuration.GenerationMode
+GenerateDecoderOnlyOutput = generation_utils.GenerateDecoderOnlyOutput
+_GENERATE_CODE = inspect.unwrap(GenerationMixin.generate).__code__
+
+# Model inputs that generate prepares for every decoder-only call and that our loop replaces with its own.
+PREPARED_GENERATE_INPUTS = frozenset({"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "cache",
+                                      "use_cache", "cache_position"})
+
+
+def generate_cache_input(model_kwargs: dict[str, Any]) -> Any:
+    """The cache generate hands a custom_generate (None when it made none)."""
+    return model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+
+
+def streamer_of_generate(depth: int) -> Any:
+    """The streamer given to `generate`, read from its frame `depth` frames up.
+
+    transformers (5.x) passes a callable `custom_generate` only the parameters that its own
+    `_sample` lacks, so the streamer never arrives as an argument (generate still puts the prompt
+    into it); without this, the new tokens would never be streamed and `end()` never called.
+    """
+    caller = sys._getframe(depth + 1)
+    return caller.f_locals.get("streamer") if caller.f_code is _GENERATE_CODE else None
+
+
+def stop_string_criteria(tokenizer: Any, stop_strings: str | list[str]) -> Any:
+    """transformers' stopping criterion for `stop_strings`, which generate builds only for its own loops."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    return StopStringCriteria(tokenizer, stop_strings)
+
+
+def check_touchpoints(model: nn.Module) -> None:
+    """Raise AdapterError, naming the touchpoint, where `model` does not have what the decoding loop relies on."""
+    for module in (model, *decoder_layers(model)[:1], decoder_layers(model)[0].self_attn):
+        cache_keyword(module)
+    static_layer_class()
+    cache_class()
+
+
+warn_if_untested()

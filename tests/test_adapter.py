@@ -1,0 +1,224 @@
+"""Each assumption skipsearch makes about transformers' internals (adapter.TOUCHPOINTS), tested by its name.
+
+`.ci/newest` runs this file against the newest releases of transformers, torch and Optuna: a
+failure here names the touchpoint that a release broke. The end-to-end checks at the bottom are
+what a user would hit first: eager and compiled decoding with two skip sets in one process, and
+transformers' own `generate` through `custom_generate`, equal to HF greedy and without
+deprecation warnings.
+"""
+
+import logging
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from transformers import GenerationConfig, TextStreamer
+
+from conftest import tiny_model
+from skipsearch import adapter
+from skipsearch.adapter import AdapterError
+from skipsearch.decoding import DraftPolicy, generate
+from skipsearch.kvcache import PositionalLayer, SpeculativeCache
+from skipsearch.skipping import SkipSet
+from skipsearch.custom_generate import self_speculative
+
+NUM_LAYERS = 4
+PROMPT = [5, 9, 14, 3, 22, 7]
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", seed=3, dtype=torch.float64)
+
+
+def test_every_touchpoint_has_a_test_named_after_it():
+    names = {name.removeprefix("test_touchpoint_") for name in globals() if name.startswith("test_touchpoint_")}
+    assert {key.replace(" ", "_").replace("()", "") for key in adapter.TOUCHPOINTS} <= names
+
+
+def test_an_adapter_error_names_the_touchpoint_and_the_window_in_one_line():
+    error = AdapterError("cache keyword", "Foo.forward takes neither")
+    text = str(error)
+    assert "\n" not in text and "'cache keyword'" in text and error.touchpoint == "cache keyword"
+    assert f"{adapter.TESTED_TRANSFORMERS[0]} to {adapter.TESTED_TRANSFORMERS[-1]}" in text
+
+
+def test_the_tested_window_bounds_versions():
+    low, high = adapter.TESTED_TRANSFORMERS
+    assert adapter.within_tested_window(f"{low}.0") and adapter.within_tested_window(f"{high}.3")
+    assert adapter.within_tested_window(f"{high}.0rc1")  # a pre-release counts as its minor release
+    assert not adapter.within_tested_window("4.57.1") and not adapter.within_tested_window("6.0.0")
+
+
+def test_a_release_outside_the_window_is_named_once_and_runs_on():
+    with pytest.warns(UserWarning, match="transformers 6.0.0 is outside skipsearch's tested window"):
+        adapter.warn_if_untested("6.0.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adapter.warn_if_untested(f"{adapter.TESTED_TRANSFORMERS[-1]}.0")
+
+
+def test_touchpoint_cache_keyword(model):
+    names = {adapter.cache_keyword(m) for m in (model, adapter.decoder_layers(model)[0],
+                                                 adapter.decoder_layers(model)[0].self_attn)}
+    assert len(names) == 1 and names <= {"cache", "past_key_values"}
+
+    class NoCache(nn.Module):
+        def forward(self, hidden_states):
+            return hidden_states
+
+    with pytest.raises(AdapterError, match="'cache keyword'"):
+        adapter.cache_keyword(NoCache())
+
+
+def test_touchpoint_static_cache_layer(model):
+    cache = SpeculativeCache(model.config, 16, "cpu", torch.float64)
+    layer = cache.layers[0]
+    assert isinstance(layer, adapter.static_layer_class()) and isinstance(cache, adapter.cache_class())
+    assert adapter.cache_dtype(layer) == torch.float64 and layer.keys.shape[2] == 16
+    assert adapter.cache_dtype(PositionalLayer(8, torch.zeros((), dtype=torch.long), False)) is None
+    assert cache.matches(16, torch.float64, torch.device("cpu")) and not cache.matches(16, torch.float32,
+                                                                                        torch.device("cpu"))
+    cache.seek(3)
+    keys = torch.ones(1, layer.keys.shape[1], 2, layer.keys.shape[3], dtype=torch.float64)
+    layer.update(keys, keys)
+    assert layer.keys[0, 0, :, 0].tolist() == [0, 0, 0, 1, 1] + [0] * 11  # written at the shared position
+
+
+def test_touchpoint_layer_types():
+    assert set(adapter.layer_types(tiny_model("llama").config)) == {"full_attention"}
+    mistral = tiny_model("mistral", sliding_window=6).config
+    assert adapter.layer_types(mistral) == ["sliding_attention"] * NUM_LAYERS
+    qwen = tiny_model("qwen2", use_sliding_window=True, sliding_window=5, max_window_layers=2).config
+    assert set(adapter.layer_types(qwen)) == {"full_attention", "sliding_attention"}
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_touchpoint_prepared_mask(implementation):
+    """The forward uses a prepared 4D mask as given: hiding a token's slot gives the logits of the prompt without it
+    (at the same positions), which transformers' own mask could not produce."""
+    model = tiny_model("llama", seed=4, dtype=torch.float64, attn_implementation=implementation)
+    assert adapter.attn_implementation(model.config) == implementation
+    ids, positions = torch.tensor([PROMPT]), torch.arange(len(PROMPT)).view(1, -1)
+    allowed = torch.ones(len(PROMPT), len(PROMPT), dtype=torch.bool).tril()
+    allowed[:, 2] = False
+    allowed[2, 2] = True  # the hidden token still sees itself: no row is all masked
+    masked = adapter.model_forward(model, ids, positions, adapter.prepared_mask(allowed, implementation,
+                                                                                torch.float64), None)
+    keep = [i for i in range(len(PROMPT)) if i != 2]
+    without = model(input_ids=ids[:, keep], position_ids=positions[:, keep]).logits
+    torch.testing.assert_close(masked[:, -1], without[:, -1])
+    assert adapter.masks_by_layer_type({"full_attention": allowed}) is allowed
+
+
+def test_touchpoint_attention_implementation():
+    model = tiny_model("llama", attn_implementation="eager")
+    assert adapter.attn_implementation(model.config) == "eager"
+    model.config._attn_implementation = "sdpa"
+    assert adapter.attn_implementation(model.config) == "sdpa"
+
+
+def test_touchpoint_decoder_layers(model):
+    layers = adapter.decoder_layers(model)
+    assert len(layers) == model.config.num_hidden_layers
+    assert getattr(model, adapter.decoder_attribute(model)) is model.get_decoder()
+    for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+        assert isinstance(getattr(layers[0], name), nn.Module)
+
+
+def test_touchpoint_attention_output(model):
+    """An attention run alone returns (output, weights), and a decoder layer run as the engine runs it (with the
+    keyword, a prepared mask and the cache) writes the cache and returns the hidden states."""
+    layer, width = adapter.decoder_layers(model)[0], 3
+    cache = SpeculativeCache(model.config, 8, "cpu", torch.float64)
+    hidden = torch.randn(1, width, model.config.hidden_size, dtype=torch.float64)
+    positions = cache.positions(width)
+    rotary = model.get_decoder().rotary_emb(hidden, positions)
+    out = layer.self_attn(hidden, position_embeddings=rotary, attention_mask=cache.attention_mask(width),
+                          **{adapter.cache_keyword(layer.self_attn): cache})
+    assert adapter.attention_output(out).shape == hidden.shape
+    cache.seek(0)
+    result = adapter.run_decoder_layer(layer, hidden, cache.attention_mask(width), rotary, positions, cache.layers[0],
+                                       adapter.cache_keyword(layer))
+    assert result.shape == hidden.shape and cache.layers[0].keys[0, :, :width].abs().sum() > 0
+
+
+def test_touchpoint_custom_generate_call(model):
+    """generate calls a callable custom_generate with prepared inputs we know, and keeps the streamer in its frame."""
+    seen = {}
+
+    class Streamer(TextStreamer):
+        def __init__(self):
+            self.puts = 0
+
+        def put(self, value):
+            self.puts += 1
+
+        def end(self):
+            pass
+
+    def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+               streamer=None, **model_kwargs):
+        seen["inputs"], seen["streamer"] = set(model_kwargs), adapter.streamer_of_generate(depth=1)
+        seen["cache"] = adapter.generate_cache_input(model_kwargs)
+        return input_ids
+
+    streamer = Streamer()
+    model.generate(torch.tensor([PROMPT]), max_new_tokens=3, do_sample=False, custom_generate=decode,
+                   streamer=streamer, pad_token_id=0)
+    assert seen["inputs"] <= adapter.PREPARED_GENERATE_INPUTS and seen["streamer"] is streamer
+    assert seen["cache"] is None or seen["cache"].get_seq_length() == 0
+
+
+def test_touchpoint_generation_mode():
+    assert GenerationConfig(do_sample=False).get_generation_mode() == adapter.GenerationMode.GREEDY_SEARCH
+    assert GenerationConfig(do_sample=True).get_generation_mode() == adapter.GenerationMode.SAMPLE
+    assert hasattr(adapter.GenerateDecoderOnlyOutput(sequences=torch.zeros(1, 1)), "sequences")
+
+
+@pytest.fixture
+def deprecations(caplog):
+    """Deprecation warnings raised, and transformers' logged ones ('... is deprecated ...'), during the test."""
+    once = getattr(logging.Logger, "warning_once", None)
+    if hasattr(once, "cache_clear"):
+        once.cache_clear()  # transformers logs each deprecation once per process: an earlier test may have had it
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="transformers"):
+        warnings.simplefilter("always")
+        found = []
+        yield found
+        found += [f"{w.category.__name__}: {w.message}" for w in caught
+                  if issubclass(w.category, (DeprecationWarning, FutureWarning))
+                  or re.search("deprecat", str(w.message), re.I)]
+        found += [r.getMessage() for r in caplog.records if re.search("deprecat", r.getMessage(), re.I)]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_two_skip_sets_in_one_process_equal_hf_greedy_without_deprecations(compile, deprecations):
+    """The 5.24 break: compiled steps crashed on the second call; our forwards warned of a deprecated keyword."""
+    model = tiny_model("llama", seed=5, dtype=torch.float64)
+    expected = hf_greedy(model, PROMPT, 16)
+    deprecations.clear()
+    options = dict(compile=True, compile_mode="regional", compile_backend="aot_eager") if compile else {}
+    for skip in (SkipSet.of([1], [2], NUM_LAYERS), SkipSet.of([0, 3], [], NUM_LAYERS)):
+        out = generate(model, PROMPT, skip=skip, max_new_tokens=16, policy=DraftPolicy(max_draft_tokens=3),
+                       eos_token_id=None, **options)
+        assert out.tokens == expected and out.stats.drafted > 0
+    assert not deprecations
+
+
+def test_custom_generate_equals_hf_greedy_without_deprecations(deprecations):
+    model = tiny_model("llama", seed=6, dtype=torch.float64)
+    expected = hf_greedy(model, PROMPT, 16)
+    deprecations.clear()
+    speculative = self_speculative(SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=3))
+    out = model.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, custom_generate=speculative)
+    assert out[0, len(PROMPT):].tolist() == expected and speculative.stats.drafted > 0
+    assert not deprecations
