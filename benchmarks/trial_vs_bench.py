@@ -2,7 +2,9 @@
 
 For each skip set, measures its paired speedup over plain decoding twice, on the same prompts:
 as a study's trial does (`evaluation.Evaluator.evaluate`, compiled steps as `optimize` runs them) and as
-`bench --compile` does (`bench.timed_runs` over skipsearch's plain and skip-set decoders). Prints
+`bench --compile` does (`bench.timed_runs` over skipsearch's plain and skip-set decoders), with the same
+policy on both sides: the run-time guard off, as a trial runs (`bench` reports that figure beside the guarded
+one, its "(unguarded, as its study measured)" row). Prints
 both 95% intervals and whether they overlap. On CUDA both run the regional steps as CUDA graphs,
 the same steps; on a CPU the study runs regional steps and bench frozen ones (the CPU's
 deployment mode), so there the two may differ by design.
@@ -41,10 +43,10 @@ def main() -> None:
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     model, eos = loaded.model, loaded.model.generation_config.eos_token_id
     prompts = [encode_prompt(loaded.tokenizer, p) for p in load_prompts(num_prompts=args.num_prompts, seed=0)]
-    policy = DraftPolicy()
+    policy = DraftPolicy(guard=False)  # what a trial measures (evaluation.py): like with like
     evaluator = Evaluator(model, prompts, args.max_new_tokens, policy, eos, repeats=args.repeats, compile=True)
     print(f"{loaded.name_or_path} on {model.device} ({loaded.dtype_name}), {len(prompts)} prompts x "
-          f"{args.max_new_tokens} tokens, {args.repeats} paired runs per prompt, default drafting policy")
+          f"{args.max_new_tokens} tokens, {args.repeats} paired runs per prompt, default policy, guard off on both sides")
     print(f"{'skip set':44} {'study (95% interval)':>24} {'bench (95% interval)':>24}  overlap")
     plain = skipsearch_decoder(model, args.max_new_tokens, eos, None, policy, compile=True)
     for skip in parse_skip_sets(args.skip_sets, model.config.num_hidden_layers):

@@ -13,7 +13,7 @@ import json
 import textwrap
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -48,6 +48,7 @@ class BenchRow:
     projected_speedups: dict[str, float] | None = None  # the same, predicted with other devices' profiles
     identical_share: float | None = None  # prompts whose output equals HF greedy's
     divergence_gaps: list[float] | None = None  # top-2 logit gap at each differing output's first divergence
+    guarded: bool | None = None  # a skip set's row: decoded with the run-time guard (as deployed) or without (as trials)
 
 
 def hf_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, **extra) -> Decoder:
@@ -135,9 +136,11 @@ def run_bench(
         methods[f"hf early exit (layer {early_exit_layer})"] = hf_decoder(
             model, max_new_tokens, eos, assistant_early_exit=early_exit_layer)
     methods["skipsearch plain"] = skipsearch_decoder(model, max_new_tokens, eos, None, DraftPolicy(), compile=compile)
+    guarded = {}
     if config is not None:
-        label = f"skipsearch {config.skip}" if config.skip.size else "skipsearch config (skips nothing)"
-        methods[label] = skipsearch_decoder(model, max_new_tokens, eos, config.skip, config.draft, compile=compile)
+        for label, policy in config_decoders(config).items():
+            methods[label] = skipsearch_decoder(model, max_new_tokens, eos, config.skip, policy, compile=compile)
+            guarded[label] = policy.guard if config.skip.size else None
 
     runs = timed_runs(methods, prompts, repeats, model.device, show_progress)
     hf, plain = runs["hf greedy"], runs["skipsearch plain"]
@@ -146,7 +149,7 @@ def run_bench(
         speedup = ratio_interval(run.ratios_over(hf))
         row = BenchRow(method=name, tokens_per_second=sum(run.tokens) / sum(run.seconds), speedup=speedup.estimate,
                        identical=run.outputs == hf.outputs, speedup_low=speedup.low,
-                       speedup_high=_finite(speedup.high))
+                       speedup_high=_finite(speedup.high), guarded=guarded.get(name))
         if name.startswith("skipsearch"):
             over_plain = ratio_interval(run.ratios_over(plain, decode_only=True))
             row.speedup_over_plain_loop = over_plain.estimate
@@ -167,6 +170,17 @@ def run_bench(
     return rows
 
 
+def config_decoders(config: SkipConfig) -> dict[str, DraftPolicy]:
+    """The config's rows, by label: its skip set as deployed (its own policy, the guard on unless the config turns it
+    off) and, where the guard is on, also without it, which is what a study's trial measures: like with like."""
+    if not config.skip.size:
+        return {"skipsearch config (skips nothing)": config.draft}
+    if not config.draft.guard:
+        return {f"skipsearch {config.skip} (unguarded)": config.draft}
+    return {f"skipsearch {config.skip} (guarded)": config.draft,
+            f"skipsearch {config.skip} (unguarded, as its study measured)": replace(config.draft, guard=False)}
+
+
 def _finite(value: float) -> float | None:
     return value if value != float("inf") else None  # JSON has no infinity
 
@@ -177,18 +191,25 @@ def bench_verdict(rows: list[BenchRow], config: SkipConfig | None = None) -> str
     ours = [r for r in rows if r.method.startswith("skipsearch") and r.method != "skipsearch plain"]
     if not ours:
         return None
-    row = ours[0]
+    row, unguarded = ours[0], next((r for r in ours if r.guarded is False), None)
     recorded = config.metrics.get("verdict") if config is not None else None
     if row.acceptance_rate is None:
         text = "the config skips nothing: it decodes plainly"
         return f"{text} (its study's verdict: {recorded})" if recorded else text
-    high = "unbounded" if row.speedup_over_plain_high is None else f"{row.speedup_over_plain_high:.2f}"
-    figure = f"{row.speedup_over_plain_loop:.2f}x (95% interval {row.speedup_over_plain_low:.2f}-{high})"
+    figure = _figure(row)
+    guard = {True: " with the run-time guard", False: " without the run-time guard", None: ""}[row.guarded]
     if row.speedup_over_plain_low > 1.0:
-        text = f"in this run the config's skip set decodes {figure} as fast as plain decoding"
+        text = f"in this run the config's skip set decodes{guard} {figure} as fast as plain decoding"
     else:
-        text = f"in this run the config's skip set is not confirmed faster than plain decoding: {figure}"
+        text = f"in this run the config's skip set is not confirmed faster than plain decoding{guard}: {figure}"
+    if row.guarded and unguarded is not None:
+        text += f" (without it, as its study measures: {_figure(unguarded)})"
     return f"{text}; its study recorded: {recorded}" if recorded else text
+
+
+def _figure(row: BenchRow) -> str:
+    high = "unbounded" if row.speedup_over_plain_high is None else f"{row.speedup_over_plain_high:.2f}"
+    return f"{row.speedup_over_plain_loop:.2f}x (95% interval {row.speedup_over_plain_low:.2f}-{high})"
 
 
 def format_table(rows: list[BenchRow]) -> str:

@@ -37,7 +37,7 @@ from .kvcache import SpeculativeCache
 from .skipping import SkippedLayer, SkipSet, decoder_layers, draft_layers, draft_model, forget_draft, model_with_layers
 
 CACHE_BLOCK = 256  # capacities round up to this, so calls of similar lengths share one cache and one graph
-DRAFT_STEPS_KEPT = 8  # skip sets whose draft steps stay ready; older ones are freed
+DRAFT_STEPS_KEPT = 8  # skip sets whose draft steps stay ready by default (Engine.kept_skip_sets); older ones are freed
 
 
 def synchronize(device: torch.device) -> None:
@@ -214,8 +214,22 @@ class Engine:
         self.draft_steps: collections.OrderedDict[tuple, Step] = collections.OrderedDict()
         self.layers: dict[str, CompiledLayers] = {}  # by backend
         self.graph_pool = None
+        self._kept_skip_sets = DRAFT_STEPS_KEPT
         self.plain_speeds: dict[CompileSettings | None, PlainSpeed] = {}
         self.guard_schedules: dict[tuple[SkipSet, CompileSettings | None], Schedule] = {}
+
+    @property
+    def kept_skip_sets(self) -> int:
+        """How many skip sets keep their compiled draft steps (and, on CUDA, their captured graphs), least recently
+        used first out: the bound on what the engine holds beyond the model and its cache. Settable."""
+        return self._kept_skip_sets
+
+    @kept_skip_sets.setter
+    def kept_skip_sets(self, count: int) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"kept_skip_sets must be a whole number >= 1, got {count!r}")
+        self._kept_skip_sets = count
+        self._evict()
 
     @property
     def steps(self) -> dict[tuple, Step]:
@@ -278,10 +292,13 @@ class Engine:
         if regional and not self.layers[settings.backend].warmed:
             # In the first call's timed setup: the first skip set's setup time counts every kind's compile.
             step.prepare = lambda: self._warm_layer_kinds(settings)
-        while len(self.draft_steps) > DRAFT_STEPS_KEPT:
+        self._evict()
+        return step
+
+    def _evict(self) -> None:
+        while len(self.draft_steps) > self._kept_skip_sets:
             (old_skip, _), _ = self.draft_steps.popitem(last=False)
             forget_draft(self.model, old_skip)
-        return step
 
     def _compiled_step(self, skip: SkipSet | None, settings: CompileSettings) -> Step:
         mode, cache = settings.resolved(self.model.device), self.cache

@@ -22,14 +22,16 @@ def test_bench_rows_json_and_chart(tmp_path):
                      prompt_lookup_tokens=3, repeats=2, profile=profile, show_progress=False)
     names = [r.method for r in rows]
     assert names == ["hf greedy", "hf prompt lookup (3)", "hf early exit (layer 2)", "skipsearch plain",
-                     "skipsearch attn=[1] mlp=[2]"]
+                     "skipsearch attn=[1] mlp=[2] (guarded)",
+                     "skipsearch attn=[1] mlp=[2] (unguarded, as its study measured)"]
+    assert [r.guarded for r in rows[-2:]] == [True, False] and rows[3].guarded is None
     assert all(r.identical for r in rows), format_table(rows)
     assert rows[0].speedup == 1.0 and all(r.tokens_per_second > 0 for r in rows)
     ours = rows[-1]
     assert ours.acceptance_rate is not None and ours.predicted_speedup > 0 and ours.speedup_over_plain_loop > 0
     assert rows[3].acceptance_rate is None and rows[3].predicted_speedup is None
     table = format_table(rows)
-    assert table.splitlines()[0].startswith("method") and len(table.splitlines()) == 6
+    assert table.splitlines()[0].startswith("method") and len(table.splitlines()) == 7
     for row in rows:
         assert row.speedup_low <= row.speedup <= (row.speedup_high or float("inf"))
     assert ours.speedup_over_plain_low <= ours.speedup_over_plain_loop
@@ -58,3 +60,22 @@ def test_bench_verdict_quotes_the_paired_figure_and_the_studys_own_verdict():
         "the config skips nothing: it decodes plainly (its study's verdict: no skip set was confirmed faster "
         "than plain decoding: 0.84x)")
     assert bench_verdict(base) is None
+    guarded = BenchRow("skipsearch attn=[3] (guarded)", 10.4, 1.04, True, acceptance_rate=0.8,
+                       speedup_over_plain_loop=0.99, speedup_over_plain_low=0.95, speedup_over_plain_high=1.03,
+                       guarded=True)
+    slow.guarded = False
+    assert bench_verdict(base + [guarded, slow]) == (
+        "in this run the config's skip set is not confirmed faster than plain decoding with the run-time guard: "
+        "0.99x (95% interval 0.95-1.03) (without it, as its study measures: 0.86x (95% interval 0.80-0.93))")
+
+
+def test_a_config_is_benched_as_deployed_and_as_its_study_measured_it():
+    from skipsearch.bench import config_decoders
+
+    model = tiny_model()
+    config = SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [], 4), draft=DraftPolicy())
+    assert [p.guard for p in config_decoders(config).values()] == [True, False]
+    unguarded = SkipConfig(model=config.model, skip=config.skip, draft=DraftPolicy(guard=False))
+    assert list(config_decoders(unguarded)) == ["skipsearch attn=[1] mlp=[] (unguarded)"]
+    assert list(config_decoders(SkipConfig(model=config.model, skip=SkipSet()))) == [
+        "skipsearch config (skips nothing)"]

@@ -82,21 +82,26 @@ def test_cuda_rounds_read_back_once_and_new_skip_sets_cost_no_compile():
                                compile=True)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        # The first warning is torch's note that the debug mode is a prototype, not a synchronization.
+        syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
         # One read a round, the prefill's, and at most the two synchronizations that time the call.
         assert out.stats.drafted > 0 and len(syncs) <= out.stats.rounds + 3, [str(w.message) for w in syncs[:3]]
 
 
 def test_cuda_memory_stays_flat_over_many_skip_sets():
-    """Evicted skip sets free their graphs: memory after 30 distinct sets is what it was after 10."""
+    """Evicted skip sets free their graphs: memory after 30 distinct sets is what it was once the engine's bound
+    (8 sets) had filled. What one set costs against the model's size is measured on real shapes by
+    benchmarks/skip_set_setup.py (a tiny model's graphs round up to the allocator's blocks)."""
+    import itertools
+
     model = cuda_model(seed=7)
     policy = DraftPolicy(max_draft_tokens=3, adaptive=False)
-    sets = [SkipSet.of([a], [m], NUM_LAYERS) for a in range(NUM_LAYERS) for m in range(NUM_LAYERS)]
-    sets += [SkipSet.of([a, b], [], NUM_LAYERS) for a in range(NUM_LAYERS) for b in range(a + 1, NUM_LAYERS)]
+    subsets = [list(c) for n in (0, 1, 2) for c in itertools.combinations(range(NUM_LAYERS), n)]
+    sets = [SkipSet.of(a, m, NUM_LAYERS) for a, m in itertools.product(subsets, subsets) if a or m][:30]
+    assert len(set(sets)) == 30
     allocated = []
-    for i, skip in enumerate(sets[:30]):
+    for skip in sets:
         generate(model, [5, 9, 14], skip=skip, max_new_tokens=6, policy=policy, eos_token_id=None, compile=True)
-        if i in (9, 29):
-            torch.cuda.synchronize()
-            allocated.append(torch.cuda.memory_allocated())
-    assert allocated[1] <= allocated[0] + 2**20, allocated
+        torch.cuda.synchronize()
+        allocated.append(torch.cuda.memory_allocated())
+    assert allocated[29] <= allocated[9] + 2**20, allocated

@@ -93,6 +93,22 @@ def test_a_long_study_keeps_memory_flat():
     assert len(wrappers) <= DRAFT_STEPS_KEPT * 6
 
 
+def test_the_bound_on_kept_skip_sets_is_settable_and_least_recently_used():
+    model = tiny_model("llama", seed=10)
+    engine = engine_for(model)
+    with pytest.raises(ValueError, match="kept_skip_sets"):
+        engine.kept_skip_sets = 0
+    engine.kept_skip_sets = 2
+    policy, settings = DraftPolicy(max_draft_tokens=2, adaptive=False), CompileSettings("aot_eager", "regional")
+    a, b, c = SkipSet.of([1], [], NUM_LAYERS), SkipSet.of([2], [], NUM_LAYERS), SkipSet.of([], [1], NUM_LAYERS)
+    for skip in (a, b, a, c):  # a used again after b: b is the least recently used when c comes
+        generate(model, [5, 9, 14], skip=skip, max_new_tokens=4, policy=policy, eos_token_id=None, **REGIONAL)
+    assert [key[0] for key in engine.draft_steps] == [a, c]
+    assert ("layers", b) not in model.__dict__["_skipsearch_drafts"]
+    engine.kept_skip_sets = 1  # lowering the bound frees at once
+    assert [key[0] for key in engine.draft_steps] == [c] and (a, settings) not in engine.draft_steps
+
+
 @pytest.mark.parametrize("policy", [DraftPolicy(max_draft_tokens=4, guard=False),
                                     DraftPolicy(max_draft_tokens=6, adaptive=False, guard=False),
                                     DraftPolicy(max_draft_tokens=5, confidence_threshold=0.9, guard=False),
