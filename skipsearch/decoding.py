@@ -27,7 +27,7 @@ from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWa
 from .choice import Choice, prefill_choosing
 from .constants import MIN_TEMPERATURE
 from .economics import AcceptanceRate, MarginalCost, best_draft_length, weight_fraction
-from .engine import CompileSettings, Step, Steps, engine_for, forward_at_position, synchronize
+from .engine import CompileSettings, Step, Steps, engine_for, synchronize
 from .guard import Guard, GuardStats, PlainSpeed, Schedule
 from .inputs import check_generate_args, check_prompt
 from .policy import DraftPolicy  # re-exported: callers of the loop import it from here too
@@ -310,7 +310,7 @@ def generate(
     (`drafting_skip`); several sets: the prefill chooses one or plain decoding (choice.py, `cost_profile`).
     `generator` seeds sampling, on the model's device. `compile` runs the draft and verify forwards compiled
     (`compile_backend`, `compile_mode`: engine.py's modes; CUDA graphs by default on CUDA), kept on the model for
-    later calls; the prefill is eager. `hooks` put logits processing, stopping and streaming in the caller's hands.
+    later calls; in the regional mode (CUDA's default) the prefill runs compiled too, at a few padded widths. `hooks` put logits processing, stopping and streaming in the caller's hands.
     """
     prompt = check_prompt(model, input_ids)  # before any work: each a TypeError or ValueError saying what is wrong
     check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling, cost_profile)
@@ -368,8 +368,7 @@ def _verify_width(steps: Steps, policy: DraftPolicy, settings: CompileSettings |
 
 def _not_set_up(steps: dict[SkipSet | None, Steps]) -> list[Step]:
     """The steps whose first call (compiling) is still to come, each once: one verify step serves every set."""
-    unique = {id(step): step for option in steps.values() for step in option[1:]}
-    return [step for step in unique.values() if step is not None and step.setup_time_s is None]
+    return list({id(step): step for option in steps.values() for step in option.not_set_up()}.values())
 
 
 @dataclass(frozen=True)
@@ -473,7 +472,7 @@ def _prefill(loop: _Loop, prompt: torch.Tensor) -> tuple[torch.Tensor, list[int]
     With several skip sets, the prefill also chooses the one to draft with (`_prefill_choosing`)."""
     loop.steps.cache.seek(0)
     if loop.choosing is None:
-        logits = forward_at_position(loop.model, loop.steps.cache, prompt, logits_to_keep=1)
+        logits = loop.steps.prefill(prompt)
     else:
         logits = _prefill_choosing(loop, prompt)
     if loop.hooks is not None:

@@ -21,6 +21,7 @@ stays flat. The engine lives on the model (`engine_for`), not in a global.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 import types
 from collections.abc import Callable
@@ -37,6 +38,10 @@ from .kvcache import SpeculativeCache
 from .skipping import SkippedLayer, SkipSet, decoder_layers, draft_layers, draft_model, forget_draft, model_with_layers
 
 CACHE_BLOCK = 256  # capacities round up to this, so calls of similar lengths share one cache and one graph
+# The widths a compiled prefill runs at: a prompt goes in chunks of the widest, the last chunk padded to the narrowest
+# that holds it, so no prompt length compiles or captures anything new. The widest is at most CACHE_BLOCK, so a padded
+# chunk never writes past the cache (its capacity is the prompt and more, rounded up to CACHE_BLOCK).
+PREFILL_WIDTHS = (16, 64, 256)
 DRAFT_STEPS_KEPT = 8  # skip sets whose draft steps stay ready by default (Engine.kept_skip_sets); older ones are freed
 
 
@@ -45,10 +50,10 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def forward_at_position(model: nn.Module, cache: SpeculativeCache, ids: torch.Tensor, logits_to_keep: int = 0
-                        ) -> torch.Tensor:
-    """Logits (the last `logits_to_keep` rows; 0: all, as verification needs) of one forward of `ids` (1, width)
-    written at the cache's position, which then moves past them."""
+def forward_at_position(model: nn.Module, cache: SpeculativeCache, ids: torch.Tensor,
+                        logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+    """Logits (the last `logits_to_keep` rows, or the rows a tensor of indices names; 0: all, as verification needs)
+    of one forward of `ids` (1, width) written at the cache's position, which then moves past them."""
     width = ids.shape[1]
     logits = adapter.model_forward(model, ids, cache.positions(width), cache.attention_mask(width), cache,
                                    logits_to_keep)
@@ -192,14 +197,47 @@ def regional_view(model: nn.Module, skip: SkipSet | None, cache: SpeculativeCach
         for i, layer in enumerate(layers)))
 
 
+class Prefill:
+    """The prompt's forward, returning the logits (1, vocab) that predict the first new token.
+
+    Eager (`steps` None): one forward of the whole prompt. Compiled: full-model steps at PREFILL_WIDTHS, each
+    chunk padded after its tokens to the narrowest width that holds it; the step keeps only the row of the chunk's
+    last real token (`row`, a device tensor its graph reads), and the position moves back over the padding, whose
+    slots become stale. Causal attention keeps the padding out of the real tokens' logits.
+    """
+
+    def __init__(self, model: nn.Module, cache: SpeculativeCache, steps: dict[int, Step] | None = None,
+                 row: torch.Tensor | None = None):
+        self.model, self.cache, self.steps, self.row = model, cache, steps, row
+
+    def __call__(self, prompt: torch.Tensor) -> torch.Tensor:
+        if self.steps is None:
+            return forward_at_position(self.model, self.cache, prompt, logits_to_keep=1)
+        widest = PREFILL_WIDTHS[-1]
+        for start in range(0, prompt.shape[1], widest):
+            chunk = prompt[:, start : start + widest]
+            real = chunk.shape[1]
+            width = next(w for w in PREFILL_WIDTHS if w >= real)
+            self.row.fill_(real - 1)  # a scalar written on the device: no host sync
+            logits = self.steps[width](torch.cat([chunk, chunk[:, -1:].expand(1, width - real)], dim=1))
+            self.cache.advance(real - width)
+        return logits
+
+
 class Steps(NamedTuple):
-    """What a call decodes with: the cache, the draft step (None: plain decoding), the verify step and the plain
-    step (the full model on one token: the verify step where it takes any width)."""
+    """What a call decodes with: the cache, the draft step (None: plain decoding), the verify step, the plain
+    step (the full model on one token: the verify step where it takes any width) and the prefill."""
 
     cache: SpeculativeCache
     draft: Step | None
     verify: Step
     plain: Step
+    prefill: Prefill
+
+    def not_set_up(self) -> list[Step]:
+        """The steps whose first call (compiling, capturing) is still to come."""
+        steps = [self.draft, self.verify, self.plain, *(self.prefill.steps or {}).values()]
+        return [step for step in steps if step is not None and step.setup_time_s is None]
 
 
 class Engine:
@@ -212,6 +250,8 @@ class Engine:
         self.cache: SpeculativeCache | None = None
         self.verify_steps: dict[tuple, Step] = {}
         self.draft_steps: collections.OrderedDict[tuple, Step] = collections.OrderedDict()
+        self.prefill_steps: dict[tuple[int, CompileSettings], Step] = {}
+        self.prefill_row: torch.Tensor | None = None  # the row a compiled prefill step keeps (Prefill)
         self.layers: dict[str, CompiledLayers] = {}  # by backend
         self.graph_pool = None
         self._kept_skip_sets = DRAFT_STEPS_KEPT
@@ -259,14 +299,29 @@ class Engine:
         if settings is None:
             draft = Step(_step(draft_model(self.model, skip), cache), cache, compiled=False) if skip else None
             full = Step(_step(self.model, cache), cache, compiled=False)
-            return Steps(cache, draft, full, full)
+            return Steps(cache, draft, full, full, Prefill(self.model, cache))
         if cache is not self.cache:
             raise ValueError("compiled steps write the engine's own cache: get it from cache_for")
         for width in {verify_width, 1}:
             if (width, settings) not in self.verify_steps:
                 self.verify_steps[width, settings] = self._compiled_step(None, settings)
         return Steps(cache, self._draft_step(skip, settings) if skip else None,
-                     self.verify_steps[verify_width, settings], self.verify_steps[1, settings])
+                     self.verify_steps[verify_width, settings], self.verify_steps[1, settings],
+                     self._prefill(settings))
+
+    def _prefill(self, settings: CompileSettings) -> Prefill:
+        """Compiled prefill steps where layers compile per width (regional: one compile per width, then a CUDA graph
+        each on CUDA); the eager prefill for whole-step modes, where each width would be a whole-model compile."""
+        if settings.resolved(self.model.device) != "regional":
+            return Prefill(self.model, self.cache)
+        compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
+        for width in PREFILL_WIDTHS:
+            if (width, settings) not in self.prefill_steps:
+                view = regional_view(self.model, None, self.cache, compiled)
+                fn = functools.partial(forward_at_position, view, self.cache, logits_to_keep=self.prefill_row)
+                self.prefill_steps[width, settings] = Step(fn, self.cache, compiled=True, graph_pool=self.graph_pool)
+        return Prefill(self.model, self.cache, {w: self.prefill_steps[w, settings] for w in PREFILL_WIDTHS},
+                       self.prefill_row)
 
     def _fit_cache(self, length: int) -> None:
         model, device = self.model, self.model.device
@@ -276,11 +331,15 @@ class Engine:
             # The steps close over the old cache: freed first, so that two caches are never held at once.
             self.verify_steps.clear()
             self.draft_steps.clear()
+            self.prefill_steps.clear()
             self.layers.clear()
             self.cache = None
             # Compiled graphs are specialised to the cache's shape: a capacity in blocks serves many lengths.
             self.cache = SpeculativeCache(model.config, -(-length // CACHE_BLOCK) * CACHE_BLOCK, device, model.dtype)
             self.graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+            self.prefill_row = torch.zeros(1, dtype=torch.long, device=device)
+            if device.type == "cuda":
+                torch._dynamo.mark_static_address(self.prefill_row)  # read in place by the prefill's CUDA graphs
 
     def _draft_step(self, skip: SkipSet, settings: CompileSettings) -> Step:
         key = (skip, settings)

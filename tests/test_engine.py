@@ -199,3 +199,40 @@ def test_models_with_full_and_sliding_layers_get_a_mask_per_layer_type():
         out = generate(model, prompt, skip=SkipSet.of([2], [1], NUM_LAYERS), max_new_tokens=24,
                        policy=DraftPolicy(max_draft_tokens=3), eos_token_id=None, **extra)
         assert out.tokens == hf_greedy(model, prompt, 24, eos=None)
+
+
+def test_the_compiled_prefill_runs_any_prompt_length_at_its_fixed_widths():
+    """Prompts of lengths around each width and over the widest (in chunks) decode as HF greedy does; after the
+    widths are compiled, a prompt of a new length compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    from skipsearch.engine import PREFILL_WIDTHS
+
+    model = tiny_model("llama", seed=11, dtype=torch.float64)
+    model.config.max_position_embeddings = 1024  # room for a prompt over the widest width (rotary takes any length)
+    skip, policy = SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=3)
+    # The longest first: its cache (two blocks) then serves every call, and the steps compiled for it stay.
+    lengths = [PREFILL_WIDTHS[-1] + 3, 1, PREFILL_WIDTHS[0], PREFILL_WIDTHS[0] + 1]
+    for n, length in enumerate(lengths):
+        prompt = [(7 * i + n) % 90 + 2 for i in range(length)]
+        out = generate(model, prompt, skip=skip, max_new_tokens=8, policy=policy, eos_token_id=None, **REGIONAL)
+        assert out.tokens == hf_greedy(model, prompt, 8, eos=None), length
+    widths = {key[0] for key, step in engine_for(model).prefill_steps.items() if step.setup_time_s is not None}
+    assert widths == set(PREFILL_WIDTHS)  # every width ran, and nothing else
+    graphs = counters["stats"]["unique_graphs"]
+    out = generate(model, list(range(2, 42)), skip=skip, max_new_tokens=8, policy=policy, eos_token_id=None,
+                   **REGIONAL)
+    assert out.tokens == hf_greedy(model, list(range(2, 42)), 8, eos=None) and out.stats.compile_time_s == 0.0
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_prefill_writes_no_slot_it_keeps_past_the_prompt():
+    """The padding's slots are stale once the prefill returns: the position is the prompt's length."""
+    model = tiny_model("llama", seed=11)
+    engine = engine_for(model)
+    settings = CompileSettings("aot_eager", "regional")
+    steps = engine.steps_for(engine.cache_for(64, settings), None, settings, 1)
+    steps.cache.seek(0)
+    logits = steps.prefill(torch.tensor([[5, 9, 14]]))
+    assert int(steps.cache.position) == 3 and logits.shape == (1, model.config.vocab_size)
+    torch.testing.assert_close(logits, model(torch.tensor([[5, 9, 14]])).logits[0, -1:])
