@@ -37,6 +37,8 @@ TOUCHPOINTS = {
     "layer types": "the attention kind of each decoder layer, from the config (cache_utils.get_layer_types_and_kwargs)",
     "prepared mask": "a 4D mask given to the model's forward is used as prepared: boolean for sdpa, additive for "
                      "eager; a mapping by layer type where a model has several kinds",
+    "logits to keep": "a model's forward takes `logits_to_keep` as a count of last rows or a tensor of row indices "
+                      "(the compiled prefill keeps the row of a padded chunk's last real token)",
     "attention implementation": "config._attn_implementation names the attention kernel",
     "decoder layers": "model.get_decoder().layers: decoder layers, each with `self_attn` and `mlp` and a norm before "
                       "each",

@@ -118,6 +118,14 @@ def test_touchpoint_prepared_mask(implementation):
     assert adapter.masks_by_layer_type({"full_attention": allowed}) is allowed
 
 
+def test_touchpoint_logits_to_keep(model):
+    ids = torch.tensor([PROMPT])
+    full = adapter.model_forward(model, ids, None, None, None)
+    torch.testing.assert_close(adapter.model_forward(model, ids, None, None, None, logits_to_keep=2), full[:, -2:])
+    torch.testing.assert_close(adapter.model_forward(model, ids, None, None, None,
+                                                     logits_to_keep=torch.tensor([1])), full[:, 1:2])
+
+
 def test_touchpoint_attention_implementation():
     model = tiny_model("llama", attn_implementation="eager")
     assert adapter.attn_implementation(model.config) == "eager"
