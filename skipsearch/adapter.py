@@ -230,9 +230,12 @@ def stop_string_criteria(tokenizer: Any, stop_strings: str | list[str]) -> Any:
 
 
 def check_touchpoints(model: nn.Module) -> None:
-    """Raise AdapterError, naming the touchpoint, where `model` does not have what the decoding loop relies on."""
-    for module in (model, *decoder_layers(model)[:1], decoder_layers(model)[0].self_attn):
-        cache_keyword(module)
+    """Raise AdapterError, naming the touchpoint, where `model` lacks what the decoding loop relies on: checked once
+    per model before its first forward, so that a release that moved something fails in one line, not inside one."""
+    layer = decoder_layers(model)[0]
+    keywords = {cache_keyword(module) for module in (model, layer, layer.self_attn)}
+    if len(keywords) > 1:
+        raise AdapterError("cache keyword", f"the model, its layers and their attention differ: {sorted(keywords)}")
     static_layer_class()
     cache_class()
 

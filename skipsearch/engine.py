@@ -397,6 +397,7 @@ def engine_for(model: nn.Module) -> Engine:
     """The model's engine, made on first use and kept on the model (it lives and dies with it)."""
     engine = model.__dict__.get("_skipsearch_engine")
     if engine is None:
+        adapter.check_touchpoints(model)
         engine = Engine(model)
         object.__setattr__(model, "_skipsearch_engine", engine)
     return engine

@@ -65,6 +65,25 @@ def test_a_release_outside_the_window_is_named_once_and_runs_on():
         adapter.warn_if_untested(f"{adapter.TESTED_TRANSFORMERS[-1]}.0")
 
 
+def test_a_broken_touchpoint_stops_decoding_before_any_forward_in_one_line():
+    """A release whose attention no longer takes the cache as the layer passes it: named, not a TypeError inside."""
+    model = tiny_model("llama", seed=2)
+    layer = adapter.decoder_layers(model)[0]
+
+    class Renamed(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, hidden_states, kv_store=None, **kwargs):
+            return self.inner(hidden_states, **kwargs)
+
+    layer.self_attn = Renamed(layer.self_attn)
+    with pytest.raises(AdapterError, match="'cache keyword'") as caught:
+        generate(model, PROMPT, skip=SkipSet.of([1], [], NUM_LAYERS), max_new_tokens=4)
+    assert "\n" not in str(caught.value)
+
+
 def test_touchpoint_cache_keyword(model):
     names = {adapter.cache_keyword(m) for m in (model, adapter.decoder_layers(model)[0],
                                                  adapter.decoder_layers(model)[0].self_attn)}
