@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results and the method).
 #
-#   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host speed speed-8b profiles guard
+#   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host kernels speed speed-8b profiles
+#                                       guard
 # (the order of ../shared/gpu.md; each stage fits one 10-minute call, several fit together)
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
@@ -62,6 +63,12 @@ for stage in "$@"; do
       timeout 300 python3 benchmarks/host_overhead.py --device cuda --dtype bfloat16 \
         --models default,benchmarks/configs/llama-3-8b.json \
         --modes eager,regional 2>&1 | tee "$OUT/host.log"
+      ;;
+    kernels)  # kernels per forward (plain and draft steps) through the CUDA graphs: what to cut on a small model
+      for model in "" "--config-only benchmarks/configs/llama-3-8b.json"; do
+        timeout 280 python3 benchmarks/kernel_count.py --device cuda --dtype bfloat16 --compile $model 2>&1 \
+          | tee -a "$OUT/kernels.log" | grep -v "it/s\]$\|USDT"
+      done
       ;;
     speed)  # engines on the default model, paired against HF's compiled static-cache path
       timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 4 \

@@ -26,7 +26,7 @@ SMALL = ["--device", "cpu", "--dtype", "float32"]
 # What each stage of gpu.sh runs: a stage that runs another script needs a test of it here.
 STAGE_SCRIPTS = {
     "setup": "benchmarks/skip_set_setup.py", "trials": "benchmarks/trial_vs_bench.py",
-    "study": "-m skipsearch optimize", "host": "benchmarks/host_overhead.py", "speed": "benchmarks/engine_speed.py",
+    "study": "-m skipsearch optimize", "host": "benchmarks/host_overhead.py", "kernels": "benchmarks/kernel_count.py", "speed": "benchmarks/engine_speed.py",
     "speed-8b": "benchmarks/engine_speed.py", "profiles": "-m skipsearch profile", "guard": "benchmarks/guard.py",
 }
 
@@ -166,6 +166,15 @@ def test_host_overhead():  # stage "host"
     assert [list(re.match(r"(\S+) +(\S+) +(.*?) +[\d.]+ ", row).groups()) for row in rows] == [
         ["tiny-llama.json", mode, decoding] for mode in ("eager", "regional") for decoding in decodings]
     assert all(row.count("[") == len(parts) for row in rows)  # per token [per round] for every part
+
+
+def test_kernel_count():  # stage "kernels"
+    out = run_script("benchmarks/kernel_count.py", *SMALL, "--compile", "--config-only", TINY_CONFIG,
+                     "--skip-set", "a1|m2")
+    assert re.search(r"^benchmarks/configs/tiny-llama.json on cpu \(float32\), regional compiled steps", out, re.M)
+    rows = re.findall(r"^(plain step|draft step attn=\[1\] mlp=\[2\]) +(\d+)   most frequent: (.*)$", out, re.M)
+    assert [name for name, _, _ in rows] == ["plain step", "draft step attn=[1] mlp=[2]"]
+    assert 0 < int(rows[1][1]) < int(rows[0][1])  # the draft skips sublayers: fewer operators
 
 
 @pytest.mark.parametrize("stage", ["speed", "speed-8b"])
