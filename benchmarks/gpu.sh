@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results and the method).
 #
-#   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host kernels speed speed-8b profiles
-#                                       guard
+#   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host kernels prefill speed
+#                                       speed-8b profiles guard
 # (the order of ../shared/gpu.md; each stage fits one 10-minute call, several fit together)
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
@@ -69,6 +69,10 @@ for stage in "$@"; do
         timeout 280 python3 benchmarks/kernel_count.py --device cuda --dtype bfloat16 --compile $model 2>&1 \
           | tee -a "$OUT/kernels.log" | grep -v "it/s\]$\|USDT"
       done
+      ;;
+    prefill)  # the compiled prefill (padded widths, CUDA graphs) against the eager one, paired
+      timeout 300 python3 benchmarks/prefill.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/prefill.log" \
+        | grep -v "it/s\]$"
       ;;
     speed)  # engines on the default model, paired against HF's compiled static-cache path
       timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 4 \

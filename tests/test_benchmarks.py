@@ -26,7 +26,8 @@ SMALL = ["--device", "cpu", "--dtype", "float32"]
 # What each stage of gpu.sh runs: a stage that runs another script needs a test of it here.
 STAGE_SCRIPTS = {
     "setup": "benchmarks/skip_set_setup.py", "trials": "benchmarks/trial_vs_bench.py",
-    "study": "-m skipsearch optimize", "host": "benchmarks/host_overhead.py", "kernels": "benchmarks/kernel_count.py", "speed": "benchmarks/engine_speed.py",
+    "study": "-m skipsearch optimize", "host": "benchmarks/host_overhead.py", "kernels": "benchmarks/kernel_count.py",
+    "prefill": "benchmarks/prefill.py", "speed": "benchmarks/engine_speed.py",
     "speed-8b": "benchmarks/engine_speed.py", "profiles": "-m skipsearch profile", "guard": "benchmarks/guard.py",
 }
 
@@ -175,6 +176,14 @@ def test_kernel_count():  # stage "kernels"
     rows = re.findall(r"^(plain step|draft step attn=\[1\] mlp=\[2\]) +(\d+)   most frequent: (.*)$", out, re.M)
     assert [name for name, _, _ in rows] == ["plain step", "draft step attn=[1] mlp=[2]"]
     assert 0 < int(rows[1][1]) < int(rows[0][1])  # the draft skips sublayers: fewer operators
+
+
+def test_prefill():  # stage "prefill"
+    out = run_script("benchmarks/prefill.py", *SMALL, "--config-only", TINY_CONFIG, "--num-prompts", 2, "--repeats", 2)
+    assert re.search(r"^benchmarks/configs/tiny-llama.json on cpu \(float32\), 2 prompts \(37-90 tokens\) x 2", out, re.M)
+    for kind in ("eager", "compiled"):
+        assert re.search(rf"^{kind} +prefill: +[\d.]+ ms a prompt, +[\d.]+ us a token$", out, re.M)
+    assert re.search(r"^eager / compiled: [\d.]+x \(95% interval [\d.]+-[\d.]+\)$", out, re.M)
 
 
 @pytest.mark.parametrize("stage", ["speed", "speed-8b"])
