@@ -294,12 +294,20 @@ def _storage(args: argparse.Namespace, must_exist: bool) -> str:
 
 
 def _check_output_file(path: Path, flag: str) -> None:
-    """Before any work: `path` can be written as a file (it is not a folder; its folder can be made and written)."""
+    """Before any work: `path` can be written as a file (it is not a folder; its folder can be made and written), or
+    it is a stream this process may write (files.py's `output_target`: a character device or a FIFO)."""
+    import os
+
+    from .files import output_target
     from .models import unwritable_folder
 
     if path.is_dir():
         raise UsageError(f"{flag} {str(path)!r} is a folder: name a file")
-    problem = unwritable_folder(path.parent)
+    try:
+        target, stream = output_target(path)
+    except ValueError as error:
+        raise UsageError(f"{flag} {error}") from None
+    problem = (None if os.access(target, os.W_OK) else "not writable") if stream else unwritable_folder(target.parent)
     if problem:
         raise UsageError(f"{flag} {str(path)!r} cannot be written: {problem}")
 
