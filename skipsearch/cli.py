@@ -165,12 +165,17 @@ def _load(args: argparse.Namespace) -> models.LoadedModel:
 
 def _encoded_prompts(loaded: models.LoadedModel, texts: list[str], args: argparse.Namespace,
                      max_draft_tokens: int) -> list[list[int]]:
-    """The prompts as token ids, each checked to leave the model room for its new and drafted tokens."""
+    """The prompts as token ids, each checked to leave the model room for its new and drafted tokens, in its context
+    and in the device's memory."""
     from . import models
+
+    from .kvcache import check_cache_memory
 
     encoded = [models.encode_prompt(loaded.tokenizer, text, raw=args.raw) for text in texts]
     for ids in encoded:
         models.check_context(loaded.model, len(ids), args.max_new_tokens, max_draft_tokens)
+    # Before the study or the benchmark starts: the longest prompt's cache must fit the device as well as the context.
+    check_cache_memory(loaded.model, max(map(len, encoded)) + args.max_new_tokens + max_draft_tokens)
     return encoded
 
 

@@ -187,7 +187,8 @@ def damaged_model_files(folder: Path) -> str | None:
 
 
 def unwritable_folder(folder: Path) -> str | None:
-    """Why files cannot be created in `folder` (made if missing), or None when they can. Creates nothing."""
+    """Why files cannot be created in `folder` (made if missing), or None when they can; a ResourceExhausted when
+    its device is full. Creates nothing."""
     existing = folder
     while not existing.exists():
         if existing.is_symlink() or existing.parent == existing:
@@ -200,8 +201,9 @@ def unwritable_folder(folder: Path) -> str | None:
     stats = os.statvfs(existing)
     if stats.f_flag & os.ST_RDONLY:
         return f"{str(existing)!r} is on a read-only file system"
-    if stats.f_bavail * stats.f_frsize < _MIN_FREE_BYTES:
-        return f"no space left on the device of {str(existing)!r}"
+    if stats.f_bavail * stats.f_frsize < _MIN_FREE_BYTES:  # the machine's fault, not the input's: its own exit code
+        raise ResourceExhausted(f"out of disk space: no space left on the device of {str(existing)!r} (less than "
+                                f"{_MIN_FREE_BYTES >> 20} MiB free); free some and run the command again")
     return None
 
 
