@@ -28,6 +28,7 @@ from .choice import Choice, prefill_choosing
 from .constants import MIN_TEMPERATURE
 from .economics import AcceptanceRate, MarginalCost, best_draft_length, weight_fraction
 from .engine import CompileSettings, Step, Steps, engine_for, forward_at_position, synchronize
+from .errors import NonFiniteLogits
 from .guard import Guard, GuardStats, PlainSpeed, Schedule
 from .inputs import check_generate_args, check_prompt
 from .policy import DraftPolicy  # re-exported: callers of the loop import it from here too
@@ -476,12 +477,25 @@ def _prefill(loop: _Loop, prompt: torch.Tensor) -> tuple[torch.Tensor, list[int]
         logits = forward_at_position(loop.model, loop.steps.cache, prompt, logits_to_keep=1)
     else:
         logits = _prefill_choosing(loop, prompt)
+    check_finite(loop.model, logits)  # before the processors, whose -inf (top-k, bad words) is meant
     if loop.hooks is not None:
         logits = loop.hooks.process(prompt, logits)
     last = _next_token(loop, logits)
     tokens = last.tolist()  # a host read: the prefill time is exact on CUDA too
     history = torch.cat([prompt[0], last]) if loop.hooks is not None else None
     return last, tokens, history
+
+
+def check_finite(model: torch.nn.Module, logits: torch.Tensor) -> None:
+    """A NonFiniteLogits naming `model` when the prefill's `logits` hold NaN or inf (damaged weights, or an overflow
+    in the model's dtype): greedy decoding would then commit argmax's arbitrary pick and report full acceptance, and
+    sampling would end in torch's traceback. Read once per call, at the first forward, which reads its token back
+    anyway: never per decoded token, which would cost a host read each on CUDA."""
+    if not bool(torch.isfinite(logits).all()):
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        raise NonFiniteLogits(f"model {name!r} gives non-finite logits (NaN or inf) at its first forward: its "
+                              f"weights are damaged, or overflow in {str(model.dtype).removeprefix('torch.')}; "
+                              "nothing was decoded or measured")
 
 
 def _prefill_choosing(loop: _Loop, prompt: torch.Tensor) -> torch.Tensor:
