@@ -465,21 +465,25 @@ def test_a_study_on_a_model_with_non_finite_logits_ends_before_any_trial(nan_mod
     assert not (tmp_path / "studies" / "default").exists()
 
 
-def test_check_finite_runs_once_per_call_at_the_prefill(monkeypatch):
-    """The check reads the device once, at the prefill: never per decoded token."""
+def test_check_finite_is_asked_once_per_call_and_reads_nothing_of_its_own(monkeypatch):
+    """The answer comes back with the prefill's first token, in its one host read: never per decoded token."""
     from conftest import tiny_model
     from skipsearch import decoding
     from skipsearch.skipping import SkipSet
 
     model, calls = tiny_model(), []
     real = decoding.check_finite
-    monkeypatch.setattr(decoding, "check_finite", lambda model, logits: (calls.append(logits.shape),
-                                                                         real(model, logits)))
+    monkeypatch.setattr(decoding, "check_finite", lambda model, finite: (calls.append(finite), real(model, finite)))
     out = decoding.generate(model, [5, 9, 14], skip=SkipSet.of([1], [], 4), max_new_tokens=12)
-    assert len(out.tokens) == 12 and calls == [torch.Size([1, 96])]
+    assert len(out.tokens) == 12 and calls == [True]
     with pytest.raises(NonFiniteLogits, match=r"model .* gives non-finite logits .* overflow in float32"):
-        real(model, torch.tensor([[[0.0, float("inf")]]]))
-    real(model, torch.tensor([[[0.0, -3.0]]]))
+        real(model, False)
+    with torch.no_grad():
+        model.lm_head.weight[3, 0] = float("inf")  # one logit of many
+    for sampling in (decoding.Sampling(), decoding.Sampling(do_sample=True)):
+        with pytest.raises(NonFiniteLogits):
+            decoding.generate(model, [5, 9, 14], max_new_tokens=4, sampling=sampling)
+    assert calls[1:] == [False, False]
 
 
 # 5. A console that cannot show the text --------------------------------------------------------------------------
