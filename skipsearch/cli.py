@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 # Nothing heavy at module level: `--help` must answer without importing torch, transformers or optuna.
 from .constants import DEFAULT_MODEL, DTYPE_NAMES, MIN_TEMPERATURE
-from .errors import first_line
 from .policy import STOP_RULES, DraftPolicy
 
 if TYPE_CHECKING:
@@ -165,12 +164,17 @@ def _load(args: argparse.Namespace) -> models.LoadedModel:
 
 def _encoded_prompts(loaded: models.LoadedModel, texts: list[str], args: argparse.Namespace,
                      max_draft_tokens: int) -> list[list[int]]:
-    """The prompts as token ids, each checked to leave the model room for its new and drafted tokens."""
+    """The prompts as token ids, each checked to leave the model room for its new and drafted tokens, in its context
+    and in the device's memory."""
     from . import models
+
+    from .kvcache import check_cache_memory
 
     encoded = [models.encode_prompt(loaded.tokenizer, text, raw=args.raw) for text in texts]
     for ids in encoded:
         models.check_context(loaded.model, len(ids), args.max_new_tokens, max_draft_tokens)
+    # Before the study or the benchmark starts: the longest prompt's cache must fit the device as well as the context.
+    check_cache_memory(loaded.model, max(map(len, encoded)) + args.max_new_tokens + max_draft_tokens)
     return encoded
 
 
@@ -294,12 +298,20 @@ def _storage(args: argparse.Namespace, must_exist: bool) -> str:
 
 
 def _check_output_file(path: Path, flag: str) -> None:
-    """Before any work: `path` can be written as a file (it is not a folder; its folder can be made and written)."""
+    """Before any work: `path` can be written as a file (it is not a folder; its folder can be made and written), or
+    it is a stream this process may write (files.py's `output_target`: a character device or a FIFO)."""
+    import os
+
+    from .files import output_target
     from .models import unwritable_folder
 
     if path.is_dir():
         raise UsageError(f"{flag} {str(path)!r} is a folder: name a file")
-    problem = unwritable_folder(path.parent)
+    try:
+        target, stream = output_target(path)
+    except ValueError as error:
+        raise UsageError(f"{flag} {error}") from None
+    problem = (None if os.access(target, os.W_OK) else "not writable") if stream else unwritable_folder(target.parent)
     if problem:
         raise UsageError(f"{flag} {str(path)!r} cannot be written: {problem}")
 
@@ -343,6 +355,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     from .export import dataset_verdicts, export_trial, verdict
     from .plots import write_plots
     from .search import StudySettings, run_study, study_summary
+    from .storage import redact_url
     from .worker import StopRequest
 
     run = _prepare_optimization(args)
@@ -363,7 +376,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
                       prompt_datasets=run.prompt_datasets)
     config = export_trial(study, run.folder / "best.json")
     exported = f"exported {run.folder / 'best.json'}: {_exported(config)}"
-    print(f"study {args.study_name} in {_storage(args, must_exist=False)}: {study_summary(study)}")
+    print(f"study {args.study_name} in {redact_url(_storage(args, must_exist=False))}: {study_summary(study)}")
     print("\n".join([verdict(study)[1], *dataset_verdicts(study)]))
     print(exported)
     if stop.signal_name:
@@ -868,8 +881,54 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def _console_that_cannot_fail() -> Iterator[None]:
+    """stdout and stderr that replace what their encoding cannot show (a non-ASCII prompt or folder name under
+    `LC_ALL=C PYTHONIOENCODING=ascii`) instead of raising: the error would come after the work is done, lose the
+    summary, and exit 2 as if the input were bad. Files are UTF-8 whatever the locale (files.py)."""
+    changed = [stream for stream in (sys.stdout, sys.stderr)
+               if getattr(stream, "errors", None) == "strict" and hasattr(stream, "reconfigure")]
+    for stream in changed:
+        stream.reconfigure(errors="replace")
+    try:
+        yield
+    finally:
+        for stream in changed:
+            stream.reconfigure(errors="strict")
+
+
+@contextlib.contextmanager
+def _resource_errors_quiet_in_threads() -> Iterator[None]:
+    """Optuna's heartbeat thread writes the study's storage too: on a full disk its write fails there as well, and
+    Python would print that thread's traceback beside the one line that the main thread's error gets."""
+    from .errors import exhausted_resource
+
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if exhausted_resource(args.exc_value) is None:
+            previous(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    with _console_that_cannot_fail():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .files import home_folder
+
+    try:
+        home_folder()  # before transformers, datasets and matplotlib derive their caches from HOME
+    except ValueError as error:
+        return _fail(args, error, 2)
     # The CLI prints its own progress; transformers' weight-loading bars would bury the one-line errors.
     from transformers.utils import logging as hf_logging
 
@@ -878,25 +937,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # per-trial INFO lines would drown the progress bar
-    from .storage import disk_full
-
     try:
-        with _sigterm_as_ctrl_c():
+        with _sigterm_as_ctrl_c(), _resource_errors_quiet_in_threads():
             return args.run(args)
-    except ValueError as error:
-        print(f"{args.prog}: error: {error}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"{args.prog}: interrupted", file=sys.stderr)
         return INTERRUPTED
-    except Exception as error:  # faults of the machine, not of the input: one line still, exit 1
-        if disk_full(error):
-            print(f"{args.prog}: error: no space left on the device ({first_line(error)}); "
-                  "what finished is kept: free space and run the command again", file=sys.stderr)
-            return 1
-        if isinstance(error, OSError) and error.strerror:
-            where = f": {error.filename}" if error.filename else ""
-            print(f"{args.prog}: error: {error.strerror}{where}", file=sys.stderr)
-            return 1
-        raise
+    except Exception as error:
+        return _report(args, error)
 
+
+def _report(args: argparse.Namespace, error: Exception) -> int:
+    """One line on stderr for an error that ends a command, and its exit code: a resource that ran out (disk space, a
+    file-size limit, memory) RESOURCE_EXIT, bad input 2, another fault of the machine (an OSError) 1. Anything else
+    is a bug, and keeps its traceback."""
+    from .errors import RESOURCE_EXIT, exhausted_resource, resource_error
+
+    found = exhausted_resource(error)
+    if found is not None:
+        filename = getattr(found[1], "filename", None)
+        doing = f"writing {str(filename)!r}" if filename else f"`{args.command}`"
+        return _fail(args, resource_error(error, doing, "free some and run the command again"), RESOURCE_EXIT)
+    if isinstance(error, ValueError):
+        return _fail(args, error, 2)
+    if isinstance(error, OSError) and error.strerror:
+        return _fail(args, error.strerror + (f": {error.filename}" if error.filename else ""), 1)
+    raise error
+
+
+def _fail(args: argparse.Namespace, message: object, code: int) -> int:
+    """Print `message` as the command's one error line, the storage URL's secrets redacted; return `code`."""
+    from .storage import redact_text
+
+    print(f"{args.prog}: error: {redact_text(str(message), getattr(args, 'storage', None))}", file=sys.stderr)
+    return code

@@ -28,6 +28,7 @@ from .choice import Choice, prefill_choosing
 from .constants import MIN_TEMPERATURE
 from .economics import AcceptanceRate, MarginalCost, best_draft_length, weight_fraction
 from .engine import CompileSettings, Step, Steps, engine_for, synchronize
+from .errors import NonFiniteLogits
 from .guard import Guard, GuardStats, PlainSpeed, Schedule
 from .inputs import check_generate_args, check_prompt
 from .policy import DraftPolicy  # re-exported: callers of the loop import it from here too
@@ -475,12 +476,31 @@ def _prefill(loop: _Loop, prompt: torch.Tensor) -> tuple[torch.Tensor, list[int]
         logits = loop.steps.prefill(prompt)
     else:
         logits = _prefill_choosing(loop, prompt)
+    # Whether the model's own logits are finite (before the processors, whose -inf is meant), read back with the
+    # first token below: the check costs no host read of its own, which on CUDA would drain the queue.
+    finite = torch.isfinite(logits).all()
     if loop.hooks is not None:
         logits = loop.hooks.process(prompt, logits)
+    if loop.sampling.do_sample:  # NaN would stop the sampler before that read (on CUDA, a device-side assert)
+        logits = torch.where(finite, logits, torch.zeros_like(logits))
     last = _next_token(loop, logits)
-    tokens = last.tolist()  # a host read: the prefill time is exact on CUDA too
+    # One host read, which also makes the prefill time exact on CUDA.
+    *tokens, finite_read = torch.cat([last.view(-1), finite.view(1).to(last.dtype)]).tolist()
+    check_finite(loop.model, bool(finite_read))
     history = torch.cat([prompt[0], last]) if loop.hooks is not None else None
     return last, tokens, history
+
+
+def check_finite(model: torch.nn.Module, finite: bool) -> None:
+    """A NonFiniteLogits naming `model` unless the prefill's logits were `finite`: NaN or inf there (damaged
+    weights, or an overflow in the model's dtype) would have greedy decoding commit argmax's arbitrary pick and
+    report full acceptance, and sampling end in torch's traceback. Asked once per call, at the first forward, whose
+    token read carries the answer: never per decoded token, which would cost a host read each on CUDA."""
+    if not finite:
+        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+        raise NonFiniteLogits(f"model {name!r} gives non-finite logits (NaN or inf) at its first forward: its "
+                              f"weights are damaged, or overflow in {str(model.dtype).removeprefix('torch.')}; "
+                              "nothing was decoded or measured")
 
 
 def _prefill_choosing(loop: _Loop, prompt: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,20 @@
 """Files that readers never see half-written, with the mode a plain write would give, and JSON reads whose errors
-name the file. Every output skipsearch writes (configs, profiles, bench results, plots) goes through here."""
+name the file. Every output skipsearch writes (configs, profiles, bench results, plots) goes through here: a regular
+file is replaced atomically, a stream (a character device, a FIFO) written through, never replaced."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from .errors import resource_error
 
 
 def follow_umask(path: str | Path) -> None:
@@ -20,9 +25,9 @@ def follow_umask(path: str | Path) -> None:
     os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
 
 
-def replace_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
+def _replace_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
     """Let `write` fill a temp file beside `path`, then rename it over `path`: readers see the old file or the new
-    one, never a part, and a failed write leaves nothing behind."""
+    one, never a part, and a failed write leaves nothing behind. For regular files only: `write_output` decides."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -35,9 +40,67 @@ def replace_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
+def output_target(path: str | Path) -> tuple[Path, bool]:
+    """Where an output named `path` goes, and whether it is written through instead of replaced.
+
+    A regular file (or a new one) is replaced atomically; a symlink to one replaces its target, so the link stays.
+    A character device or a FIFO (/dev/stdout, /dev/null, a named pipe), or a symlink to one, is a stream: renaming
+    over it would replace the entry itself (as root, /dev/stdout's) and send nothing down the stream, so it is
+    written through. Anything else (a block device, a socket, a folder) is refused with a ValueError of one line."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode  # follows symlinks: the kind of what is written to
+    except (FileNotFoundError, NotADirectoryError):  # a new file (a dangling link: its target); its folder is checked
+        return (path.resolve() if path.is_symlink() else path), False  # where it is made
+    if stat.S_ISREG(mode):
+        return path.resolve() if path.is_symlink() else path, False
+    if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
+        return path, True
+    kind = "a folder" if stat.S_ISDIR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket" \
+        if stat.S_ISSOCK(mode) else "not a regular file"
+    raise ValueError(f"{str(path)!r} is {kind}: name a file, a character device or a FIFO")
+
+
+def write_output(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Write an output at `path` through `write` (which fills the file it is given), as `output_target` decides:
+    replaced atomically, or written through to a stream (whole, from a temp file: a failed `write` sends nothing).
+    A disk or a file-size limit that runs out is a ResourceExhausted naming `path`."""
+    target, stream = output_target(path)
+    try:
+        if not stream:
+            _replace_atomically(target, write)
+            return
+        with tempfile.TemporaryDirectory() as folder:
+            staged = Path(folder) / Path(path).name
+            write(staged)
+            with staged.open("rb") as source, open(target, "wb") as sink:  # "wb" on a stream truncates nothing
+                shutil.copyfileobj(source, sink)
+    except OSError as error:
+        exhausted = resource_error(error, f"writing {str(path)!r}")
+        if exhausted is not None:
+            raise exhausted from None
+        raise
+
+
 def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` so that readers see the old file or the new one, never a part."""
-    replace_atomically(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    """Write `text` to `path` as UTF-8 so that readers see the old file or the new one, never a part (a stream gets
+    the text whole: `write_output`)."""
+    write_output(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def home_folder() -> Path:
+    """The home folder that caches (~/.cache) are made in: $HOME, or the password database's entry when HOME is unset
+    (as Path.home()). A HOME set empty or relative is a ValueError: Path.home() would give "/" or the working folder,
+    and a 500 MB model would be cached at the file system's root, or wherever the command happens to run."""
+    home = os.environ.get("HOME")
+    if home is None:
+        return Path.home()
+    if not os.path.isabs(home):
+        where = "at the root of the file system" if not home else "in whatever folder the command runs in"
+        raise ValueError(f"HOME is {'empty' if not home else f'relative ({home!r})'}: the caches kept under ~/.cache "
+                         f"(skipsearch's converted models, Hugging Face's, matplotlib's) would be made {where}; set "
+                         "HOME to your home folder, or unset it")
+    return Path(home)
 
 
 def read_json(path: str | Path, what: str, lines: bool = False) -> Any:
@@ -48,7 +111,8 @@ def read_json(path: str | Path, what: str, lines: bool = False) -> Any:
     if Path(path).is_dir():
         raise ValueError(f"{what} {name} is a folder: give a file")
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark, which Windows editors put at the start, is dropped (json refuses it).
+        text = Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise ValueError(f"{what} {name} does not exist") from None
     except UnicodeDecodeError as error:

@@ -127,7 +127,7 @@ def check_generate_args(model: nn.Module, prompt_tokens: int, skip: Any, max_new
 def check_room(model: nn.Module, prompt_tokens: int, max_new_tokens: int, skip: SkipSet | Sequence[SkipSet] | None,
                policy: DraftPolicy, flag: str = "max_new_tokens") -> None:
     """A ValueError unless the prompt, `max_new_tokens` (`flag` names it) and, when drafting, a round's drafts fit
-    the model's context.
+    the model's context; a ResourceExhausted when their cache does not fit the device's free memory.
 
     Plain decoding (no set that drafts: `drafting_sets`) feeds no token past the last committed one: its steps stop
     at `max_new_tokens`, so the cache's spare slots past them are never written. A speculative round's drafts and its
@@ -135,10 +135,12 @@ def check_room(model: nn.Module, prompt_tokens: int, max_new_tokens: int, skip: 
     those positions count.
     """
     from .decoding import drafting_sets
+    from .kvcache import check_cache_memory
     from .models import check_context
 
     drafts = policy.max_draft_tokens if drafting_sets(skip, policy) else 0
     check_context(model, prompt_tokens, max_new_tokens, drafts, flag=flag)
+    check_cache_memory(model, prompt_tokens + max_new_tokens + drafts)  # the context allows it; the device may not
 
 
 def _check_skip(model: nn.Module, skip: Any, several: bool) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from . import adapter
+from .resources import check_memory
 
 SUPPORTED_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 
@@ -50,6 +51,29 @@ class PositionalLayer(adapter.static_layer_class()):
         return self.position
 
 
+CACHE_ADVICE = "decode fewer new tokens (--max-new-tokens) or give a shorter prompt"
+
+
+def _kv_shape(text_config) -> tuple[int, int]:
+    """Key/value heads and head size per layer."""
+    heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return heads, head_dim
+
+
+def cache_bytes(config, capacity: int, dtype: torch.dtype) -> int:
+    """The bytes a `SpeculativeCache` of `capacity` slots allocates: keys and values of every layer, full length."""
+    text_config = config.get_text_config(decoder=True)
+    heads, head_dim = _kv_shape(text_config)
+    return 2 * text_config.num_hidden_layers * heads * head_dim * capacity * dtype.itemsize
+
+
+def check_cache_memory(model, capacity: int) -> None:
+    """A ResourceExhausted, before any work, when `model`'s device cannot hold a cache of `capacity` slots."""
+    check_memory(cache_bytes(model.config, capacity, model.dtype), model.device, f"the KV cache for {capacity} tokens",
+                 CACHE_ADVICE)
+
+
 class SpeculativeCache(adapter.cache_class()):
     """Full-length static layers (transformers' `StaticLayer`) sharing one write position on the device."""
 
@@ -76,9 +100,11 @@ class SpeculativeCache(adapter.cache_class()):
         self.slots = torch.arange(capacity, device=device)
         super().__init__(layers=[PositionalLayer(capacity, self.position, SUPPORTED_LAYER_TYPES[t]) for t in layer_types])
         if dtype is not None:
-            # Allocated now, not at the first write: a CUDA graph must not capture the allocation.
-            heads = text_config.num_key_value_heads
-            head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+            # Allocated now, not at the first write: a CUDA graph must not capture the allocation. Checked first: a
+            # cache the device cannot hold is one line, not the allocator's traceback.
+            check_memory(cache_bytes(config, capacity, dtype), torch.device(device),
+                         f"the KV cache for {capacity} tokens", CACHE_ADVICE)
+            heads, head_dim = _kv_shape(text_config)
             self.early_initialization(1, heads, head_dim, dtype, torch.device(device))
 
     def seek(self, position: int) -> None:

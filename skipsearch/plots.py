@@ -13,16 +13,16 @@ from matplotlib.ticker import MaxNLocator
 from optuna.trial import TrialState
 
 from .export import decide
-from .files import replace_atomically
+from .files import write_output
 from .ranking import quoted_speedup, ranked
 from .records import (ConfirmedCandidate, Ratio, TrialRecord, decoded_trials, measured_trials, read_confirmation,
                       study_label)
 
 
 def save_figure(fig: plt.Figure, path: Path) -> None:
-    """Write `fig` as PNG atomically (a temp file renamed over `path`) and close it."""
+    """Write `fig` as PNG (atomically, or through to a stream: files.py's `write_output`) and close it."""
     try:
-        replace_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
+        write_output(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
     finally:
         plt.close(fig)
 

@@ -11,7 +11,7 @@ import gc
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import optuna
 import torch
@@ -21,6 +21,7 @@ from . import records
 from .config import MODEL_SHAPE, ModelInfo
 from .constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them without importing optuna
 from .costs import CostProfile, contexts_for, device_name, profile_costs, study_compile_mode
+from .errors import ResourceExhausted, exhausted_resource, resource_error
 from .evaluation import Evaluation, Evaluator
 from .policy import DraftPolicy
 from .ranking import best_candidates, score, screened_score
@@ -28,8 +29,8 @@ from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord,
                       read_confirmation, read_label)
 from .skipping import SkipSet
 from .space import SearchSpace
-from .storage import Heartbeat, make_storage, worker_tag
-from .worker import Interrupted, StopRequest, SurplusTrial, stop_on_signals, work
+from .storage import Heartbeat, make_storage, redact_url, storage_place, worker_tag
+from .worker import Interrupted, StopRequest, SurplusTrial, ends_the_study, stop_on_signals, work
 
 Value = float | tuple[float, float]  # a trial's value: one objective, or (speedup, acceptance rate) for pareto
 PLAIN_DECODING = ("skips nothing: plain decoding, whose speedup is 1 and acceptance counts as 1 by definition; "
@@ -85,6 +86,12 @@ class StudySettings:
 
     def __post_init__(self) -> None:
         check_measurable(self.max_new_tokens)
+
+    def __repr__(self) -> str:  # the storage URL redacted: a repr lands in logs and tracebacks
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        if isinstance(self.storage, str):
+            shown["storage"] = redact_url(self.storage)
+        return f"StudySettings({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
 
 
 def make_sampler(name: str, seed: int | None, multi_objective: bool) -> optuna.samplers.BaseSampler:
@@ -146,6 +153,9 @@ class TrialRunner:
             return self._run(trial)
         except Exception as error:
             self.last_error = error
+            if ends_the_study(error):
+                # Optuna would log the trial's traceback as a warning; the study ends on this error, in one line.
+                optuna.logging.set_verbosity(optuna.logging.ERROR)
             raise
 
     def _run(self, trial: optuna.Trial) -> Value:
@@ -315,6 +325,9 @@ def _search(study: optuna.Study, storage: optuna.storages.BaseStorage, evaluator
     with stop_on_signals(stop):
         try:
             if len(distinct_trials(study)) < settings.n_trials:
+                # The first forwards, before any trial: a model whose logits are not finite ends the study here
+                # (decoding.py's `check_finite`) instead of in one failed trial after another.
+                evaluator.reference_tokens()
                 runner = TrialRunner(space, evaluator, settings.objective, settings.min_match, settings.n_trials)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -331,8 +344,24 @@ def _search(study: optuna.Study, storage: optuna.storages.BaseStorage, evaluator
                                     f"{confirmation.wanted} skip sets were confirmed")
         except Interrupted:  # a second signal between the steps: nothing was running to abandon
             pass
+        except Exception as error:
+            exhausted = _out_of_resource(error, settings, evaluator)
+            if exhausted is None:
+                raise
+            raise exhausted from None
     if stop.interrupts and not stop.outcome:  # between the steps, or after the last
         stop.outcome = "as the study finished: the export keeps what it had"
+
+
+def _out_of_resource(error: Exception, settings: StudySettings, evaluator: Evaluator) -> ResourceExhausted | None:
+    """`error` as the one line that ends a study which ran out of disk space, a file-size limit or memory (None for
+    other errors): what ran out, where (the study's file, or the device), and that the finished trials are kept."""
+    found = exhausted_resource(error)
+    if found is None:
+        return None
+    memory = found[0] == "memory"
+    doing = f"decoding on {evaluator.model.device}" if memory else f"writing {storage_place(settings.storage)}"
+    return resource_error(error, doing, "the trials that finished are kept: free some and run the same command again")
 
 
 # What a trial measures: a resumed study must measure its new trials as it did the old. (Label field, its flag.)

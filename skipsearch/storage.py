@@ -18,7 +18,7 @@ from typing import Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from .errors import first_line
+from .errors import first_line, resource_error
 
 JOURNAL_PREFIX = "journal:"
 
@@ -62,8 +62,8 @@ def make_storage(url: str, heartbeat: Heartbeat | None = None, must_exist: bool 
             raise ValueError(f"{_damaged_line(path)}: restore the journal from a backup, or delete that line (the "
                              "operation it held is lost)") from None
     if "://" not in url:
-        raise ValueError(f"storage {url!r} is not a URL: use sqlite:///path.db, postgresql+psycopg2://user:pw@host/db "
-                         f"or {JOURNAL_PREFIX}path.log")
+        raise ValueError(f"storage {redact_url(url)!r} is not a URL: use sqlite:///path.db, "
+                         f"postgresql+psycopg2://user:pw@host/db or {JOURNAL_PREFIX}path.log")
     try:
         _check_database(url, must_exist)
         with warnings.catch_warnings():
@@ -77,11 +77,15 @@ def make_storage(url: str, heartbeat: Heartbeat | None = None, must_exist: bool 
                 )
             return _open_rdb(url, must_exist, options)
     except ImportError as error:
-        raise ValueError(f"storage {_redact(url)!r} needs a database driver that is not installed ({error})") from None
+        raise ValueError(f"storage {redact_url(url)!r} needs a database driver that is not installed "
+                         f"({redact_text(str(error), url)})") from None
     except ValueError:
         raise
-    except Exception as error:  # SQLAlchemy's errors: bad URL, unreachable server, bad credentials
-        raise ValueError(f"cannot open storage {_redact(url)!r}: {first_line(error)}") from None
+    except Exception as error:  # SQLAlchemy's errors: bad URL, unreachable server, bad credentials, a full disk
+        full = resource_error(error, f"opening storage {redact_url(url)!r}")
+        if full is not None:
+            raise full from None
+        raise ValueError(f"cannot open storage {redact_url(url)!r}: {redact_text(first_line(error), url)}") from None
 
 
 def _damaged_line(path: Path) -> str:
@@ -166,11 +170,15 @@ def _check_database(url: str, must_exist: bool) -> None:
     import sqlalchemy
     from optuna.storages._rdb.models import BaseModel
 
-    parsed = sqlalchemy.engine.make_url(url)
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except ValueError as error:  # a port that is not a number, say: the message must not echo the URL
+        raise ValueError(f"storage {redact_url(url)!r} is not a valid URL ({redact_text(first_line(error), url)})") \
+            from None
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         path = Path(parsed.database)
         if path.is_dir():
-            raise ValueError(f"storage {url!r} names a folder, not a database file")
+            raise ValueError(f"storage {redact_url(url)!r} names a folder, not a database file")
         if not path.exists():
             if must_exist:
                 raise ValueError(f"no study database at {path}")
@@ -185,10 +193,10 @@ def _check_database(url: str, must_exist: bool) -> None:
         engine.dispose()
     others = tables - set(BaseModel.metadata.tables) - {"alembic_version"}
     if others:
-        raise ValueError(f"storage {_redact(url)!r} holds tables that are not Optuna's ({', '.join(sorted(others)[:4])}): "
-                         "give skipsearch a database of its own")
+        raise ValueError(f"storage {redact_url(url)!r} holds tables that are not Optuna's "
+                         f"({', '.join(sorted(others)[:4])}): give skipsearch a database of its own")
     if must_exist and "studies" not in tables:
-        raise ValueError(f"storage {_redact(url)!r} holds no Optuna study")
+        raise ValueError(f"storage {redact_url(url)!r} holds no Optuna study")
 
 
 def _check_sqlite_file(path: Path) -> None:
@@ -212,9 +220,48 @@ def _engine_options(url: str) -> dict[str, Any]:
     return {"connect_args": {"connect_timeout": 10}} if url.startswith("postgresql") else {}
 
 
-def _redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    return re.sub(r"(://[^:/@]+):[^@]*@", r"\1:***@", url)
+_HIDDEN = "***"
+# Query parameters that carry credentials (libpq's password and sslpassword, tokens and keys of cloud drivers).
+_SECRET_KEY = re.compile(r"pass|pwd|secret|token|key|auth|credential", re.I)
+
+
+def redact_url(url: str) -> str:
+    """`url` with its password and secret query parameters replaced by ***, wherever a storage URL is shown: messages,
+    logs, exported metadata, repr. SQLAlchemy parses it (user and password, password only, percent-encoded); a URL it
+    cannot parse loses everything between "://" and "@", and every secret-looking query value, by pattern."""
+    import sqlalchemy
+
+    try:
+        parsed = sqlalchemy.engine.make_url(url)
+    except Exception:  # noqa: BLE001 - a URL SQLAlchemy refuses (a bad port, say) is still shown in messages
+        # Credentials sit before the last "@" of the authority; without "://", anything before an "@" may be one.
+        hidden = re.sub(r"(?<=://)[^/?#]*@" if "://" in url else r"^[^/?#]*@", f"{_HIDDEN}@", url)
+        return re.sub(r"(?<=[?&;])([^=&;#]*)=([^&;#]*)",
+                      lambda m: f"{m[1]}={_HIDDEN}" if _SECRET_KEY.search(m[1]) else m[0], hidden)
+    query = {key: _HIDDEN if _SECRET_KEY.search(key) else value for key, value in parsed.query.items()}
+    return parsed.set(query=query).render_as_string(hide_password=True).replace("%2A%2A%2A", _HIDDEN)
+
+
+def redact_text(text: str, url: str | None) -> str:
+    """`text` (an error message, a summary) with storage URL `url` redacted, and each of its secrets, raw or
+    percent-encoded, replaced wherever a driver's message repeats one."""
+    if not url:
+        return text
+    text = text.replace(url, redact_url(url))
+    for secret in sorted(_secrets(url), key=len, reverse=True):
+        text = text.replace(secret, _HIDDEN)
+    return text
+
+
+def _secrets(url: str) -> set[str]:
+    """The password and secret query values of `url`, as written and percent-decoded."""
+    from urllib.parse import unquote
+
+    userinfo = re.search(r"(?:^|://)([^/?#]*)@", url)  # the credentials, also where the URL has no scheme
+    found = {userinfo[1].partition(":")[2]} if userinfo else set()
+    found |= {m[2] for m in re.finditer(r"[?&;]([^=&;#]*)=([^&;#]*)", url) if _SECRET_KEY.search(m[1])}
+    found |= {unquote(secret) for secret in found}
+    return {secret for secret in found if secret}
 
 
 def load_study(study_name: str, storage: str | optuna.storages.BaseStorage, **kwargs: Any) -> optuna.Study:
@@ -321,16 +368,14 @@ def heartbeat_enabled(storage: optuna.storages.BaseStorage) -> bool:
     return interval is not None and interval() is not None
 
 
-def disk_full(error: BaseException) -> bool:
-    """Whether `error` (or what caused it) is a full disk: ENOSPC, or SQLite's "database or disk is full"."""
-    import errno
-
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "database or disk is full" in str(error) or "No space left on device" in str(error):
-            return True
-        error = error.__cause__ or error.__context__ or getattr(error, "orig", None)
-    return False
+def storage_place(storage: str | optuna.storages.BaseStorage) -> str:
+    """The storage as the one-line errors name it: the file of a SQLite or journal storage, else its URL redacted."""
+    url = storage if isinstance(storage, str) else getattr(storage, "url", None)
+    if url is None:  # a storage object without a URL: a journal's backend knows its file
+        path = getattr(getattr(storage, "_backend", None), "_file_path", None)
+        return f"journal {str(path)!r}" if path else f"storage {type(storage).__name__}"
+    if url.startswith(JOURNAL_PREFIX):
+        return f"journal {url[len(JOURNAL_PREFIX):]!r}"
+    if url.startswith("sqlite:///"):
+        return f"study database {url[len('sqlite:///'):].partition('?')[0]!r}"
+    return f"storage {redact_url(url)!r}"

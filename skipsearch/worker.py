@@ -3,13 +3,13 @@
 After each trial the rules decide whether this worker starts another: the trial budget (distinct skip sets,
 counted across all the study's workers), a limit on failures in a row, an exhausted search space, and a stop
 signal (Ctrl-C or SIGTERM).
-A full disk ends the study at once.
+A resource that runs out (disk space, a file-size limit, memory) or a model whose logits are not finite ends the study
+at once: every later trial would fail the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import random
 import signal
 import threading
@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from .errors import first_line
+from .errors import NonFiniteLogits, exhausted_resource
 from .ranking import quoted_speedup, ranked
 from .records import TrialRecord, distinct_trials, enqueue, read_trials, study_label
 from .space import SearchSpace
-from .storage import Heartbeat, disk_full, explain_stale_trials, heartbeat_enabled, recover_dead_workers_trials
+from .storage import Heartbeat, explain_stale_trials, heartbeat_enabled, recover_dead_workers_trials
 
 if TYPE_CHECKING:
     from .search import StudySettings, TrialRunner
@@ -35,6 +35,13 @@ Callback = Callable[[optuna.Study, FrozenTrial], None]
 
 class SurplusTrial(Exception):
     """Raised at the start of a trial that would take the study past its trial budget."""
+
+
+def ends_the_study(error: BaseException | None) -> bool:
+    """Whether no later trial can succeed after `error`: a resource ran out (the next trial needs it too, and the
+    study's file may not take even a failure's record), or the model's logits are not finite (no figure means
+    anything). Failing `max_failures` trials on it, each with a traceback, would only hide it."""
+    return error is not None and (isinstance(error, NonFiniteLogits) or exhausted_resource(error) is not None)
 
 
 class Interrupted(Exception):
@@ -99,8 +106,8 @@ def stop_on_signals(stop: StopRequest) -> Iterator[None]:
 
 @dataclass
 class FailureLimit:
-    """Stops the study after `limit` failed trials in a row (until then, the next trial tries again); a full disk
-    ends it at once. A trial that found the budget spent is no failure."""
+    """Stops the study after `limit` failed trials in a row (until then, the next trial tries again); an error that
+    `ends_the_study` ends it at once. A trial that found the budget spent is no failure."""
 
     limit: int
     stop: StopRequest
@@ -111,7 +118,7 @@ class FailureLimit:
         error = self.runner.last_error
         if isinstance(error, SurplusTrial):
             return
-        if error is not None and disk_full(error):
+        if ends_the_study(error):
             raise error
         self.in_a_row = self.in_a_row + 1 if trial.state == TrialState.FAIL else 0
         if self.in_a_row >= self.limit:
@@ -209,17 +216,15 @@ def work(study: optuna.Study, storage: optuna.storages.BaseStorage, runner: Tria
     budget = TrialBudget(settings.n_trials, storage, stop, (settings.heartbeat or Heartbeat()).grace_s, deadline)
     rules = [FailureLimit(settings.max_failures, stop, runner),
              ExhaustedSpace(space, settings.explore_after_repeats, settings.seed, stop, runner), stop]
+    verbosity = optuna.logging.get_verbosity()  # the trial runner quiets Optuna for an error that ends the study
     with _progress(study, settings.n_trials, settings.show_progress_bar) as bar:
         try:
             if budget.room_for_a_trial(study):
                 study.optimize(runner, callbacks=[*rules, bar, budget], catch=(Exception,))
         except Interrupted:
             pass  # raised between trials; `stop` says so
-        except Exception as error:
-            if disk_full(error):
-                raise OSError(errno.ENOSPC, f"no space left on the device while writing the study "
-                                            f"({first_line(error)})") from None
-            raise
+        finally:
+            optuna.logging.set_verbosity(verbosity)
     if budget.note:
         print(budget.note)
     if stop.reason:

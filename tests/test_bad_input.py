@@ -15,6 +15,7 @@ import torch
 
 from skipsearch import LoadedModel, SkipSet, load_model
 from skipsearch.cli import main
+from skipsearch.errors import RESOURCE_EXIT
 from skipsearch.search import StudySettings
 
 
@@ -248,8 +249,8 @@ ENV_CASES = [
     ({"HF_HUB_OFFLINE": True}, ["optimize", "--dataset", "someone/no-such-dataset"], "HF_HUB_OFFLINE"),
     ({"access": False}, ["export", "--output", "{dir}/ro/best.json"], "is not writable"),
     ({"access": False}, ["bench", "--output-dir", "{dir}/ro"], "is not writable"),
-    ({"free": 0}, ["plot", "--output", "{dir}/full"], "no space left"),
-    ({"free": 0}, ["optimize"], "no space left"),
+    ({"free": 0}, ["plot", "--output", "{dir}/full"], "out of disk space: no space left"),  # exit 3: a resource
+    ({"free": 0}, ["optimize"], "out of disk space: no space left"),
     # a study database that cannot be written, on resume; a journal file likewise
     ({"read_only": "{dir}/plain.db"}, ["optimize", "--study-name", "plain", "--storage", "sqlite:///{dir}/plain.db"],
      r"plain.db. is read-only, and `optimize` adds trials to it: make it writable"),
@@ -298,7 +299,7 @@ def test_bad_environment(env, argv, message, workspace, capsys, monkeypatch):
         monkeypatch.setattr(os, "statvfs", lambda p: type("S", (), {"f_flag": real(p).f_flag, "f_bavail": 0,
                                                                      "f_frsize": 4096})())
     before, hf_before = snapshot(folder), hf_snapshot()
-    assert main(argv) == 2
+    assert main(argv) == (RESOURCE_EXIT if "free" in env else 2)
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
     assert err.startswith(f"python -m skipsearch {argv[0]}: error: "), err

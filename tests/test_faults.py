@@ -21,6 +21,7 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from skipsearch.cli import main
+from skipsearch.errors import RESOURCE_EXIT
 from skipsearch.evaluation import Evaluator
 from skipsearch.records import read_confirmation
 from skipsearch.search import distinct_trials
@@ -262,8 +263,10 @@ def test_a_full_disk_mid_study_ends_in_one_line_and_keeps_finished_trials(tiny_m
     code = main(["optimize", "--model", str(tiny_model_dir), "--storage", storage, "--study-name", "full",
                  "--n-trials", "8", "--studies-dir", str(tmp_path / "studies"), *SMALL[:-1]])
     captured = capsys.readouterr()
-    assert code == 1
-    assert len(captured.err.strip().splitlines()) == 1 and "no space left on the device" in captured.err, captured.err
+    assert code == RESOURCE_EXIT
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert (f"out of disk space: writing journal '{tmp_path / 'study.log'}' failed (No space left on device); the "
+            "trials that finished are kept") in captured.err
     assert "Traceback" not in captured.err + captured.out
     monkeypatch.setattr(JournalFileBackend, "append_logs", real_append)
     study = optuna.load_study(study_name="full", storage=make_storage(storage))

@@ -1,7 +1,7 @@
 import optuna
 import pytest
 
-from skipsearch.storage import Heartbeat, _redact, load_study, make_storage
+from skipsearch.storage import Heartbeat, load_study, make_storage, redact_url
 from test_export import fake_study
 
 
@@ -29,8 +29,8 @@ def test_bad_storage_urls_are_clear_errors(url, message):
 
 
 def test_passwords_are_redacted():
-    assert _redact("postgresql+psycopg2://me:secret@host:5432/db") == "postgresql+psycopg2://me:***@host:5432/db"
-    assert _redact("sqlite:///x.db") == "sqlite:///x.db"
+    assert redact_url("postgresql+psycopg2://me:secret@host:5432/db") == "postgresql+psycopg2://me:***@host:5432/db"
+    assert redact_url("sqlite:///x.db") == "sqlite:///x.db"  # every other form: tests/test_hostile.py
 
 
 def test_existing_study_reads_labels_and_trial_count(tmp_path):
