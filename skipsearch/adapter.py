@@ -15,6 +15,7 @@ import functools
 import inspect
 import sys
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,9 +41,16 @@ TOUCHPOINTS = {
     "logits to keep": "a model's forward takes `logits_to_keep` as a count of last rows or a tensor of row indices "
                       "(the compiled prefill keeps the row of a padded chunk's last real token)",
     "attention implementation": "config._attn_implementation names the attention kernel",
-    "decoder layers": "model.get_decoder().layers: decoder layers, each with `self_attn` and `mlp` and a norm before "
-                      "each",
+    "decoder layers": "model.get_decoder().layers: decoder layers, each with its attention as `self_attn` and its "
+                      "feed-forward block (dense or routed) as `mlp`, whose outputs reach the residual stream only "
+                      "through the layer's own forward",
+    "sublayer norms": "the names of the norms in a decoder layer that feed only its attention or only its feed-forward "
+                      "block, or take only its output (per tested layer class)",
     "attention output": "an attention module returns a tuple whose first item is its output",
+    "feed forward output": "a feed-forward block returns its output, or a tuple whose first item is its output "
+                           "(GPT-OSS: with its router scores)",
+    "routed experts": "a routed feed-forward block keeps its experts as `experts`, their weights stacked by expert on "
+                      "the first dimension, and a token reads the config's `num_experts_per_tok` of them",
     "custom_generate call": "generate calls a callable custom_generate like its `_sample`, with the prepared model "
                             "inputs as keywords; its streamer is a local of generate's frame",
     "generation mode": "GenerationMode and GenerationConfig.get_generation_mode()",
@@ -168,16 +176,29 @@ def masks_by_layer_type(masks: dict[str, torch.Tensor]) -> torch.Tensor | dict[s
 
 # --- decoder structure ---------------------------------------------------------------------------------------------
 
+ATTENTION, FEED_FORWARD = "self_attn", "mlp"  # a decoder layer's sublayers, by attribute name
+
+
+def family(model_or_config: Any) -> str:
+    """A model's family as users name it: its config's `model_type` ("gemma2") and its class."""
+    config = getattr(model_or_config, "config", model_or_config)
+    name = getattr(config, "model_type", None) or type(config).__name__
+    return f"{name} ({type(model_or_config).__name__})" if config is not model_or_config else name
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a causal LM (each with `.self_attn` and `.mlp`); ValueError for other decoders."""
-    layers = getattr(model.get_decoder(), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not all(
-        hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers
-    ):
-        raise ValueError(
-            f"{type(model).__name__} is not a supported decoder: expected decoder layers with "
-            "`self_attn` and `mlp` sublayers (Llama, Mistral, Qwen2, SmolLM)"
-        )
+    """The decoder layers of a causal LM, each with its attention and its feed-forward block as separate submodules;
+    a one-line ValueError naming the family for other decoders (a linear-attention hybrid, a fused block)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ValueError(f"{family(model)} is not a supported decoder: its decoder keeps no `layers` list of decoder "
+                         "layers")
+    for i, layer in enumerate(layers):
+        missing = [name for name in (ATTENTION, FEED_FORWARD) if not isinstance(getattr(layer, name, None), nn.Module)]
+        if missing:
+            raise ValueError(f"{family(model)} is not a supported decoder: layer {i} ({type(layer).__name__}) has no "
+                             f"separable {' or '.join(f'`{name}`' for name in missing)} sublayer to skip")
     return layers
 
 
@@ -190,9 +211,102 @@ def decoder_attribute(model: nn.Module) -> str:
     return names[0]
 
 
+@dataclass(frozen=True)
+class SublayerNorms:
+    """Norms of a decoder layer that touch one sublayer alone: `before` feed only it, `after` take only its output."""
+
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LayerNorms:
+    attn: SublayerNorms
+    mlp: SublayerNorms
+
+
+# The tested layer classes (tests/test_families.py checks each entry against the definition of a skip). Llama's
+# `post_attention_layernorm` feeds the MLP; Gemma's and OLMo 2's norms the attention's output: the names alone do
+# not say, so an untested class gets no entry and keeps every norm.
+_PRE_NORM = LayerNorms(SublayerNorms(before=("input_layernorm",)), SublayerNorms(before=("post_attention_layernorm",)))
+_SANDWICH = LayerNorms(SublayerNorms(("input_layernorm",), ("post_attention_layernorm",)),
+                       SublayerNorms(("pre_feedforward_layernorm",), ("post_feedforward_layernorm",)))
+_POST_NORM = LayerNorms(SublayerNorms(after=("post_attention_layernorm",)),
+                        SublayerNorms(after=("post_feedforward_layernorm",)))
+SUBLAYER_NORMS = {
+    **dict.fromkeys(("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+                     "Qwen3MoeDecoderLayer", "MixtralDecoderLayer", "Phi3DecoderLayer", "SmolLM3DecoderLayer",
+                     "GptOssDecoderLayer"), _PRE_NORM),
+    **dict.fromkeys(("Gemma2DecoderLayer", "Gemma3DecoderLayer"), _SANDWICH),
+    "Olmo2DecoderLayer": _POST_NORM,
+}
+
+
+def sublayer_norms(layer: nn.Module) -> LayerNorms | None:
+    """The norms of `layer` that touch its attention alone and its feed-forward block alone; None for a layer class
+    not tested (the draft path then keeps all its norms)."""
+    cls = type(layer)
+    if not cls.__module__.startswith("transformers.models."):
+        return None  # remote code may reuse a name for another layer
+    norms = SUBLAYER_NORMS.get(cls.__name__)
+    if norms is not None:
+        for name in (*norms.attn.before, *norms.attn.after, *norms.mlp.before, *norms.mlp.after):
+            if not isinstance(getattr(layer, name, None), nn.Module):
+                raise AdapterError("sublayer norms", f"{cls.__name__} has no norm `{name}`")
+    return norms
+
+
 def attention_output(out: Any) -> torch.Tensor:
     """An attention module's output tensor (its forward returns (output, weights))."""
     return out[0] if isinstance(out, tuple) else out
+
+
+def skipped_attention_output(hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+    """What a skipped attention returns in place of (output, weights): zeros, no weights."""
+    return torch.zeros_like(hidden_states), None
+
+
+def feed_forward_output(out: Any) -> torch.Tensor:
+    """A feed-forward block's output tensor (GPT-OSS's comes with its router scores)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def feed_forward_extras(block: nn.Module, hidden_size: int) -> int:
+    """How many items a feed-forward block returns besides its output (0: it returns the tensor alone), from one
+    forward of one token of zeros (its own forward: hooks on it are not run)."""
+    parameter = next(block.parameters(), None)
+    probe = torch.zeros(1, 1, hidden_size, dtype=getattr(parameter, "dtype", None),
+                        device=getattr(parameter, "device", None))
+    with torch.no_grad():
+        out = block.forward(probe)
+    if isinstance(out, torch.Tensor):
+        return 0
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return len(out) - 1
+    raise AdapterError("feed forward output", f"{type(block).__name__} returns a {type(out).__name__}")
+
+
+def skipped_feed_forward_output(hidden_states: torch.Tensor, extras: int) -> Any:
+    """What a skipped feed-forward block returns: zeros, in the structure the block itself returns."""
+    zeros = torch.zeros_like(hidden_states)
+    return (zeros, *(None,) * extras) if extras else zeros
+
+
+def feed_forward_parameters_read(block: nn.Module, config: Any) -> int:
+    """The parameters of a feed-forward block that one token reads: all of a dense block's; of a routed block, its
+    router, shared experts and the `num_experts_per_tok` experts the router picks, not the other experts."""
+    total = sum(p.numel() for p in block.parameters())
+    experts = getattr(block, "experts", None)
+    if not isinstance(experts, nn.Module):
+        return total
+    stacked = [p for p in experts.parameters() if p.dim() >= 2]
+    count = getattr(experts, "num_experts", None) or (stacked[0].shape[0] if stacked else None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not count or not top_k or any(p.shape[0] != count for p in experts.parameters()):
+        raise AdapterError("routed experts", f"{type(block).__name__}.experts are not stacked by expert, or the "
+                                             "config has no num_experts_per_tok")
+    expert_parameters = sum(p.numel() for p in experts.parameters())
+    return total - expert_parameters + expert_parameters * min(top_k, count) // count
 
 
 # --- generate() and custom_generate --------------------------------------------------------------------------------

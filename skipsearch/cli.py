@@ -1,4 +1,4 @@
-"""`python -m skipsearch <command>`: generate, optimize, export, plot, bench, profile."""
+"""`python -m skipsearch <command>`: generate, optimize, export, plot, bench, profile, check-family."""
 
 from __future__ import annotations
 
@@ -415,7 +415,7 @@ def _prepare_optimization(args: argparse.Namespace) -> _Optimization:
     folder = args.studies_dir / args.study_name
     _check_output_folder(folder, "--studies-dir")
     loaded = _load(args)
-    model_info = ModelInfo.of(loaded.model, loaded.name_or_path)  # refuses models outside the Llama family
+    model_info = ModelInfo.of(loaded.model, loaded.name_or_path)  # refuses decoders the draft path cannot run
     space = SearchSpace(num_layers=model_info.num_hidden_layers, keep_first_last=not args.allow_first_last,
                         max_skip_fraction=args.max_skip_fraction, skip_prior=args.skip_prior)
     first_trials = _first_trials(warm_files, model_info, space, published=not args.no_warm_starts)
@@ -636,6 +636,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_family(args: argparse.Namespace) -> int:
+    from .families import check_family, format_check
+    from .models import load_config
+
+    check = check_family(load_config(args.model), seed=args.seed, compile=not args.no_compile)
+    print(format_check(check))
+    return 0 if not check.problems else 1
+
+
 def _add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_tokens: int,
                       several_datasets: bool = False) -> None:
     from .data import BUILTIN
@@ -669,7 +678,8 @@ Formatter = type[argparse.HelpFormatter]
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m skipsearch", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for add_command in (_add_generate, _add_optimize, _add_bench, _add_profile, _add_export, _add_plot):
+    for add_command in (_add_generate, _add_optimize, _add_bench, _add_profile, _add_export, _add_plot,
+                        _add_check_family):
         add_command(commands, _DefaultsFormatter)
     for sub in commands.choices.values():
         # The tool's own errors start like argparse's ("python -m skipsearch plot: error: ..."): one form for both.
@@ -863,6 +873,24 @@ def _add_plot(commands: Commands, formatter: Formatter) -> None:
     plot.add_argument("--output", type=Path, default=None, help="(default: <studies-dir>/<study-name>/plots)")
     _add_study_flags(plot)
     plot.set_defaults(run=cmd_plot)
+
+
+def _add_check_family(commands: Commands, formatter: Formatter) -> None:
+    check = commands.add_parser(
+        "check-family", help="check that skipsearch runs a model family right, on a tiny model of its config",
+        formatter_class=formatter,
+        description="Build a tiny random-weight model of --model's config (4 layers, hidden size 32; no weights are "
+                    "fetched) and check the draft path against the definition of a skip: its logits equal the "
+                    "model's with the skipped sublayers' outputs zeroed by forward hooks, and with every sublayer "
+                    "zeroed the layers pass the residual stream through; then greedy self-speculative decoding, eager "
+                    "and compiled, equals transformers' greedy output. Exit 0 when every check passes, 1 when one "
+                    "fails, 2 for a family the tool cannot run (with why).",
+    )
+    check.add_argument("--model", required=True,
+                       help="the config: a folder with config.json, a config .json file or a Hub name")
+    check.add_argument("--seed", type=_seed, default=0, help="seed of the random weights")
+    check.add_argument("--no-compile", action="store_true", help="leave out the compiled decoding (dynamo, ~1 min)")
+    check.set_defaults(run=cmd_check_family)
 
 
 @contextlib.contextmanager

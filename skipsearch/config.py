@@ -17,7 +17,7 @@ from torch import nn
 
 from .files import read_json, write_atomic
 from .policy import DraftPolicy
-from .skipping import SkipSet, decoder_layers
+from .skipping import SkipSet, supported_layers
 
 FORMAT = "skipsearch/skip-config"
 VERSIONS = (1, 2)
@@ -36,7 +36,7 @@ class ModelInfo:
         return cls(
             name_or_path=name_or_path,
             architecture=type(model).__name__,
-            num_hidden_layers=len(decoder_layers(model)),
+            num_hidden_layers=len(supported_layers(model)),
             hidden_size=int(model.config.hidden_size),
         )
 

@@ -31,13 +31,14 @@ import torch
 
 from . import adapter
 from .decoding import DecodeStats, DraftPolicy, generate, synchronize
+from .economics import sublayer_weights
 from .engine import CompileSettings, engine_for, forward_at_position
 from .files import read_json, write_atomic
 from .kvcache import SpeculativeCache
 from .skipping import SkipSet, draft_mode
 
 PROFILE_FORMAT = "skipsearch/cost-profile"
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3 added each layer's sublayer shares; 2 (no shares) reads as all alike
 CPU_CONTEXTS = (128, 1024)
 CUDA_CONTEXTS = (128, 512, 2048, 8192, 32768)
 
@@ -89,11 +90,21 @@ class CostProfile:
     contexts: tuple[ContextCosts, ...]  # sorted by context length
     overheads: Overheads = Overheads()
     provenance: dict = field(default_factory=dict)  # date, device name, versions, how the model was built
+    # Each layer's attention and feed-forward block relative to the mean of its kind (whose cost `contexts` hold):
+    # the weights a token reads in it (`economics.sublayer_weights`: a routed block by the experts it reads), so that
+    # a model of dense and routed layers prices each right. Empty (profiles of older versions): all alike.
+    attn_shares: tuple[float, ...] = ()
+    mlp_shares: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.contexts:
             raise ValueError("a cost profile needs at least one context length")
         object.__setattr__(self, "contexts", tuple(sorted(self.contexts, key=lambda c: c.context_tokens)))
+        for name in ("attn_shares", "mlp_shares"):
+            shares = tuple(getattr(self, name))
+            if shares and len(shares) != self.num_hidden_layers:
+                raise ValueError(f"{name} has {len(shares)} entries for {self.num_hidden_layers} layers")
+            object.__setattr__(self, name, shares)
 
     @property
     def context_lengths(self) -> list[int]:
@@ -123,9 +134,14 @@ class CostProfile:
     def draft_s(self, skip: SkipSet, context: float | None = None) -> float:
         """Predicted time of one draft forward with `skip` skipped (at the shortest profiled context by default)."""
         context = self.context_lengths[0] if context is None else context
-        kept_attn = self.num_hidden_layers - len(skip.attn)
-        kept_mlp = self.num_hidden_layers - len(skip.mlp)
+        kept_attn, kept_mlp = self._kept(self.attn_shares, skip.attn), self._kept(self.mlp_shares, skip.mlp)
         return self._at(context, lambda c: c.rest_s + kept_attn * c.attn_s + kept_mlp * c.mlp_s)
+
+    def _kept(self, shares: tuple[float, ...], skipped: tuple[int, ...]) -> float:
+        """The sublayers of one kind a draft still runs, each counted by its share (1 each without shares)."""
+        if not shares:
+            return self.num_hidden_layers - len(skipped)
+        return sum(shares) - sum(shares[i] for i in skipped)
 
     def verify_time(self, n_tokens: float, context: float | None = None) -> float:
         """Time to verify `n_tokens` with `context` tokens cached (the shortest profiled context by default)."""
@@ -164,14 +180,15 @@ class CostProfile:
 
     @classmethod
     def from_dict(cls, data: dict) -> CostProfile:
-        """A profile from its JSON form; a version-1 (single context, no overheads) profile is read as is."""
+        """A profile from its JSON form; a version-1 (single context, no overheads) or version-2 (no sublayer shares)
+        profile is read as is."""
         data = dict(data)
         data.pop("format", None)
         version = data.pop("version", 1)
         if version == 1:
             single = {k: data.pop(k) for k in ("context_tokens", "attn_s", "mlp_s", "rest_s", "verify_s")}
             return cls(**data, contexts=(ContextCosts(**single),))
-        if version != PROFILE_VERSION:
+        if version not in (2, PROFILE_VERSION):
             raise ValueError(f"cost profile version {version} is newer than this skipsearch reads ({PROFILE_VERSION})")
         contexts = tuple(ContextCosts(**c) for c in data.pop("contexts"))
         overheads = Overheads(**data.pop("overheads", {}))
@@ -365,9 +382,17 @@ def profile_costs(
 
 
 def _profile(model: torch.nn.Module, contexts: list[ContextCosts]) -> CostProfile:
+    weights = sublayer_weights(model)
     return CostProfile(device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
                        architecture=type(model).__name__, num_hidden_layers=model.config.num_hidden_layers,
-                       contexts=tuple(contexts), provenance=_provenance(model))
+                       contexts=tuple(contexts), provenance=_provenance(model),
+                       attn_shares=_shares(weights.attn), mlp_shares=_shares(weights.mlp))
+
+
+def _shares(weights: Sequence[int]) -> tuple[float, ...]:
+    """Each layer's weights relative to their mean."""
+    mean = sum(weights) / len(weights)
+    return tuple(w / mean for w in weights)
 
 
 def _draft_kinds(num_layers: int) -> dict[str, SkipSet]:

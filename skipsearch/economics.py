@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from . import adapter
 from .skipping import SkipSet, decoder_layers
 
 FORGET = 0.95  # per round: the fit follows the last few dozen rounds
@@ -29,16 +30,37 @@ MIN_SPREAD = 0.25  # variance of the draft counts below which the fit cannot sep
 PRICE_LIMITS = (0.02, 4.0)  # a fit outside these is noise, not a price
 
 
-def weight_fraction(model: nn.Module, skip: SkipSet) -> float:
-    """The share of the weights a one-token forward reads (every attention and MLP sublayer's and the output
-    projection's; the embedding lookup reads one row) that the draft still reads: what a draft forward costs
-    relative to a full one where forwards are memory-bound, as batch-1 decoding is on a GPU."""
+@dataclass(frozen=True)
+class SublayerWeights:
+    """The parameters a one-token forward reads, per layer and sublayer, and in the output projection (the embedding
+    lookup reads one row). A routed feed-forward block counts its router, shared experts and the experts a token is
+    routed to (`num_experts_per_tok`), not the experts it does not read."""
+
+    attn: tuple[int, ...]
+    mlp: tuple[int, ...]
+    head: int
+
+    @property
+    def total(self) -> int:
+        return self.head + sum(self.attn) + sum(self.mlp)
+
+
+def sublayer_weights(model: nn.Module) -> SublayerWeights:
+    """What each sublayer of `model` reads per token (see `SublayerWeights`)."""
     layers = decoder_layers(model)
-    attn = [_size(layer.self_attn) for layer in layers]
-    mlp = [_size(layer.mlp) for layer in layers]
-    full = _size(model.get_output_embeddings()) + sum(attn) + sum(mlp)
-    skipped = sum(attn[i] for i in skip.attn) + sum(mlp[i] for i in skip.mlp)
-    return (full - skipped) / full
+    config = model.config.get_text_config(decoder=True)
+    return SublayerWeights(attn=tuple(_size(getattr(layer, adapter.ATTENTION)) for layer in layers),
+                           mlp=tuple(adapter.feed_forward_parameters_read(getattr(layer, adapter.FEED_FORWARD), config)
+                                     for layer in layers),
+                           head=_size(model.get_output_embeddings()))
+
+
+def weight_fraction(model: nn.Module, skip: SkipSet) -> float:
+    """The share of the weights a one-token forward reads (`sublayer_weights`) that the draft still reads: what a
+    draft forward costs relative to a full one where forwards are memory-bound, as batch-1 decoding is on a GPU."""
+    weights = sublayer_weights(model)
+    skipped = sum(weights.attn[i] for i in skip.attn) + sum(weights.mlp[i] for i in skip.mlp)
+    return (weights.total - skipped) / weights.total
 
 
 def _size(module: nn.Module) -> int:

@@ -5,8 +5,9 @@ the plain step (one token, full model), the draft step (one token, the draft pat
 and the verify step (the full model over a round's tokens). How steps run (`CompileSettings`):
 - eager (no compile): the model's own forward on a fresh cache of exactly the call's length.
 - "regional" (CUDA's default, and what studies run on a CPU): every decoder layer runs through a
-  compiled function for its kind (full layer, attention only, MLP only) and width, shared by all
-  layers and all skip sets (`CompiledLayers`), so a new skip set compiles nothing. On CUDA each step
+  compiled function for its kind (its class and attention kind, and which of its sublayers the draft
+  skips) and width, shared by all layers and all skip sets (`CompiledLayers`), so a new skip set
+  compiles nothing. On CUDA each step
   is then captured once as a CUDA graph over static buffers and replayed: one launch per step,
   milliseconds to set up a new skip set, and no cudagraph-tree bookkeeping per call.
 - "frozen" (a CPU's default for `generate` and `bench`): the whole step compiled with the weights
@@ -154,6 +155,16 @@ def _own_code(fn: Callable) -> Callable:
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+class LayerKind(NamedTuple):
+    """What a layer's compiled code depends on besides its width: the layer's class, its attention kind (full or
+    sliding) and which sublayers the draft skips (a draft layer is a copy of the model's, of the same class)."""
+
+    cls: type
+    attention: str
+    skip_attn: bool
+    skip_mlp: bool
+
+
 class CompiledLayers:
     """One compiled function per (layer kind, width), shared by every layer of a model and every skip set.
 
@@ -163,12 +174,12 @@ class CompiledLayers:
 
     def __init__(self, backend: str):
         self.backend = backend
-        self.functions: dict[tuple[type, int], Callable] = {}
+        self.functions: dict[tuple[LayerKind, int], Callable] = {}
         self.warmed = False  # every one-token kind compiled (Engine._warm_layer_kinds)
 
-    def __call__(self, layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids, kv,
-                 keyword: str):
-        key = (type(layer), hidden.shape[1])
+    def __call__(self, kind: LayerKind, layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings,
+                 position_ids, kv, keyword: str):
+        key = (kind, hidden.shape[1])
         if key not in self.functions:
             self.functions[key] = torch.compile(_own_code(_run_layer), backend=self.backend, fullgraph=True,
                                                 dynamic=False)
@@ -176,24 +187,27 @@ class CompiledLayers:
 
 
 class RegionalLayer(nn.Module):
-    """A decoder layer (or a draft wrapper of one) run by its kind's compiled function, with its own cache layer."""
+    """A decoder layer (or its draft copy) run by its kind's compiled function, with its own cache layer."""
 
-    def __init__(self, layer: nn.Module, kv, compiled: CompiledLayers, keyword: str):
+    def __init__(self, layer: nn.Module, kind: LayerKind, kv, compiled: CompiledLayers, keyword: str):
         super().__init__()
-        self.inner, self.kv, self.compiled, self.keyword = layer, kv, compiled, keyword
+        self.inner, self.kind, self.kv, self.compiled, self.keyword = layer, kind, kv, compiled, keyword
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, position_ids=None, **kwargs):
-        return self.compiled(self.inner, hidden_states, attention_mask, position_embeddings, position_ids, self.kv,
-                             self.keyword)
+        return self.compiled(self.kind, self.inner, hidden_states, attention_mask, position_embeddings, position_ids,
+                             self.kv, self.keyword)
 
 
 def regional_view(model: nn.Module, skip: SkipSet | None, cache: SpeculativeCache, compiled: CompiledLayers
                   ) -> nn.Module:
     """The full model (`skip` None) or a draft path, every layer run through `compiled`."""
-    layers = draft_layers(model, skip) if skip else decoder_layers(model)
-    keyword = adapter.cache_keyword(decoder_layers(model)[0])  # draft wrappers pass it on to the layer's attention
+    skip = skip or SkipSet()
+    layers = draft_layers(model, skip) if skip.size else decoder_layers(model)
+    keyword = adapter.cache_keyword(decoder_layers(model)[0])
     return model_with_layers(model, nn.ModuleList(
-        layer if isinstance(layer, SkippedLayer) else RegionalLayer(layer, cache.layers[i], compiled, keyword)
+        layer if isinstance(layer, SkippedLayer) else
+        RegionalLayer(layer, LayerKind(type(layer), cache.layer_types[i], i in skip.attn, i in skip.mlp),
+                      cache.layers[i], compiled, keyword)
         for i, layer in enumerate(layers)))
 
 
@@ -373,16 +387,20 @@ class Engine:
 
     def _warm_layer_kinds(self, settings: CompileSettings) -> None:
         """Compile every one-token layer kind now, with the first skip set: no later set compiles anything.
-        Runs one draft forward of each kind at the position (stale slots) and rolls the position back."""
+        Runs one forward of each kind through every layer (a family may vary its layers in ways the kind does not
+        name, as SmolLM3's layers without rotary embeddings: dynamo compiles each variant now, not in a later trial)
+        at the position (stale slots) and rolls the position back."""
         compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
         compiled.warmed = True
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
         position = self.cache.position.clone()
+        every = tuple(range(len(decoder_layers(self.model))))
+        kinds = (SkipSet(attn=every), SkipSet(mlp=every), SkipSet(attn=every, mlp=every))
         with torch.inference_mode():
-            for skip in (SkipSet(attn=(0,)), SkipSet(mlp=(0,)), None):
+            for skip in (*kinds, None):
                 forward_at_position(regional_view(self.model, skip, self.cache, compiled), self.cache, ids)
                 self.cache.position.copy_(position)
-            for skip in (SkipSet(attn=(0,)), SkipSet(mlp=(0,))):
+            for skip in kinds:
                 forget_draft(self.model, skip)
 
 

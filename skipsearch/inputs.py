@@ -18,11 +18,13 @@ from .skipping import SkipSet, decoder_layers
 
 
 def check_model(model: Any, what: str = "model") -> None:
-    """A Llama-family causal LM of transformers (TypeError or ValueError otherwise)."""
+    """A causal LM of transformers whose decoder layers the draft path can run (TypeError or ValueError otherwise)."""
     from transformers import PreTrainedModel
 
     if isinstance(model, PreTrainedModel):
-        decoder_layers(model)  # a ValueError for models outside the Llama family
+        # A ValueError naming the family for a decoder without separable sublayers (attention kinds the cache
+        # cannot hold are refused by the cache, before any decoding: checked here, it would cost every call)
+        decoder_layers(model)
         return
     hint = ""
     if hasattr(model, "model") and hasattr(model, "tokenizer"):

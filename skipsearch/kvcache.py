@@ -20,7 +20,19 @@ import torch
 from . import adapter
 from .resources import check_memory
 
-SUPPORTED_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+SUPPORTED_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}  # the kinds it holds: is it sliding
+
+
+def check_layer_types(config) -> list[str]:
+    """The attention kind of each decoder layer of `config`; a one-line ValueError naming the family where one is a
+    kind this cache cannot hold (linear attention, chunked attention, a layer reading another's keys)."""
+    layer_types = adapter.layer_types(config)
+    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise ValueError(f"{adapter.family(config)} is not supported: its layers of kind {', '.join(unsupported)} "
+                         f"need a cache that skipsearch's speculative cache is not (it holds "
+                         f"{' and '.join(SUPPORTED_LAYER_TYPES)} layers)")
+    return layer_types
 
 
 class PositionalLayer(adapter.static_layer_class()):
@@ -79,10 +91,7 @@ class SpeculativeCache(adapter.cache_class()):
 
     def __init__(self, config, capacity: int, device: torch.device | str, dtype: torch.dtype | None = None):
         text_config = config.get_text_config(decoder=True)
-        layer_types = adapter.layer_types(text_config)
-        unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-        if unsupported:
-            raise ValueError(f"unsupported attention layer types for the speculative cache: {unsupported}")
+        layer_types = check_layer_types(text_config)
         self.capacity = capacity
         self.layer_types = list(layer_types)
         self.sliding_window = getattr(text_config, "sliding_window", None)

@@ -1,13 +1,21 @@
-"""Skip attention and MLP sublayers of a Hugging Face causal LM while drafting.
+"""Skip attention and feed-forward sublayers of a Hugging Face causal LM while drafting.
 
-Nothing of transformers' modeling code is copied. For each skip set a list of thin layer
-wrappers is built once: a layer whose attention is skipped runs `h + mlp(norm(h))`, one whose
-MLP is skipped `h + attn(norm(h))`, one with both skipped is the identity, and the others are
-the original layers. A skipped sublayer thus costs one op (or none), and the norm that feeds
-only it is skipped with it. `draft_model` gives a view of the model that shares every
-parameter and runs the draft path, so nothing is swapped per round; `draft_mode` puts the
-wrappers in the decoder for callers that run `model(...)` directly (one attribute set, restored
-on exit). The original model is never changed outside `draft_mode`.
+Nothing of transformers' modeling code is copied, and no family's layer is rewritten: the draft
+path runs each family's own decoder layer, as a shallow copy whose skipped sublayer is a module
+that returns zeros in the structure the real one returns (`ZeroAttention`, `ZeroFeedForward`).
+So a skipped sublayer adds nothing to the residual stream whatever the layer does around it
+(norms before or after it, fused projections, a routed mixture of experts), a skipped attention
+reads and writes no KV cache, and skipping costs a `zeros_like`. For the tested layer classes
+(`adapter.sublayer_norms`) the norms that touch only a skipped sublayer become identities too:
+one before it only fed it, and one after it is checked to map zeros to zeros when the draft path
+is built (refused otherwise: a norm with a bias would add it to the residual stream); a layer with
+both sublayers skipped is then the identity (`SkippedLayer`). An untested class keeps every norm,
+which is correct, only not free.
+
+The draft layers are built once per skip set. `draft_model` gives a view of the model that shares
+every parameter and runs the draft path, so nothing is swapped per round; `draft_mode` puts the
+draft layers in the decoder for callers that run `model(...)` directly (one attribute set,
+restored on exit). The original model is never changed outside `draft_mode`.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from torch import nn
 
 from . import adapter
 from .adapter import decoder_layers  # re-exported: callers of the draft path import it from here
+from .kvcache import check_layer_types
 
 
 @dataclass(frozen=True)
@@ -68,48 +77,32 @@ def _layer_ids(ids: Iterable[int], kind: str, num_layers: int | None) -> tuple[i
     return tuple(sorted(ids))
 
 
-@dataclass(frozen=True)
-class LayerLayout:
-    """Names of a decoder layer's sublayers and of the norm that feeds only each of them."""
-
-    attn_norm: str
-    attn: str
-    mlp_norm: str
-    mlp: str
-
-
-# The only architecture-specific knowledge: pre-norm decoder layers of the Llama family
-# (Llama, Mistral, Qwen2, Qwen3, SmolLM) name their parts alike.
-LAYOUTS = (LayerLayout("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"),)
+def supported_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of `model` where it is a decoder the draft path and the cache can run: layers with a
+    separable attention and feed-forward block, attention of kinds the cache holds. A one-line ValueError naming the
+    family and why for any other."""
+    layers = decoder_layers(model)
+    check_layer_types(model.config.get_text_config(decoder=True))
+    return layers
 
 
-def layer_layout(layer: nn.Module) -> LayerLayout:
-    for layout in LAYOUTS:
-        if all(isinstance(getattr(layer, name, None), nn.Module) for name in vars(layout).values()):
-            return layout
-    raise ValueError(f"{type(layer).__name__} has no known sublayer layout (expected one of {LAYOUTS})")
+class ZeroAttention(nn.Module):
+    """A skipped attention: returns zeros and no weights, as an attention returns (output, weights); touches no
+    KV cache."""
+
+    def forward(self, *args, **kwargs) -> tuple[torch.Tensor, None]:
+        return adapter.skipped_attention_output(args[0] if args else kwargs["hidden_states"])
 
 
-class AttentionOnly(nn.Module):
-    """A decoder layer with its MLP (and the MLP's norm) skipped."""
+class ZeroFeedForward(nn.Module):
+    """A skipped feed-forward block: returns zeros, with `extras` more items where the block itself returns more."""
 
-    def __init__(self, norm: nn.Module, attn: nn.Module):
+    def __init__(self, extras: int):
         super().__init__()
-        self.norm, self.attn = norm, attn
+        self.extras = extras
 
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return hidden_states + adapter.attention_output(self.attn(self.norm(hidden_states), *args, **kwargs))
-
-
-class MLPOnly(nn.Module):
-    """A decoder layer with its attention (and the attention's norm) skipped: it touches no KV cache."""
-
-    def __init__(self, norm: nn.Module, mlp: nn.Module):
-        super().__init__()
-        self.norm, self.mlp = norm, mlp
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return hidden_states + self.mlp(self.norm(hidden_states))
+    def forward(self, *args, **kwargs):
+        return adapter.skipped_feed_forward_output(args[0] if args else kwargs["hidden_states"], self.extras)
 
 
 class SkippedLayer(nn.Module):
@@ -117,6 +110,49 @@ class SkippedLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return hidden_states
+
+
+_FEED_FORWARD_EXTRAS: dict[type, int] = {}  # by block class: what its forward returns besides its output
+
+
+def _feed_forward_extras(block: nn.Module, hidden_size: int) -> int:
+    if type(block) not in _FEED_FORWARD_EXTRAS:
+        _FEED_FORWARD_EXTRAS[type(block)] = adapter.feed_forward_extras(block, hidden_size)
+    return _FEED_FORWARD_EXTRAS[type(block)]
+
+
+def _maps_zeros_to_zeros(norm: nn.Module, hidden_size: int) -> bool:
+    parameter = next(norm.parameters(), None)
+    zeros = torch.zeros(1, 1, hidden_size, dtype=getattr(parameter, "dtype", None),
+                        device=getattr(parameter, "device", None))
+    with torch.no_grad():
+        return not norm.forward(zeros).any()
+
+
+def _draft_layer(layer: nn.Module, skip_attn: bool, skip_mlp: bool, hidden_size: int) -> nn.Module:
+    """`layer` as the draft runs it: itself where nothing is skipped; else a shallow copy (same parameters) whose
+    skipped sublayers return zeros and whose norms that touch only them are identities; the identity where both are
+    skipped and the layer's norms are known. ValueError where a norm after a skipped sublayer would add to the
+    residual stream what the sublayer did not."""
+    if not (skip_attn or skip_mlp):
+        return layer
+    norms = adapter.sublayer_norms(layer)
+    swaps: dict[str, nn.Module] = {}
+    for part, skipped in (("attn", skip_attn), ("mlp", skip_mlp)):
+        around = getattr(norms, part) if skipped and norms is not None else adapter.SublayerNorms()
+        for name in around.after:
+            if not _maps_zeros_to_zeros(getattr(layer, name), hidden_size):
+                raise ValueError(f"{type(layer).__name__}.{name} maps zeros to non-zeros (a bias?): a skipped {part} "
+                                 "would still add that to the residual stream, so it cannot be skipped")
+        swaps.update({name: nn.Identity() for name in (*around.before, *around.after)})
+    if skip_attn and skip_mlp and norms is not None:
+        return SkippedLayer()
+    if skip_attn:
+        swaps[adapter.ATTENTION] = ZeroAttention()
+    if skip_mlp:
+        swaps[adapter.FEED_FORWARD] = ZeroFeedForward(
+            _feed_forward_extras(getattr(layer, adapter.FEED_FORWARD), hidden_size))
+    return _with_modules(layer, swaps)
 
 
 def _draft_cache(model: nn.Module) -> dict:
@@ -132,34 +168,25 @@ def draft_layers(model: nn.Module, skip: SkipSet) -> nn.ModuleList:
     """The decoder layers of the draft path for `skip`, built once per skip set and model."""
     memo = _draft_cache(model)
     if ("layers", skip) not in memo:
-        layers = decoder_layers(model)
+        layers = supported_layers(model)
         skip.check_fits(len(layers))
-        attn, mlp = set(skip.attn), set(skip.mlp)
-        built = []
-        for i, layer in enumerate(layers):
-            parts = layer_layout(layer)
-            if i in attn and i in mlp:
-                built.append(SkippedLayer())
-            elif i in attn:
-                built.append(MLPOnly(getattr(layer, parts.mlp_norm), getattr(layer, parts.mlp)))
-            elif i in mlp:
-                built.append(AttentionOnly(getattr(layer, parts.attn_norm), getattr(layer, parts.attn)))
-            else:
-                built.append(layer)
-        memo[("layers", skip)] = nn.ModuleList(built)
+        hidden_size = model.config.get_text_config(decoder=True).hidden_size
+        memo[("layers", skip)] = nn.ModuleList(_draft_layer(layer, i in skip.attn, i in skip.mlp, hidden_size)
+                                               for i, layer in enumerate(layers))
     return memo[("layers", skip)]
 
 
-def _with_module(parent: nn.Module, name: str, child: nn.Module) -> nn.Module:
-    """A shallow copy of `parent` whose submodule `name` is `child`; parameters and hooks stay shared."""
+def _with_modules(parent: nn.Module, children: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of `parent` whose submodules named in `children` are those; parameters and hooks stay shared."""
     view = copy.copy(parent)
-    view._modules = {**parent._modules, name: child}
+    view._modules = {**parent._modules, **children}
     return view
 
 
 def model_with_layers(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
     """A view of `model` whose decoder runs `layers`: same parameters, the model's own forward."""
-    return _with_module(model, adapter.decoder_attribute(model), _with_module(model.get_decoder(), "layers", layers))
+    decoder = _with_modules(model.get_decoder(), {"layers": layers})
+    return _with_modules(model, {adapter.decoder_attribute(model): decoder})
 
 
 def draft_model(model: nn.Module, skip: SkipSet) -> nn.Module:

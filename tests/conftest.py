@@ -1,8 +1,40 @@
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 CONFIGS = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+
+# The tested families (README, "Supported families"): each family's config class with its defaults, and what a tiny
+# model of it must keep to test what the family needs (Llama 3.x's rope scaling); families.tiny_config shrinks it.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+FAMILY_CONFIGS = {
+    "llama": ("LlamaConfig", {"rope_parameters": LLAMA3_ROPE, "max_position_embeddings": 131072}),
+    "mistral": ("MistralConfig", {}),
+    "qwen2": ("Qwen2Config", {}), "qwen3": ("Qwen3Config", {}), "qwen3_moe": ("Qwen3MoeConfig", {}),
+    "mixtral": ("MixtralConfig", {}), "gemma2": ("Gemma2Config", {}), "gemma3": ("Gemma3TextConfig", {}),
+    "phi3": ("Phi3Config", {}), "olmo2": ("Olmo2Config", {}), "smollm3": ("SmolLM3Config", {}),
+    "gpt_oss": ("GptOssConfig", {}),
+}
+
+
+def family_config(family: str, **overrides):
+    """A tiny config of a tested family (`FAMILY_CONFIGS`); skips the test where this transformers lacks the family."""
+    from skipsearch.families import tiny_config
+
+    name, extra = FAMILY_CONFIGS[family]
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    return tiny_config(cls(**extra), **overrides)
+
+
+def family_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """A tiny random-weight model of a tested family (fp32 by default: the routed experts' kernels take no fp64)."""
+    from skipsearch.families import tiny_model as tiny_family_model
+
+    return tiny_family_model(family_config(family, **overrides), seed=seed, dtype=dtype)
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, vocab_size: int = 96, num_layers: int = 4,

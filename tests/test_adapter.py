@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import GenerationConfig, TextStreamer
 
-from conftest import tiny_model
+from conftest import FAMILY_CONFIGS, family_model, tiny_model
 from skipsearch import adapter
 from skipsearch.adapter import AdapterError
 from skipsearch.decoding import DraftPolicy, generate
@@ -158,6 +158,54 @@ def test_touchpoint_decoder_layers(model):
     assert getattr(model, adapter.decoder_attribute(model)) is model.get_decoder()
     for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
         assert isinstance(getattr(layers[0], name), nn.Module)
+    assert adapter.family(model) == "llama (LlamaForCausalLM)" and adapter.family(model.config) == "llama"
+    hybrid = family_model("qwen3")
+    del adapter.decoder_layers(hybrid)[2].mlp  # as a layer with no separable feed-forward block
+    with pytest.raises(ValueError, match=r"^qwen3 \(Qwen3ForCausalLM\) is not a supported decoder: layer 2 "
+                                         r"\(Qwen3DecoderLayer\) has no separable `mlp` sublayer to skip$"):
+        adapter.decoder_layers(hybrid)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_touchpoint_sublayer_norms(family):
+    """Each tested layer class names norms it has; the table's roles are checked against the definition of a skip
+    in tests/test_families.py. An untested class, or one of remote code, has none."""
+    layer = adapter.decoder_layers(family_model(family))[0]
+    norms = adapter.sublayer_norms(layer)
+    assert norms is not None
+    for name in (*norms.attn.before, *norms.attn.after, *norms.mlp.before, *norms.mlp.after):
+        assert "norm" in type(getattr(layer, name)).__name__.lower(), name
+    assert adapter.sublayer_norms(nn.Linear(2, 2)) is None
+    remote = type(type(layer).__name__, (nn.Module,), {"__module__": "transformers_modules.someone.modeling"})
+    assert adapter.sublayer_norms(remote()) is None
+
+
+@pytest.mark.parametrize("family, extras", [("llama", 0), ("qwen3_moe", 0), ("mixtral", 0), ("gpt_oss", 1)])
+def test_touchpoint_feed_forward_output(family, extras):
+    """A feed-forward block returns its output alone, or (GPT-OSS) with its router scores; a skipped one returns
+    zeros in the same structure."""
+    model = family_model(family)
+    block, hidden = adapter.decoder_layers(model)[1].mlp, torch.randn(1, 3, model.config.hidden_size)
+    assert adapter.feed_forward_extras(block, model.config.hidden_size) == extras
+    out = block(hidden)
+    assert adapter.feed_forward_output(out).shape == hidden.shape
+    skipped = adapter.skipped_feed_forward_output(hidden, extras)
+    assert type(skipped) is type(out) and (len(skipped) == len(out) if extras else True)
+    assert not adapter.feed_forward_output(skipped).any()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_touchpoint_routed_experts(family):
+    """A routed block's experts are stacked by expert; a token reads the router and 2 of the 4 (the tiny config's
+    num_experts_per_tok); a dense block is read whole."""
+    model = family_model(family)
+    block = adapter.decoder_layers(model)[0].mlp
+    experts = sum(p.numel() for p in block.experts.parameters())
+    assert all(p.shape[0] == 4 for p in block.experts.parameters()) and model.config.num_experts_per_tok == 2
+    total = sum(p.numel() for p in block.parameters())
+    assert adapter.feed_forward_parameters_read(block, model.config) == total - experts // 2
+    dense = adapter.decoder_layers(tiny_model("llama"))[0].mlp
+    assert adapter.feed_forward_parameters_read(dense, model.config) == sum(p.numel() for p in dense.parameters())
 
 
 def test_touchpoint_attention_output(model):
@@ -170,7 +218,9 @@ def test_touchpoint_attention_output(model):
     rotary = model.get_decoder().rotary_emb(hidden, positions)
     out = layer.self_attn(hidden, position_embeddings=rotary, attention_mask=cache.attention_mask(width),
                           **{adapter.cache_keyword(layer.self_attn): cache})
-    assert adapter.attention_output(out).shape == hidden.shape
+    assert isinstance(out, tuple) and len(out) == 2 and adapter.attention_output(out).shape == hidden.shape
+    skipped = adapter.skipped_attention_output(hidden)  # what a skipped attention returns: the same structure
+    assert len(skipped) == 2 and skipped[1] is None and not skipped[0].any() and skipped[0].shape == hidden.shape
     cache.seek(0)
     result = adapter.run_decoder_layer(layer, hidden, cache.attention_mask(width), rotary, positions, cache.layers[0],
                                        adapter.cache_keyword(layer))

@@ -159,7 +159,7 @@ CASES = [
     # 2. rejected input writes nothing: no database, no Optuna tables added to someone else's
     (["optimize", "--seed", "-1"], r"--seed: expected an integer in \[0, 4294967295\]"),
     (["optimize", "--sampler", "cmaes", "--objective", "pareto"], "cmaes sampler handles one objective"),
-    (["optimize", "--model", "{gpt2}"], "GPT2LMHeadModel is not a supported decoder"),
+    (["optimize", "--model", "{gpt2}"], r"gpt2 \(GPT2LMHeadModel\) is not a supported decoder: its decoder keeps no "),
     (["export", "--study-name", "nope", "--storage", "sqlite:///{dir}/new.db"], "no study database at"),
     (["plot", "--study-name", "nope", "--storage", "journal:{dir}/new.log"], "no such file"),
     (["export", "--storage", "sqlite:///{dir}/other.db"], "holds tables that are not Optuna's \\(invoices\\)"),

@@ -14,7 +14,8 @@ HEAVY = ("torch", "transformers", "optuna", "datasets", "matplotlib")
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["optimize", "--help"], ["generate", "--help"], ["bench", "--help"],
-                                  ["profile", "--help"], ["export", "--help"], ["plot", "--help"]])
+                                  ["profile", "--help"], ["export", "--help"], ["plot", "--help"],
+                                  ["check-family", "--help"]])
 def test_help_imports_nothing_heavy(argv):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-X", "importtime", "-m", "skipsearch", *argv],

@@ -3,6 +3,7 @@ import re
 import shutil
 import types
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,7 +115,8 @@ def test_profile_has_one_table_per_context_and_round_trips(tmp_path):
     assert profile.provenance["torch"] == torch.__version__ and profile.overheads == Overheads()
     profile.save(tmp_path / "p.json")
     saved = json.loads((tmp_path / "p.json").read_text())
-    assert saved["version"] == 2 and [c["context_tokens"] for c in saved["contexts"]] == [64, 512]
+    assert saved["version"] == 3 and [c["context_tokens"] for c in saved["contexts"]] == [64, 512]
+    assert saved["attn_shares"] == [1.0] * 4 and saved["mlp_shares"] == [1.0] * 4  # alike in a dense model
     assert CostProfile.load(tmp_path / "p.json") == profile
     profile.check_model(model)
     with pytest.raises(ValueError, match="4 layers"):
@@ -162,9 +164,23 @@ def test_old_single_context_profiles_still_load(tmp_path):
     profile = CostProfile.load(tmp_path / "old.json")
     assert profile.context_lengths == [128] and profile.overheads == Overheads()
     assert profile.forward_at(16) == profile.forward_at(4096) == 10.0  # one context: the same costs everywhere
-    (tmp_path / "new.json").write_text(json.dumps({**old, "version": 3}))
-    with pytest.raises(ValueError, match="version 3 is newer"):
+    (tmp_path / "new.json").write_text(json.dumps({**old, "version": 4}))
+    with pytest.raises(ValueError, match="version 4 is newer"):
         CostProfile.load(tmp_path / "new.json")
+    h100 = CostProfile.load(Path(__file__).parent.parent / "benchmarks/results/h100-2026-11-22/profile-llama-2-7b.json")
+    assert h100.mlp_shares == () and h100.draft_s(SkipSet.of([], [3], 32)) == h100.draft_s(SkipSet.of([], [30], 32))
+
+
+def test_each_layer_is_priced_by_its_share_of_the_weights_read():
+    """A model of dense and routed feed-forward blocks: skipping the dense one (which a token reads whole) saves
+    more than skipping a routed one (of which a token reads the experts it is routed to)."""
+    profile = synthetic(mlp_shares=(1.6, 0.8, 0.8, 0.8))
+    assert profile.draft_s(SkipSet()) == pytest.approx(10.0)
+    assert profile.draft_s(SkipSet.of([], [0], 4)) == pytest.approx(10.0 - 1.6)
+    assert profile.draft_s(SkipSet.of([], [2], 4)) == pytest.approx(10.0 - 0.8)
+    assert CostProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+    with pytest.raises(ValueError, match="3 entries for 4 layers"):
+        synthetic(attn_shares=(1.0, 1.0, 1.0))
 
 
 def test_bad_profiles_are_clear_errors(tmp_path):

@@ -2,7 +2,10 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from skipsearch.skipping import AttentionOnly, MLPOnly, SkippedLayer, SkipSet, decoder_layers, draft_layers, draft_mode, draft_model
+from skipsearch import adapter
+from skipsearch.kvcache import SpeculativeCache
+from skipsearch.skipping import (SkippedLayer, SkipSet, ZeroAttention, ZeroFeedForward, decoder_layers, draft_layers,
+                                 draft_mode, draft_model)
 
 
 def test_skip_set_sorts_and_validates():
@@ -28,7 +31,8 @@ def test_draft_mode_changes_output_and_restores_model(arch):
     keys_before = list(model.state_dict())
     full = model(ids).logits
     with draft_mode(model, SkipSet.of([1], [2], 4)):
-        assert isinstance(model.get_decoder().layers[1], MLPOnly)
+        assert isinstance(model.get_decoder().layers[1].self_attn, ZeroAttention)
+        assert model.get_decoder().layers[1].mlp is decoder_layers(model)[1].mlp
         drafted = model(ids).logits
     assert not torch.allclose(full, drafted)
     assert [(layer.self_attn, layer.mlp) for layer in decoder_layers(model)] == modules_before
@@ -57,11 +61,21 @@ def test_draft_path_is_built_once_per_skip_set_and_shares_the_weights():
     model = tiny_model()
     skip = SkipSet.of([0, 2], [2, 3], 4)
     layers = draft_layers(model, skip)
+    originals = decoder_layers(model)
     assert draft_layers(model, SkipSet.of([2, 0], [3, 2], 4)) is layers
-    assert [type(layer) for layer in layers] == [MLPOnly, decoder_layers(model)[1].__class__, SkippedLayer, AttentionOnly]
-    # The norm feeding a skipped sublayer is skipped with it.
-    assert layers[0].norm is decoder_layers(model)[0].post_attention_layernorm
-    assert layers[3].norm is decoder_layers(model)[3].input_layernorm
+    # Each layer is the model's own (a copy of it where a sublayer is skipped), or the identity where both are.
+    assert [type(layer) for layer in layers] == [type(originals[0]), type(originals[1]), SkippedLayer,
+                                                 type(originals[3])]
+    assert layers[1] is originals[1] and layers[0] is not originals[0] and layers[3] is not originals[3]
+    assert isinstance(layers[0].self_attn, ZeroAttention) and layers[0].mlp is originals[0].mlp
+    assert isinstance(layers[3].mlp, ZeroFeedForward) and layers[3].self_attn is originals[3].self_attn
+    # The norm feeding only a skipped sublayer is skipped with it; the other stays the model's.
+    assert isinstance(layers[0].input_layernorm, torch.nn.Identity)
+    assert layers[0].post_attention_layernorm is originals[0].post_attention_layernorm
+    assert isinstance(layers[3].post_attention_layernorm, torch.nn.Identity)
+    assert layers[3].input_layernorm is originals[3].input_layernorm
+    assert originals[0].self_attn is not layers[0].self_attn and isinstance(originals[0].input_layernorm,
+                                                                            type(originals[0].post_attention_layernorm))
     view = draft_model(model, skip)
     assert view is draft_model(model, skip) and view.get_decoder().layers is layers
     assert model.get_decoder().layers is not layers  # the model itself is untouched
@@ -70,6 +84,47 @@ def test_draft_path_is_built_once_per_skip_set_and_shares_the_weights():
     with draft_mode(model, skip):
         expected = model(ids).logits
     torch.testing.assert_close(view(ids).logits, expected)
+
+
+def test_a_skipped_attention_writes_no_cache():
+    model = tiny_model(dtype=torch.float64)
+    cache = SpeculativeCache(model.config, 8, "cpu", torch.float64)
+    ids = torch.tensor([[3, 7, 11]])
+    adapter.model_forward(draft_model(model, SkipSet.of([1], [2], 4)), ids, cache.positions(3),
+                          cache.attention_mask(3), cache)
+    written = [bool(layer.keys.abs().sum() > 0) for layer in cache.layers]
+    assert written == [True, False, True, True]
+
+
+def test_a_layer_class_without_known_norms_keeps_them_and_still_skips_exactly(monkeypatch):
+    """An untested layer class runs the same path with every norm kept and no identity shortcut: only slower."""
+    model = tiny_model(dtype=torch.float64)
+    skip = SkipSet.of([0, 3], [1, 3], 4)
+    with draft_mode(model, skip):
+        known = model(torch.tensor([[3, 7, 11, 5]])).logits
+    monkeypatch.delitem(adapter.SUBLAYER_NORMS, "LlamaDecoderLayer")
+    layers = draft_layers(tiny_model(dtype=torch.float64), skip)
+    assert not any(isinstance(layer, SkippedLayer) for layer in layers)
+    assert isinstance(layers[3].self_attn, ZeroAttention) and isinstance(layers[3].mlp, ZeroFeedForward)
+    assert not any(isinstance(module, torch.nn.Identity) for layer in layers for module in layer.children())
+    model = tiny_model(dtype=torch.float64)
+    with draft_mode(model, skip):
+        torch.testing.assert_close(model(torch.tensor([[3, 7, 11, 5]])).logits, known)
+
+
+def test_a_norm_after_a_skipped_sublayer_that_adds_a_bias_is_refused(monkeypatch):
+    """OLMo 2 normalizes a sublayer's output: a norm with a bias there would add it even when the sublayer is skipped,
+    so such a layer cannot skip it (an RMSNorm maps zeros to zeros, a LayerNorm to its bias)."""
+    from conftest import family_model
+
+    model = family_model("olmo2")
+    layer = decoder_layers(model)[1]
+    norm = torch.nn.LayerNorm(model.config.hidden_size)
+    torch.nn.init.normal_(norm.bias)
+    monkeypatch.setattr(layer, "post_attention_layernorm", norm)
+    with pytest.raises(ValueError, match=r"Olmo2DecoderLayer.post_attention_layernorm maps zeros to non-zeros"):
+        draft_layers(model, SkipSet.of([1], [], 4))
+    draft_layers(model, SkipSet.of([], [1], 4))  # its feed-forward block still can be skipped
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
