@@ -351,7 +351,8 @@ def profile_costs(
 
     Repetition decides noise: while repeats of a measurement disagree (`_ContextRuns.problems`), all are measured
     again and pooled with the runs before, up to `attempts` rounds or, after the first, `budget_s` seconds of wall
-    time (default: `GPU_BUDGET_S` on CUDA, unbounded on a CPU); then `NoisyMachine` says what did not settle. Costs
+    time (default: `GPU_BUDGET_S` on CUDA, unbounded on a CPU), which also stops longer contexts from being begun
+    (the profile then has fewer); then `NoisyMachine` says what did not settle. Costs
     out of order by width are priced as measured, and parts or overheads below zero are clipped to 0 and listed in
     the provenance ("clipped"). `clock` (default `time.perf_counter`) times the forwards.
     """
@@ -367,7 +368,8 @@ def profile_costs(
     started, problems = time.perf_counter(), []
     for attempt in range(attempts):
         _time_forwards(model, runs, repeats, clock, warm=attempt == 0, show_progress=show_progress,
-                       compile_mode=compile_mode)
+                       compile_mode=compile_mode, deadline=started + budget_s)
+        runs = [r for r in runs if r.verify[0]]  # past the budget, longer contexts were left out: fewer contexts
         problems = [p for r in runs for p in r.problems()]
         if not problems or time.perf_counter() - started > budget_s:
             break
@@ -439,8 +441,10 @@ def _compiled_forwards(model: torch.nn.Module, ids: torch.Tensor, context: int, 
 
 
 def _time_forwards(model: torch.nn.Module, runs: list[_ContextRuns], repeats: int, clock: Callable[[], float],
-                   warm: bool, show_progress: bool, compile_mode: str | None = None) -> None:
-    """Add `repeats` timed runs of every measurement, at every context length, to `runs`."""
+                   warm: bool, show_progress: bool, compile_mode: str | None = None, deadline: float = math.inf
+                   ) -> None:
+    """Add `repeats` timed runs of every measurement, at every context length, to `runs`, from the shortest; past
+    `deadline` (wall time) no further context is begun."""
     from tqdm.auto import tqdm
 
     device = model.device
@@ -451,6 +455,8 @@ def _time_forwards(model: torch.nn.Module, runs: list[_ContextRuns], repeats: in
     drafts = _draft_kinds(model.config.num_hidden_layers)
     desc = "profiling contexts" if warm else "profiling contexts again (the timings did not settle)"
     for context_runs in tqdm(runs, desc=desc, disable=not show_progress):
+        if context_runs is not runs[0] and time.perf_counter() > deadline:
+            break
         context = context_runs.context_tokens
         if compile_mode:
             cache, forward, compiled_drafts = _compiled_forwards(model, ids, context, max_verify_tokens, compile_mode)

@@ -288,6 +288,14 @@ def test_noise_that_passes_is_measured_again_until_the_figures_settle():
     assert costs.verify_s == sorted(costs.verify_s) and costs.rest_s > 0
 
 
+def test_a_time_budget_bounds_the_profile_to_fewer_contexts():
+    """On a GPU a shape gets a budget of wall time: past it no longer context is begun and nothing is measured again."""
+    model = tiny_model()
+    profile = profile_costs(model, contexts=(8, 16, 32), max_verify_tokens=3, repeats=2, calibrate=False,
+                            clock=VirtualTimer(model), budget_s=0.0)
+    assert profile.context_lengths == [8]
+
+
 def test_a_machine_too_noisy_to_profile_is_said_in_one_line():
     from skipsearch.costs import NoisyMachine
 
