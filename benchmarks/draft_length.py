@@ -3,8 +3,8 @@ a CPU with the default model's real weights, since acceptance depends on the wei
 
 Where a read stalls the device (CUDA), a round cannot stop at its first unsure draft without reading the draft's
 confidence back; skipsearch runs that path on a CPU too when told reads stall (`decoding.host_reads_stall`). Per
-skip set, greedy decoding of held-out prompts through the CPU's path (a host read per draft, stopping at the first
-unsure one) and through CUDA's path, with the counts of each: rounds, draft forwards, accepted drafts.
+skip set, greedy decoding of held-out prompts through the CPU's path (a host read per draft, cut at an unsure
+one) and through CUDA's path, with the counts of each: rounds, draft forwards, accepted drafts.
 
 The cost is modeled, not timed: a round costs one plain step for its verification (memory-bound: verifying up
 to 9 tokens reads the weights once, as one token does) plus, per draft forward, the share of the weights the draft
@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--prompt-offset", type=int, default=8, help="held out: the default study uses the first 8")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
-    economics.MarginalCost.price = property(lambda self: self.prior)  # the weight share: see the docstring
+    economics.PriceFit.units = lambda self: None  # rounds priced by the weight share alone: see the docstring
     loaded = load_model(device="cpu", dtype="float32")
     model = loaded.model
     texts = load_prompts(num_prompts=args.prompt_offset + args.num_prompts, seed=0)[args.prompt_offset:]

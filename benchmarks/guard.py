@@ -1,13 +1,15 @@
-"""The run-time guard and the stop rules (issue 18), paired against plain decoding on held-out prompts.
+"""The draft controller (issue 27) against the best fixed draft length, paired against plain decoding on held-out
+prompts.
 
-For each skip set: today's default policy unguarded (Draft & Verify's adaptive threshold with our
-constants: 0.6, target 0.7, step 0.05), the same guarded (the new default), Draft & Verify's own
-constants (0.8, target 0.9, step 0.01) unguarded, and the cost rule unguarded and guarded. Every
-method decodes every prompt back to back with plain decoding in a rotating order (bench.timed_runs);
-a speedup is the geometric mean of the paired per-run ratios over plain decoding (decode time, the
-prefill excluded), with its 95% interval. Every output is compared with plain decoding's.
+For each skip set: the default policy (the controller, guarded), the controller unguarded, and fixed draft lengths 1,
+2 and 4 (unguarded: what the length itself gives). Every method decodes every prompt back to back with plain decoding
+in a rotating order (bench.timed_runs); a speedup is the geometric mean of the paired per-run ratios over plain
+decoding (decode time, the prefill excluded), with its 95% interval. Every output is compared with plain decoding's.
+Each method keeps one `DraftMemory` across its calls, as a server keeps one per model. With `--cost-profile`, one more
+row: the default policy priced by that profile, which pads verifications to the cheapest measured width (what padding
+buys, paired against the row without it).
 
-    python benchmarks/guard.py --sets "a8;a8,11,18,20,22,28|m24,26,28" --max-new-tokens 96
+    python benchmarks/guard.py --sets "a8;a8,11,18,20,22,28|m24,26,28;a4,8,11,15,18,20,22,24,28" --max-new-tokens 96
 """
 
 from __future__ import annotations
@@ -19,32 +21,46 @@ import time
 import torch
 
 from skipsearch import load_model
-from skipsearch.bench import skipsearch_decoder, timed_runs
+from skipsearch.bench import timed_runs
+from skipsearch.controller import DraftController, DraftMemory
+from skipsearch.costs import CostProfile
 from skipsearch.data import load_prompts
-from skipsearch.decoding import DraftPolicy
-from skipsearch.guard import Guard, PlainSpeed
+from skipsearch.decoding import DraftPolicy, generate
+from skipsearch.economics import RoundCosts
 from skipsearch.measure import ratio_interval
 from skipsearch.models import encode_prompt
+from skipsearch.skipping import SkipSet
 
 from decode_speed import parse_skip_sets
 
 POLICIES = {
-    "threshold (today's default), unguarded": DraftPolicy(guard=False),
-    "threshold, guarded (new default)": DraftPolicy(),
-    "D&V's constants, unguarded": DraftPolicy(confidence_threshold=0.8, target_acceptance=0.9, threshold_step=0.01,
-                                              guard=False),
-    "cost rule, unguarded": DraftPolicy(stop_rule="cost", guard=False),
-    "cost rule, guarded": DraftPolicy(stop_rule="cost"),
+    "controller, guarded (default)": DraftPolicy(),
+    "controller, unguarded": DraftPolicy(guard=False),
+    **{f"fixed k={k}, unguarded": DraftPolicy(max_draft_tokens=k, adaptive=False, guard=False) for k in (1, 2, 4)},
 }
 
 
-def guard_microseconds(rounds: int = 200_000) -> float:
-    """What the guard adds to a round on the host: one clock read and one update, timed over many rounds."""
-    guard = Guard(PlainSpeed(1.0))
+def controller_microseconds(rounds: int = 200_000) -> float:
+    """What the controller adds to a round on the host: a plan, a clock read and an observation, timed over many."""
+    controller = DraftController(DraftPolicy(), DraftMemory(plain_s={"eager": 1.0}))
+    controller.use(SkipSet.of([1]), RoundCosts(draft=0.3))
     start = time.perf_counter()
     for _ in range(rounds):
-        guard.observe(3, time.perf_counter() - start, drafted=True)
+        drafts = controller.plan(room=100)
+        controller.observe(drafts, drafts, drafts + 1, time.perf_counter() - start)
     return (time.perf_counter() - start) / rounds * 1e6
+
+
+def decoder(model, max_new_tokens, eos, skip, policy, compile, profile=None):
+    """One method: `generate` with a memory of its own across calls (a server's), `profile` pricing its rounds."""
+    memory = DraftMemory()
+
+    def decode(prompt: list[int]):
+        out = generate(model, prompt, skip=skip, max_new_tokens=max_new_tokens, policy=policy, eos_token_id=eos,
+                       compile=compile, cost_profile=profile, memory=memory)
+        return out.tokens, out.stats
+
+    return decode
 
 
 def main() -> None:
@@ -60,21 +76,27 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="compiled steps (on CUDA: CUDA graphs), as deployed")
     parser.add_argument("--policies", default=",".join(str(i) for i in range(len(POLICIES))),
                         help="which of the policies, by index (default: all)")
+    parser.add_argument("--cost-profile", default=None,
+                        help="a profile of this device (python -m skipsearch profile): adds the default policy priced "
+                             "and padded by it")
     args = parser.parse_args()
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     model, eos = loaded.model, loaded.model.generation_config.eos_token_id
     texts = load_prompts(num_prompts=args.prompt_offset + args.num_prompts, seed=0)[args.prompt_offset:]
     prompts = [encode_prompt(loaded.tokenizer, text) for text in texts]
     chosen = [list(POLICIES.items())[int(i)] for i in args.policies.split(",")]
-    decoders = {"plain": skipsearch_decoder(model, args.max_new_tokens, eos, None, DraftPolicy(), compile=args.compile)}
+    profile = CostProfile.load(args.cost_profile) if args.cost_profile else None
+    decoders = {"plain": decoder(model, args.max_new_tokens, eos, None, DraftPolicy(), args.compile)}
     for skip in parse_skip_sets(args.sets, model.config.num_hidden_layers):
         for label, policy in chosen:
-            decoders[f"{skip}: {label}"] = skipsearch_decoder(model, args.max_new_tokens, eos, skip, policy,
-                                                              compile=args.compile)
+            decoders[f"{skip}: {label}"] = decoder(model, args.max_new_tokens, eos, skip, policy, args.compile)
+        if profile is not None:
+            decoders[f"{skip}: controller, guarded, padded by the profile"] = decoder(
+                model, args.max_new_tokens, eos, skip, DraftPolicy(), args.compile, profile)
     print(f"{loaded.name_or_path} on {model.device} ({model.dtype}, {'compiled' if args.compile else 'eager'}), "
           f"torch threads {torch.get_num_threads()}, {len(prompts)} held-out prompts "
           f"x {args.max_new_tokens} new tokens, {args.repeats} repeats, paired against plain decoding")
-    print(f"the guard's bookkeeping: {guard_microseconds():.2f} us per round (a clock read and its update)")
+    print(f"the controller's bookkeeping: {controller_microseconds():.2f} us per round (a plan, a clock read, an update)")
     runs = timed_runs(decoders, prompts, args.repeats, model.device, show_progress=True)
     plain = runs["plain"]
     print("| method | tok/s | vs plain (95% interval) | acceptance | drafted / round | guard: plain tokens | identical |")

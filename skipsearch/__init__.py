@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 # Public names resolve on first use (PEP 562), so `python -m skipsearch --help` never imports torch.
 _EXPORTS = {
     "SkipConfig": "config", "load_skip_config": "config", "save_skip_config": "config",
-    "self_speculative": "custom_generate",
+    "self_speculative": "custom_generate", "DraftMemory": "controller",
     "DecodeStats": "decoding", "DraftPolicy": "policy", "GenerationOutput": "decoding", "Sampling": "decoding",
     "generate": "decoding",
     "LoadedModel": "models", "encode_prompt": "models", "load_model": "models",
@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from .config import SkipConfig, load_skip_config, save_skip_config
+    from .controller import DraftMemory
     from .custom_generate import self_speculative
     from .decoding import DecodeStats, GenerationOutput, Sampling, generate
     from .models import LoadedModel, encode_prompt, load_model

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .economics import best_draft_length, committed_tokens, weight_fraction
+from .economics import RoundCosts, best_draft_length, committed_tokens, weight_fraction  # RoundCosts: re-exported
 from .engine import forward_at_position
 from .kvcache import SpeculativeCache
 from .skipping import SkipSet, draft_model
@@ -36,40 +36,26 @@ if TYPE_CHECKING:  # costs.py and decoding.py import the decode loop, which impo
 CHOICE_WINDOW = 16  # the prompt's last tokens the drafts are compared on: enough to tell a fitting set from a poor one
 
 
-@dataclass(frozen=True)
-class RoundCosts:
-    """What a round's forwards cost, in one-token forwards of the full model."""
-
-    draft: float  # one draft forward
-    # verify[n - 1]: one verification of n tokens (past the end: the last one); empty: 1.0 for any n, as on
-    # memory-bound hardware, where a forward of a few tokens reads the same weights as a forward of one.
-    verify: tuple[float, ...] = ()
-
-    def verification(self, n_tokens: int) -> float:
-        return self.verify[min(n_tokens, len(self.verify)) - 1] if self.verify else 1.0
-
-    def round(self, drafts: int) -> float:
-        """A round of `drafts` draft forwards and their verification."""
-        return drafts * self.draft + self.verification(drafts + 1)
-
-
 def expected_speedup(acceptance: float, costs: RoundCosts, max_draft_tokens: int) -> float:
-    """The speedup over plain decoding that drafting is expected to give at its best draft length, or 1.0 (plain
-    decoding) when no draft length pays: a round of k drafts commits `committed_tokens(acceptance, k)` for k draft
-    forwards and one verification of k + 1 tokens, where plain decoding commits one token per forward."""
-    drafts = best_draft_length(acceptance, costs.round, max_draft_tokens)
-    return max(1.0, committed_tokens(acceptance, drafts) / costs.round(drafts))
+    """The speedup over plain decoding expected at the best draft length with 0 (plain decoding) on the menu: the
+    draft controller's decision (controller.py), with `acceptance` the estimate the prefill's agreement seeds. A
+    round of k drafts commits `committed_tokens(acceptance, k)` for k draft forwards and one verification of k + 1
+    tokens (padded to its cheapest width), where plain decoding commits one token per forward."""
+    drafts = best_draft_length(acceptance, costs.round, max_draft_tokens, least=0)
+    return committed_tokens(acceptance, drafts) / costs.round(drafts)
 
 
 def round_costs(model: nn.Module, skip: SkipSet, max_draft_tokens: int, profile: CostProfile | None = None,
                 context: int = 0) -> RoundCosts:
-    """A round's costs with `skip`: from the device's cost profile at `context` cached tokens when given, else the
-    memory-bound estimate (`weight_fraction`, and a verification of a few tokens costing one forward)."""
+    """A round's costs with `skip`: from the device's cost profile at `context` cached tokens when given (widths as
+    measured: `RoundCosts.width` pads to the cheapest), else the memory-bound estimate (`weight_fraction`, and a
+    verification of a few tokens costing one forward)."""
     if profile is None:
         return RoundCosts(draft=weight_fraction(model, skip))
     forward = profile.forward_at(context)
     return RoundCosts(draft=profile.draft_s(skip, context) / forward,
-                      verify=tuple(profile.verify_time(n, context) / forward for n in range(1, max_draft_tokens + 2)))
+                      verify=tuple(profile.verify_measured(n, context) / forward
+                                  for n in range(1, max_draft_tokens + 2)))
 
 
 @dataclass(frozen=True)

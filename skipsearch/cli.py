@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 # Nothing heavy at module level: `--help` must answer without importing torch, transformers or optuna.
 from .constants import DEFAULT_MODEL, DTYPE_NAMES, MIN_TEMPERATURE
-from .policy import STOP_RULES, DraftPolicy
+from .policy import DEPRECATED_FIELDS, DraftPolicy, deprecation
 
 if TYPE_CHECKING:
     import optuna
@@ -128,30 +128,22 @@ def _add_draft_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-draft-tokens", type=_non_negative_int, default=None,
                        help=f"most tokens drafted per round (default: {d.max_draft_tokens})")
     group.add_argument("--fixed-draft", action="store_true",
-                       help="always draft --max-draft-tokens tokens (default: adaptive by confidence)")
-    group.add_argument("--confidence-threshold", type=_unit_float, default=None,
-                       help=f"adaptive: stop drafting below this top-1 probability (default: {d.confidence_threshold})")
-    group.add_argument("--target-acceptance", type=_unit_float, default=None,
-                       help=f"adaptive: acceptance rate the threshold steers toward (default: {d.target_acceptance})")
-    group.add_argument("--threshold-step", type=_unit_float, default=None,
-                       help=f"adaptive: threshold change per round (default: {d.threshold_step})")
-    group.add_argument("--stop-rule", choices=STOP_RULES, default=None,
-                       help="adaptive: 'threshold' stops below the confidence threshold (Draft & Verify); 'cost' "
-                            "drafts the next token only while its chance of acceptance pays for its measured cost "
-                            f"(default: {d.stop_rule})")
+                       help="always draft --max-draft-tokens tokens (default: each round's length planned by the draft "
+                            "controller from the acceptance seen and the price of a round)")
+    for flag in ("--confidence-threshold", "--target-acceptance", "--threshold-step", "--stop-rule"):
+        group.add_argument(flag, default=None, help=argparse.SUPPRESS)  # deprecated: the old rules' (issue 27)
     group.add_argument("--no-guard", action="store_true",
-                       help="draft even when drafting measures slower than plain decoding (default: the run-time "
+                       help="draft even when drafting measures slower than plain decoding (default: the controller's "
                             "guard decodes plainly then, and probes drafting again later)")
 
 
 def _draft_policy(args: argparse.Namespace, base: DraftPolicy) -> DraftPolicy:
+    old = [f"--{name.replace('_', '-')}" for name in DEPRECATED_FIELDS if getattr(args, name, None) is not None]
+    if old:
+        print(f"warning: {deprecation(old, 'the flags')}", file=sys.stderr)
     return DraftPolicy(
         max_draft_tokens=base.max_draft_tokens if args.max_draft_tokens is None else args.max_draft_tokens,
         adaptive=base.adaptive and not args.fixed_draft,
-        confidence_threshold=base.confidence_threshold if args.confidence_threshold is None else args.confidence_threshold,
-        target_acceptance=base.target_acceptance if args.target_acceptance is None else args.target_acceptance,
-        threshold_step=base.threshold_step if args.threshold_step is None else args.threshold_step,
-        stop_rule=base.stop_rule if args.stop_rule is None else args.stop_rule,
         guard=base.guard and not args.no_guard,
     )
 

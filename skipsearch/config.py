@@ -8,6 +8,7 @@ Version 1 carries one skip set ("skip", with its "metrics"); version 2 several (
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from .files import read_json, write_atomic
-from .policy import DraftPolicy
+from .policy import DEPRECATED_FIELDS, DraftPolicy, deprecation
 from .skipping import SkipSet, supported_layers
 
 FORMAT = "skipsearch/skip-config"
@@ -222,16 +223,12 @@ def parse_skip_config(data: Any, source: str = "skip config") -> SkipConfig:
     def draft_field(key: str, kind: type | tuple[type, ...]) -> Any:
         return need(draft_data, key, kind, "draft.") if key in draft_data else getattr(defaults, key)
 
+    old = [key for key in DEPRECATED_FIELDS if key in draft_data]
+    if old:  # every export of format 1 and 2 before issue 27 has them
+        warnings.warn(deprecation([f"draft.{key}" for key in old], f"{source}:"), FutureWarning, stacklevel=2)
     try:
-        draft = DraftPolicy(
-            max_draft_tokens=draft_field("max_draft_tokens", int),
-            adaptive=draft_field("adaptive", bool),
-            confidence_threshold=float(draft_field("confidence_threshold", (int, float))),
-            target_acceptance=float(draft_field("target_acceptance", (int, float))),
-            threshold_step=float(draft_field("threshold_step", (int, float))),
-            stop_rule=draft_field("stop_rule", str),
-            guard=draft_field("guard", bool),
-        )
+        draft = DraftPolicy(max_draft_tokens=draft_field("max_draft_tokens", int),
+                            adaptive=draft_field("adaptive", bool), guard=draft_field("guard", bool))
     except (TypeError, ValueError) as error:
         message = str(error)
         raise ValueError(message if message.startswith(source) else f"{source}: {message}") from None

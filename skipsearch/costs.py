@@ -54,31 +54,41 @@ class ContextCosts:
     verify_s: list[float]  # verify_s[n - 1]: one full forward of n tokens
 
     def verify_time(self, n_tokens: float) -> float:
-        """Time to verify `n_tokens` (interpolated between profiled sizes, extrapolated past the last)."""
+        """Time to verify `n_tokens`: the cheapest measured width at least as wide (hardware prices widths in steps, and
+        the loop pads to that width), interpolated between whole widths, extrapolated past the last."""
+        envelope = self.envelope()
         if n_tokens <= 1:
-            return self.verify_s[0]
-        low = min(int(n_tokens), len(self.verify_s))
-        if low == len(self.verify_s):
-            slope = self.verify_s[-1] - self.verify_s[-2] if len(self.verify_s) > 1 else 0.0
-            return self.verify_s[-1] + slope * (n_tokens - low)
+            return envelope[0]
+        low = min(int(n_tokens), len(envelope))
+        if low == len(envelope):
+            slope = envelope[-1] - envelope[-2] if len(envelope) > 1 else 0.0
+            return envelope[-1] + max(0.0, slope) * (n_tokens - low)
         frac = n_tokens - low
-        return self.verify_s[low - 1] * (1 - frac) + self.verify_s[low] * frac
+        return envelope[low - 1] * (1 - frac) + envelope[low] * frac
+
+    def envelope(self) -> list[float]:
+        """envelope[n - 1]: the cheapest measured verification of n tokens or more; non-decreasing in n."""
+        cheapest, out = float("inf"), []
+        for cost in reversed(self.verify_s):
+            cheapest = min(cheapest, cost)
+            out.append(cheapest)
+        return out[::-1]
 
 
 @dataclass(frozen=True)
 class Overheads:
     """What decoding pays besides forwards, in seconds (zero in profiles that did not measure it).
 
-    `round_s`, `draft_token_s` and `adaptive_token_s` are residuals of the real decoder's wall time over the
-    profiled forwards, so they also absorb any difference between forwards in the loop and forwards timed
-    alone; one a little below zero is noise and stored as 0 (profiles of older versions may hold negatives).
+    `round_s` and `draft_token_s` are residuals of the real decoder's wall time over the profiled forwards, so they
+    also absorb any difference between forwards in the loop and forwards timed alone; one below zero is clipped to 0
+    (profiles of older versions may hold negatives). `adaptive_token_s` is the confidence read, timed directly.
     """
 
     round_s: float = 0.0  # every round, plain or speculative: cache roll-back, host transfer, bookkeeping
     switch_s: float = 0.0  # entering and leaving draft mode, once per speculative round
     switch_sublayer_s: float = 0.0  # ... plus this per skipped sublayer
     draft_token_s: float = 0.0  # per drafted token besides its forward: picking it, loop bookkeeping
-    adaptive_token_s: float = 0.0  # per drafted token with adaptive drafting: the softmax and its host sync
+    adaptive_token_s: float = 0.0  # per drafted token cut by confidence (a CPU's adaptive rounds): the softmax, its read
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,13 @@ class CostProfile:
         """Time to verify `n_tokens` with `context` tokens cached (the shortest profiled context by default)."""
         context = self.context_lengths[0] if context is None else context
         return self._at(context, lambda c: c.verify_time(n_tokens))
+
+    def verify_measured(self, n_tokens: int, context: float | None = None) -> float:
+        """A verification of exactly `n_tokens` as measured, out of order where widths step (`verify_time` prices it
+        padded); past the measured widths, `verify_time`'s extrapolation."""
+        context = self.context_lengths[0] if context is None else context
+        return self._at(context, lambda c: c.verify_s[n_tokens - 1] if n_tokens <= len(c.verify_s)
+                        else c.verify_time(n_tokens))
 
     def switch_time(self, skip: SkipSet) -> float:
         return self.overheads.switch_s + self.overheads.switch_sublayer_s * skip.size
@@ -276,11 +293,11 @@ class NoisyMachine(ValueError):
     """The timings of a profile did not settle: the machine is too busy for its costs to mean anything."""
 
 
-# How far a profile's figures may stray before they are taken for noise: a median's 95% interval at most TOLERANCE of
-# it either way; a cost of more tokens at most ORDER_SLACK below a cost of fewer (both judged from 5 runs on); a
-# residual overhead at most ORDER_SLACK of a forward below zero (it cannot be negative: within that it is noise, 0).
+# How far a profile's figures may stray before they are taken for noise: repeats of one measurement agree when their
+# median's 95% interval is at most TOLERANCE of it either way (judged from 5 runs on). That is the only refusal: costs
+# out of order by width are the hardware's steps (priced as measured, `ContextCosts.envelope`), and a part or an
+# overhead below zero is clipped to 0 and reported in the profile's provenance ("clipped").
 TOLERANCE = 0.25
-ORDER_SLACK = 0.1
 _MIN_RUNS_FOR_INTERVAL = 5
 
 
@@ -308,49 +325,53 @@ class _ContextRuns:
         # no_attn + no_mlp count twice), so that no two independent medians' noise lands in a difference.
         forward = statistics.median(self.verify[0] + self.one_token["full"])
         no_attn, no_mlp = statistics.median(self.one_token["no_attn"]), statistics.median(self.one_token["no_mlp"])
-        attn_s, mlp_s = (forward - no_attn) / num_layers, (forward - no_mlp) / num_layers
-        rest_s = forward - num_layers * (attn_s + mlp_s)
+        attn_s, mlp_s = max(0.0, (forward - no_attn) / num_layers), max(0.0, (forward - no_mlp) / num_layers)
+        rest_s = max(0.0, forward - num_layers * (attn_s + mlp_s))
+        # Widths as measured, out of order where the hardware's kernels step so (the envelope prices them).
         verify = [forward] + [statistics.median(runs) for runs in self.verify[1:]]
-        # Costs of more tokens below those of fewer by less than ORDER_SLACK are noise (else `problems` says so).
-        monotone = [max(verify[: n + 1]) for n in range(len(verify))]
         return ContextCosts(context_tokens=self.context_tokens, attn_s=attn_s, mlp_s=mlp_s, rest_s=rest_s,
-                            verify_s=monotone)
+                            verify_s=verify)
 
-    def problems(self, num_layers: int) -> list[str]:
-        """Why these runs are not a profile yet: a median whose interval is wide, verify costs out of order (both
-        judged from 5 runs on: fewer have no interval), an attention, MLP or rest cost <= 0 (never right)."""
+    def problems(self) -> list[str]:
+        """Why these runs are not a profile yet: repeats of a measurement that disagree (a median whose 95% interval
+        is wider than TOLERANCE of it; judged from 5 runs on: fewer have no interval)."""
         found = []
         timed = {**{f"verify {n + 1}": runs for n, runs in enumerate(self.verify)}, **self.one_token}
         for name, runs in timed.items():
             median, half = median_interval(runs)
             if math.isfinite(half) and half > TOLERANCE * median:
-                found.append(f"{name}'s 95% interval is +-{half / median:.0%} of it")
-        verify = self.costs(num_layers).verify_s[:1] + [statistics.median(runs) for runs in self.verify[1:]]
-        judged = min(len(runs) for runs in self.verify) >= _MIN_RUNS_FOR_INTERVAL
-        if judged and any(later < (1 - ORDER_SLACK) * earlier for earlier, later in zip(verify, verify[1:])):
-            found.append(f"verify costs out of order ({', '.join(f'{v * 1e3:.1f}' for v in verify)} ms for "
-                         f"1-{len(verify)} tokens)")
-        costs = self.costs(num_layers)
-        for part, value in (("attention", costs.attn_s), ("MLP", costs.mlp_s), ("rest", costs.rest_s)):
-            if value <= 0:
-                found.append(f"a {'negative' if value < 0 else 'zero'} {part} cost ({value * 1e3:.3f} ms)")
-        return [f"at context {self.context_tokens}, {problem}" for problem in found]
+                found.append(f"at context {self.context_tokens}, {name}'s 95% interval is +-{half / median:.0%} of it")
+        return found
+
+    def clipped(self, num_layers: int) -> list[str]:
+        """Parts the medians put at or below zero, which `costs` clips to 0: facts of the device, reported."""
+        forward = statistics.median(self.verify[0] + self.one_token["full"])
+        attn = (forward - statistics.median(self.one_token["no_attn"])) / num_layers
+        mlp = (forward - statistics.median(self.one_token["no_mlp"])) / num_layers
+        found = [(part, value) for part, value in (("attention", attn), ("MLP", mlp),
+                                                   ("rest", forward - num_layers * (max(0, attn) + max(0, mlp))))
+                 if value <= 0]
+        return [f"at context {self.context_tokens}, a {part} cost of {value * 1e3:.3f} ms, clipped to 0"
+                for part, value in found]
 
 
 @torch.inference_mode()
 def profile_costs(
     model: torch.nn.Module, contexts: Sequence[int] | None = None, max_verify_tokens: int = 9, repeats: int = 20,
     calibrate: bool = True, show_progress: bool = False, clock: Callable[[], float] | None = None, attempts: int = 4,
-    compile_mode: str | None = None,
+    compile_mode: str | None = None, budget_s: float | None = None,
 ) -> CostProfile:
     """Time the pieces of a forward at each context length on the model's device and dtype (medians of
     `repeats` runs); with `calibrate`, also what the decoder pays besides forwards. With `compile_mode` (engine.py's
     modes: "regional" is what studies run, as CUDA graphs on CUDA) the profile times the compiled steps decoding then
     runs, and the decoding runs of the calibration are compiled alike; without, the eager forwards.
 
-    A busy machine makes garbage of timings, so the figures are checked (`_ContextRuns.problems`, `_overheads`) and,
-    while they are not stable, measured again, pooled with the runs before; after `attempts` rounds `NoisyMachine`
-    says what did not settle. `clock` (default `time.perf_counter`) times the forwards.
+    Repetition decides noise: while repeats of a measurement disagree (`_ContextRuns.problems`), all are measured
+    again and pooled with the runs before, up to `attempts` rounds or, after the first, `budget_s` seconds of wall
+    time (default: `GPU_BUDGET_S` on CUDA, unbounded on a CPU), which also stops longer contexts from being begun
+    (the profile then has fewer); then `NoisyMachine` says what did not settle. Costs
+    out of order by width are priced as measured, and parts or overheads below zero are clipped to 0 and listed in
+    the provenance ("clipped"). `clock` (default `time.perf_counter`) times the forwards.
     """
     clock = clock or time.perf_counter
     contexts = sorted(set(contexts or default_contexts(model, max_verify_tokens)))
@@ -360,25 +381,52 @@ def profile_costs(
                          f"{limit} positions")
     runs = [_ContextRuns(c, [[] for _ in range(max_verify_tokens)], {"full": [], "no_attn": [], "no_mlp": []})
             for c in contexts]
-    decodes: list[tuple[DecodeStats, DecodeStats, DecodeStats]] = []
-    problems: list[str] = []
+    budget_s = budget_s if budget_s is not None else GPU_BUDGET_S if model.device.type == "cuda" else math.inf
+    started, problems = time.perf_counter(), []
     for attempt in range(attempts):
         _time_forwards(model, runs, repeats, clock, warm=attempt == 0, show_progress=show_progress,
-                       compile_mode=compile_mode)
-        profile = _profile(model, [r.costs(model.config.num_hidden_layers) for r in runs])
-        problems = [p for r in runs for p in r.problems(model.config.num_hidden_layers)]
-        if calibrate and not problems:
-            switches = _switch_costs(model, clock)
-            decodes += _decoding_runs(model, replace(profile, overheads=switches), max(1, min(repeats, 5)),
-                                      compile_mode)
-            overheads, problems = _overheads(replace(profile, overheads=switches), decodes, model)
-            profile = replace(profile, overheads=overheads)
-        if not problems:
-            return profile
-    raise NoisyMachine(
-        f"this machine is too noisy to profile: after {attempts} rounds of {repeats} timed runs, {problems[0]}"
-        f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; profile again when it is idle (other "
-        "programs closed), or profile a quiet machine of this kind and give its file with --cost-profile")
+                       compile_mode=compile_mode, deadline=started + budget_s)
+        runs = [r for r in runs if r.verify[0]]  # past the budget, longer contexts were left out: fewer contexts
+        problems = [p for r in runs for p in r.problems()]
+        if not problems or time.perf_counter() - started > budget_s:
+            break
+    if problems:
+        raise NoisyMachine(
+            f"this machine is too noisy to profile: after {attempt + 1} rounds of {repeats} timed runs, repeats "
+            f"disagree: {problems[0]}{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; profile again "
+            "when it is idle (other programs closed), or profile a quiet machine of this kind and give its file with "
+            "--cost-profile")
+    profile = _profile(model, [r.costs(model.config.num_hidden_layers) for r in runs])
+    clipped = [c for r in runs for c in r.clipped(model.config.num_hidden_layers)]
+    if calibrate:
+        overheads, more = _calibrated(model, profile, repeats, compile_mode, clock)
+        profile, clipped = replace(profile, overheads=overheads), clipped + more
+    return replace(profile, provenance={**profile.provenance, "clipped": clipped}) if clipped else profile
+
+
+GPU_BUDGET_S = 60.0  # a profile's measuring again on a GPU stops after this: a shape's profile ends within minutes
+
+
+def _calibrated(model: torch.nn.Module, profile: CostProfile, repeats: int, compile_mode: str | None,
+                clock: Callable[[], float]) -> tuple[Overheads, list[str]]:
+    """What a round pays besides its forwards: the draft-mode switch and the confidence read, timed directly; the
+    rest, residuals of real decoding runs over the profiled forwards (`_overheads`), with what was clipped."""
+    switches = replace(_switch_costs(model, clock), adaptive_token_s=_confidence_read_s(model, clock))
+    decodes = _decoding_runs(model, replace(profile, overheads=switches), max(1, min(repeats, 5)), compile_mode)
+    return _overheads(replace(profile, overheads=switches), decodes, model)
+
+
+def _confidence_read_s(model: torch.nn.Module, clock: Callable[[], float], runs: int = 200) -> float:
+    """What the cut inside a round pays per draft besides the draft: its confidence (a softmax over the vocabulary)
+    read back to the host. Timed directly: a residual of two decodings' times would be a small difference of noise."""
+    logits = torch.zeros((1, model.config.vocab_size), device=model.device, dtype=model.dtype)
+    times = []
+    for _ in range(runs):
+        synchronize(model.device)
+        start = clock()
+        float(torch.softmax(logits.float(), -1).max())
+        times.append(clock() - start)
+    return statistics.median(times)
 
 
 def _profile(model: torch.nn.Module, contexts: list[ContextCosts]) -> CostProfile:
@@ -418,8 +466,10 @@ def _compiled_forwards(model: torch.nn.Module, ids: torch.Tensor, context: int, 
 
 
 def _time_forwards(model: torch.nn.Module, runs: list[_ContextRuns], repeats: int, clock: Callable[[], float],
-                   warm: bool, show_progress: bool, compile_mode: str | None = None) -> None:
-    """Add `repeats` timed runs of every measurement, at every context length, to `runs`."""
+                   warm: bool, show_progress: bool, compile_mode: str | None = None, deadline: float = math.inf
+                   ) -> None:
+    """Add `repeats` timed runs of every measurement, at every context length, to `runs`, from the shortest; past
+    `deadline` (wall time) no further context is begun."""
     from tqdm.auto import tqdm
 
     device = model.device
@@ -430,6 +480,8 @@ def _time_forwards(model: torch.nn.Module, runs: list[_ContextRuns], repeats: in
     drafts = _draft_kinds(model.config.num_hidden_layers)
     desc = "profiling contexts" if warm else "profiling contexts again (the timings did not settle)"
     for context_runs in tqdm(runs, desc=desc, disable=not show_progress):
+        if context_runs is not runs[0] and time.perf_counter() > deadline:
+            break
         context = context_runs.context_tokens
         if compile_mode:
             cache, forward, compiled_drafts = _compiled_forwards(model, ids, context, max_verify_tokens, compile_mode)
@@ -503,44 +555,39 @@ def _decode_seconds(stats: DecodeStats) -> float:
 
 
 _NEW_TOKENS, _DRAFT_TOKENS = 16, 4
+NOISE_SLACK = 0.1  # a residual overhead less than this share of a forward below zero is noise, stored as 0 unreported
 
 
-def _calibration(model: torch.nn.Module, profile: CostProfile) -> tuple[list[int], SkipSet, DraftPolicy, DraftPolicy]:
-    """The prompt (at the shortest profiled context), skip set and policies that the overheads are measured with."""
+def _calibration(model: torch.nn.Module, profile: CostProfile) -> tuple[list[int], SkipSet, DraftPolicy]:
+    """The prompt (at the shortest profiled context), skip set and policy that the overheads are measured with."""
     num_layers = model.config.num_hidden_layers
     limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     context = max(1, min(profile.context_lengths[0], limit - _NEW_TOKENS - _DRAFT_TOKENS - 1))
     prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
     skip = SkipSet.of(range(1, num_layers - 1, 2), (), num_layers)  # any set will do: the switch is known
-    # The guard off: the overheads are those of the rounds themselves.
-    fixed = DraftPolicy(max_draft_tokens=_DRAFT_TOKENS, adaptive=False, guard=False)
-    never_stops = DraftPolicy(max_draft_tokens=_DRAFT_TOKENS, adaptive=True, confidence_threshold=0.0,
-                              threshold_step=0.0, guard=False)
-    return prompt, skip, fixed, never_stops
+    # Fixed rounds, the guard off: the overheads are those of the rounds themselves.
+    return prompt, skip, DraftPolicy(max_draft_tokens=_DRAFT_TOKENS, adaptive=False, guard=False)
 
 
 def _decoding_runs(model: torch.nn.Module, profile: CostProfile, repeats: int,
-                   compile_mode: str | None = None) -> list[tuple[DecodeStats, DecodeStats, DecodeStats]]:
-    """`repeats` triples of real decoding runs: plain, fixed drafting, and adaptive drafting that never stops early
-    (threshold 0), which drafts exactly the tokens fixed drafting does."""
-    prompt, skip, fixed, never_stops = _calibration(model, profile)
+                   compile_mode: str | None = None) -> list[tuple[DecodeStats, DecodeStats]]:
+    """`repeats` pairs of real decoding runs: plain, and fixed drafting."""
+    prompt, skip, fixed = _calibration(model, profile)
 
-    def run(skip_set: SkipSet | None, policy: DraftPolicy) -> DecodeStats:
-        return generate(model, prompt, skip=skip_set, max_new_tokens=_NEW_TOKENS, policy=policy,
+    def run(skip_set: SkipSet | None) -> DecodeStats:
+        return generate(model, prompt, skip=skip_set, max_new_tokens=_NEW_TOKENS, policy=fixed,
                         compile=compile_mode is not None, compile_mode=compile_mode).stats
 
-    run(None, fixed), run(skip, fixed)  # warm-up
-    return [(run(None, fixed), run(skip, fixed), run(skip, never_stops)) for _ in range(repeats)]
+    run(None), run(skip)  # warm-up
+    return [(run(None), run(skip)) for _ in range(repeats)]
 
 
-def _overheads(profile: CostProfile, decodes: list[tuple[DecodeStats, DecodeStats, DecodeStats]],
-               model: torch.nn.Module) -> tuple[Overheads, list[str]]:
+def _overheads(profile: CostProfile, decodes: list[tuple[DecodeStats, DecodeStats]], model: torch.nn.Module
+               ) -> tuple[Overheads, list[str]]:
     """What the real decoder pays besides the profiled forwards (residuals of `decodes` over them, at the shortest
-    profiled context), and why they are not stable yet: a residual further below zero than noise explains.
-
-    Plain decoding gives the per-round cost; fixed drafting the per-drafted-token cost; the paired difference of
-    adaptive and fixed drafting adaptive drafting's per-token confidence check."""
-    _, skip, _, _ = _calibration(model, profile)
+    profiled context): plain decoding gives the per-round cost, fixed drafting the per-drafted-token cost. A residual
+    below zero cannot be a cost: it is clipped to 0, and said (the second value) where beyond noise."""
+    _, skip, _ = _calibration(model, profile)
 
     def forwards(stats: DecodeStats, skip_set: SkipSet) -> float:
         """The profiled forwards (and known switches) of the rounds in `stats`."""
@@ -550,24 +597,21 @@ def _overheads(profile: CostProfile, decodes: list[tuple[DecodeStats, DecodeStat
                               + (profile.switch_time(skip_set) if n_tokens > 1 else 0.0))
         return total
 
-    round_s, token_s, adaptive_s = [], [], []
-    for plain, drafted, adaptive in decodes:
+    round_s, token_s = [], []
+    for plain, drafted in decodes:
         round_s.append((_decode_seconds(plain) - forwards(plain, SkipSet())) / plain.rounds)
         if drafted.drafted:
             token_s.append((_decode_seconds(drafted) - forwards(drafted, skip) - drafted.rounds * round_s[-1])
                            / drafted.drafted)
-            adaptive_s.append((_decode_seconds(adaptive) - _decode_seconds(drafted)) / drafted.drafted)
     context = profile.context_lengths[0]
-    scales = {"per round": profile.forward_at(context), "per drafted token": profile.draft_s(skip, context),
-              "per adaptive draft": profile.draft_s(skip, context)}
-    figures, problems = [], []
-    for (name, scale), values in zip(scales.items(), (round_s, token_s, adaptive_s)):
+    scales = {"per round": profile.forward_at(context), "per drafted token": profile.draft_s(skip, context)}
+    figures, clipped = [], []
+    for (name, scale), values in zip(scales.items(), (round_s, token_s)):
         value = statistics.median(values) if values else 0.0
-        if value < -ORDER_SLACK * scale:
-            problems.append(f"a negative decoding overhead {name} ({value * 1e3:.3f} ms)")
-        figures.append(max(0.0, value))  # it cannot be negative: a little below zero is noise
-    return replace(profile.overheads, round_s=figures[0], draft_token_s=figures[1],
-                   adaptive_token_s=figures[2]), problems
+        if value < -NOISE_SLACK * scale:
+            clipped.append(f"a negative decoding overhead {name} ({value * 1e3:.3f} ms), clipped to 0")
+        figures.append(max(0.0, value))
+    return replace(profile.overheads, round_s=figures[0], draft_token_s=figures[1]), clipped
 
 
 def decode_stats(model: torch.nn.Module, prompts: Iterable[list[int]], skip: SkipSet, policy: DraftPolicy,
@@ -593,6 +637,12 @@ def format_profile(profile: CostProfile) -> str:
     lines.append(f"besides forwards: {ms(o.round_s)} per round; draft-mode switch {ms(o.switch_s)} + "
                  f"{ms(o.switch_sublayer_s)} per skipped sublayer; {ms(o.draft_token_s)} per drafted token, "
                  f"+{ms(o.adaptive_token_s)} when adaptive")
+    widths = profile.contexts[0].envelope()
+    padded = [n for n in range(1, len(widths) + 1) if widths[n - 1] < profile.contexts[0].verify_s[n - 1]]
+    if padded:
+        lines.append(f"at context {profile.context_lengths[0]}, verifying {', '.join(map(str, padded))} tokens is "
+                     "padded to a cheaper width (priced by the envelope)")
+    lines.extend(f"clipped: {note}" for note in profile.provenance.get("clipped", []))
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ from . import adapter
 from .adapter import GenerateDecoderOnlyOutput, GenerationMode
 from .config import SkipConfig, combine_skip_configs, load_skip_config
 from .constants import MIN_TEMPERATURE
+from .controller import DraftMemory
 from .decoding import DecodeHooks, DecodeStats, DraftPolicy, Sampling, generate
 from .skipping import SkipSet
 
@@ -45,7 +46,9 @@ _MODE_OPTIONS = {GenerationMode.DOLA_GENERATION: "dola_layers", GenerationMode.C
 
 
 class SelfSpeculative:
-    """A `custom_generate` callable for transformers' `generate`; `stats` sums the decode statistics of its calls."""
+    """A `custom_generate` callable for transformers' `generate`; `stats` sums the decode statistics of its calls, and
+    `memory` is what the draft controller learned across them (plain speed, back-offs: controller.py), which the
+    caller may reset or persist."""
 
     def __init__(self, skip: SkipSet | tuple[SkipSet, ...], policy: DraftPolicy, config: SkipConfig | None = None,
                  tokenizer: Any = None, compile: bool = False, compile_backend: str = "inductor",
@@ -53,6 +56,7 @@ class SelfSpeculative:
         self.skip, self.policy, self.config, self.tokenizer = skip, policy, config, tokenizer
         self.compile, self.compile_backend, self.cost_profile = compile, compile_backend, cost_profile
         self.stats = DecodeStats()
+        self.memory = DraftMemory()
 
     # The parameters mirror transformers' `_sample`, which `generate` calls with them; `stop_strings` is extra on
     # purpose: generate hands an extra parameter to the callable instead of building criteria that need a tokenizer.
@@ -82,6 +86,7 @@ class SelfSpeculative:
                 hooks=DecodeHooks(process=_processing(logits_processor), stop=_stopping(stopping_criteria),
                                   commit=(lambda tokens: streamer.put(torch.tensor(tokens))) if streamer else None),
                 compile=self.compile, compile_backend=self.compile_backend, cost_profile=self.cost_profile,
+                memory=self.memory,
             )
         finally:
             if streamer is not None:

@@ -2,12 +2,13 @@
 
 Invariant of the loop: the KV cache holds the full model's keys and values for every
 committed token but the last one, which is fed at the start of the next round.
-A round drafts up to k tokens with the draft path (`draft_round`), moves the static cache's
-write position back to the committed length (stale slots past it stay, hidden by the causal
-mask), verifies `[last, d1..dk]` in one forward of the full model and keeps the longest
-accepted prefix plus one token of the full model (`verify_greedy`, `verify_sampling`). Greedy verification gives
-exactly the tokens of plain greedy decoding; sampling uses speculative rejection sampling,
-which keeps the full model's distribution.
+Each round, the draft controller (controller.py) says how many tokens to draft, 0 meaning plain steps; the round
+drafts them with the draft path (`draft_round`), sets the static cache's write position back to the committed length
+(stale slots past it stay, hidden by the causal mask), verifies `[last, d1..dk]` in one forward of the full model,
+keeps the longest accepted prefix plus one token of the full model (`verify_greedy`, `verify_sampling`) and sets the
+position to the new committed length, passed explicitly as gpt-fast passes `input_pos`; then the controller observes
+the round. Greedy verification gives exactly the tokens of plain greedy decoding; sampling uses speculative rejection
+sampling, which keeps the full model's distribution.
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ import torch
 from transformers import LogitsProcessorList
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from .choice import Choice, prefill_choosing
+from .choice import Choice, prefill_choosing, round_costs
 from .constants import MIN_TEMPERATURE
-from .economics import AcceptanceRate, MarginalCost, best_draft_length, weight_fraction
+from .controller import DraftController, DraftMemory, GuardStats
 from .engine import CompileSettings, Step, Steps, engine_for, synchronize
 from .errors import NonFiniteLogits
-from .guard import Guard, GuardStats, PlainSpeed, Schedule
 from .inputs import check_generate_args, check_prompt
 from .policy import DraftPolicy  # re-exported: callers of the loop import it from here too
 from .skipping import SkipSet
@@ -91,7 +91,7 @@ class DecodeStats:
     verify_contexts: collections.Counter = field(default_factory=collections.Counter)
     # Time of first calls of compiled steps during this call (tracing and compiling), inside wall_time_s.
     compile_time_s: float = 0.0
-    guard: GuardStats = field(default_factory=GuardStats)  # tokens the run-time guard decoded plainly, and why
+    guard: GuardStats = field(default_factory=GuardStats)  # tokens the controller decoded plainly, and why
     # The choice among several skip sets made at each prompt's prefill (choice.py); empty when none was made.
     choices: list[Choice] = field(default_factory=list)
 
@@ -143,7 +143,6 @@ class DecodeStats:
 class GenerationOutput:
     tokens: list[int]  # the new tokens only, EOS included when it ended the generation
     stats: DecodeStats = field(default_factory=DecodeStats)
-    final_threshold: float | None = None
 
 
 @dataclass(frozen=True)
@@ -180,15 +179,15 @@ def _through_eos(tokens: list[int], eos: frozenset[int]) -> list[int]:
 
 def host_reads_stall(device: torch.device) -> bool:
     """Whether reading a value back stalls the device. On CUDA it does (the queue drains and the GPU idles until the
-    host launches again), so a round reads back once (adaptive drafting chooses each round's length before it,
-    from the acceptance seen and the price of a draft: `economics.best_draft_length`) and plain decoding once per
-    `PLAIN_STEPS_PER_READ` steps, whose steps past an EOS are dropped. On a CPU a read waits for nothing: drafting
-    stops at the first unsure token and plain decoding at an EOS."""
+    host launches again), so a round reads back once: its length is planned before it (controller.py) and it is not
+    cut inside; plain decoding reads once per `PLAIN_STEPS_PER_READ` steps, whose steps past an EOS are dropped. On a
+    CPU a read waits for nothing: a round may stop at an unsure draft (`DraftController.cut`), plain decoding at an
+    EOS."""
     return device.type == "cuda"
 
 
 PLAIN_STEPS_PER_READ = 8
-ROUND_CLOCK = time.perf_counter  # what the guard and the price of a draft time rounds with (tests inject theirs)
+ROUND_CLOCK = time.perf_counter  # what the controller times rounds with (tests inject theirs)
 
 
 def drafting_skip(skip: SkipSet | None, policy: DraftPolicy) -> SkipSet | None:
@@ -212,25 +211,20 @@ class Draft:
     ids: torch.Tensor  # (1, k + 1)
     count: int
     probs: torch.Tensor | None = None  # (k, vocab)
-    confidence: float | None = None  # the drafts' summed confidence, where read back (the host's cut)
+    confidence: float | None = None  # the drafts' summed confidence, where it was read back (the cut)
 
 
 def draft_round(
-    step: Step, last: torch.Tensor, budget: int, policy: DraftPolicy, threshold: float | None, sampling: Sampling,
+    step: Step, last: torch.Tensor, budget: int, cut: tuple[float, float, float | None] | None, sampling: Sampling,
     generator: torch.Generator | None, hooks: DecodeHooks | None = None, history: torch.Tensor | None = None,
-    calibration: float = 1.0,
 ) -> Draft:
-    """Draft up to `budget` tokens after `last` with the draft step, stopping after the first unsure one (adaptive):
-    one whose confidence is below `threshold`; by `policy.stop_rule` "cost", one after which the chance that all
-    drafts so far are accepted (the product of their confidences times `calibration`, each capped at 1) is.
-
-    Reads each draft's confidence back when adaptive (a host read per drafted token); fixed-length
-    drafting (or `threshold` None: where reads stall the device, the round's length was chosen before it) stays
-    on the device. With `hooks`, each draft's logits are processed with `history` (the committed ids, `last`
-    included) and the drafts so far.
-    """
-    tokens, probs, running, summed = [last.view(1)], [], 1.0, 0.0
-    cut, cost_rule = policy.adaptive and threshold is not None, policy.stop_rule == "cost"
+    """Draft up to `budget` tokens after `last` with the draft step. With `cut` (acceptance, price, typical confidence:
+    where a draft's confidence is free to read, `DraftController.cut`), a draft's chance of acceptance is taken as the
+    acceptance scaled by its confidence over the typical one (at most 1), and drafting stops once the chance that the
+    next draft is accepted with all before it (their chances' product times acceptance) is below its price: a host
+    read per drafted token. Without, every draft stays on the device. With `hooks`, each draft's logits are processed
+    with `history` (the committed ids, `last` included) and the drafts so far."""
+    tokens, probs, chance, summed = [last.view(1)], [], 1.0, 0.0
     for _ in range(budget):
         logits = _draft_logits(step, tokens, hooks, history)
         if sampling.do_sample:
@@ -240,14 +234,15 @@ def draft_round(
             tokens.append(logits.argmax(-1))
         # The unsure token is kept: its forward is already paid, and verifying one
         # more token costs far less than a forward on memory-bound hardware.
-        if cut:
+        if cut is not None:
+            acceptance, price, typical = cut
             confidence = float(probs[-1].max() if probs else torch.softmax(logits.float(), -1).max())  # the read
             summed += confidence
-            running = running * min(1.0, calibration * confidence) if cost_rule else confidence
-            if running < threshold:
+            chance *= min(1.0, acceptance * (confidence / typical if typical else 1.0))
+            if chance * acceptance < price:
                 break
     return Draft(torch.cat(tokens).view(1, -1), len(tokens) - 1, torch.stack(probs) if probs else None,
-                 summed if cut else None)
+                 summed if cut is not None else None)
 
 
 def _draft_logits(step: Step, tokens: list[torch.Tensor], hooks: DecodeHooks | None, history: torch.Tensor | None
@@ -304,47 +299,42 @@ def generate(
     compile_mode: str | None = None,
     hooks: DecodeHooks | None = None,
     cost_profile: CostProfile | None = None,
+    memory: DraftMemory | None = None,
 ) -> GenerationOutput:
     """Decode `max_new_tokens` (or up to EOS) for one prompt with self-speculative decoding.
 
     `skip=None`, an empty skip set or `policy.max_draft_tokens == 0` decodes plainly through the same loop
-    (`drafting_skip`); several sets: the prefill chooses one or plain decoding (choice.py, `cost_profile`).
+    (`drafting_skip`); several sets: the prefill chooses one or plain decoding (choice.py). `cost_profile` prices
+    rounds (and pads verifications to the cheapest width) until the rounds' own times take over (controller.py).
+    `memory`: what the controller learned in earlier calls (plain speed, back-offs), updated in place; None: nothing.
     `generator` seeds sampling, on the model's device. `compile` runs the draft and verify forwards compiled
     (`compile_backend`, `compile_mode`: engine.py's modes; CUDA graphs by default on CUDA), kept on the model for
-    later calls; in the regional mode (CUDA's default) the prefill runs compiled too, at a few padded widths. `hooks` put logits processing, stopping and streaming in the caller's hands.
-    """
+    later calls; in the regional mode (CUDA's default) the prefill runs compiled too, at a few padded widths.
+    `hooks` put logits processing, stopping and streaming in the caller's hands."""
     prompt = check_prompt(model, input_ids)  # before any work: each a TypeError or ValueError saying what is wrong
     check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling, cost_profile)
     candidates = drafting_sets(skip, policy)
     settings = CompileSettings(compile_backend, compile_mode) if compile else None
     steps = _prepare(model, prompt.shape[1] + max_new_tokens, candidates, policy, settings)
-    first = next(iter(steps.values()))  # what a single set (or plain decoding) decodes with; a choice replaces it
-    loop = _Loop(model, first, _verify_width(first, policy, settings), policy, sampling, _eos_set(eos_token_id),
-                 generator, hooks, time_drafts, host_reads_stall(model.device),
-                 _Choosing(candidates, steps, cost_profile) if len(candidates) > 1 else None,
-                 settings)
-    _watch_rounds(loop, candidates[0] if len(candidates) == 1 else None)  # with a choice: once it is made
+    run = _Run(model, sampling, _eos_set(eos_token_id), generator, hooks, time_drafts, host_reads_stall(model.device),
+               settings is not None, policy.max_draft_tokens, cost_profile, steps if len(candidates) > 1 else None)
+    controller = _controller(run, candidates, policy, memory, settings, prompt.shape[1])
     new_steps = _not_set_up(steps)
-    output = _decode(loop, prompt, max_new_tokens)
+    output = _decode(run, next(iter(steps.values())), controller, prompt, max_new_tokens)
     output.stats.compile_time_s = sum(step.setup_time_s or 0.0 for step in new_steps)  # the first calls' setup
     return output
 
 
-def _watch_rounds(loop: _Loop, draft_skip: SkipSet | None) -> None:
-    """What the policy asks to time drafting rounds for: the guard (with plain speed and the set's schedule as earlier
-    calls left them: guard.py) and the price of a draft (first the share of weights read), which the "cost" rule
-    and, where reads stall the device, the choice of each round's length (with the acceptance rate) use."""
-    if draft_skip is None:
-        return
-    ahead = loop.read_once and loop.policy.adaptive
-    if ahead:
-        loop.acceptance = AcceptanceRate(loop.policy.target_acceptance)
-    if loop.policy.guard:
-        engine = engine_for(loop.model)
-        loop.guard = Guard(engine.plain_speeds.setdefault(loop.settings, PlainSpeed()),
-                           engine.guard_schedules.setdefault((draft_skip, loop.settings), Schedule()))
-    if loop.policy.stop_rule == "cost" or ahead:
-        loop.costs = MarginalCost(weight_fraction(loop.model, draft_skip))
+def _controller(run: _Run, candidates: tuple[SkipSet, ...], policy: DraftPolicy, memory: DraftMemory | None,
+                settings: CompileSettings | None, context: int) -> DraftController:
+    """The call's controller, its memory keyed by how the steps run; drafting with the one set given (with several,
+    the prefill's choice says which)."""
+    key = "eager" if settings is None else f"{settings.backend}/{settings.mode or 'default'}"
+    controller = DraftController(policy, memory, key)
+    if len(candidates) == 1:
+        controller.use(candidates[0], round_costs(run.model, candidates[0], policy.max_draft_tokens, run.profile,
+                                                  context))
+    return controller
 
 
 def _prepare(model: torch.nn.Module, tokens: int, candidates: tuple[SkipSet, ...], policy: DraftPolicy,
@@ -360,135 +350,104 @@ def _prepare(model: torch.nn.Module, tokens: int, candidates: tuple[SkipSet, ...
             for skip in options}
 
 
-def _verify_width(steps: Steps, policy: DraftPolicy, settings: CompileSettings | None) -> int | None:
-    """Compiled: the width every verification is padded to (the widest round's); eager: None, any width."""
-    if settings is None:
-        return None
-    return policy.max_draft_tokens + 1 if steps.draft is not None else 1
-
-
 def _not_set_up(steps: dict[SkipSet | None, Steps]) -> list[Step]:
     """The steps whose first call (compiling) is still to come, each once: one verify step serves every set."""
     return list({id(step): step for option in steps.values() for step in option.not_set_up()}.values())
 
 
 @dataclass(frozen=True)
-class _Choosing:
-    """Several skip sets to choose among at the prefill, the steps of each and of plain decoding (keyed None), and
-    the cost profile that prices drafts (None: the memory-bound estimate; choice.py)."""
-
-    candidates: tuple[SkipSet, ...]
-    steps: dict[SkipSet | None, Steps]
-    profile: CostProfile | None
-
-
-@dataclass
-class _Loop:
-    """What one call decodes with, and the state that moves from round to round: the adaptive threshold, the
-    run-time guard's (None: off) and the price of a drafted token (None: not asked for)."""
+class _Run:
+    """What one call decodes with, fixed for the call (the controller and the statistics are what moves)."""
 
     model: torch.nn.Module  # runs the prefill, eagerly
-    steps: Steps  # steps.draft None: plain decoding
-    verify_width: int | None  # compiled: every verification padded to this width
-    policy: DraftPolicy
     sampling: Sampling
     eos: frozenset[int]
     generator: torch.Generator | None
     hooks: DecodeHooks | None
     time_drafts: bool
-    read_once: bool  # host reads stall the device: one read per round (`host_reads_stall`)
-    choosing: _Choosing | None = None  # several skip sets: the prefill chooses, and sets `steps` and the width
-    settings: CompileSettings | None = None  # how the steps run: the guard's memory on the engine is kept by it
-    stats: DecodeStats = field(default_factory=DecodeStats)
-    guard: Guard | None = None
-    costs: MarginalCost | None = None
-    acceptance: AcceptanceRate | None = None  # where rounds are not cut but their length chosen ahead (CUDA)
-    round_drafts: int = 0  # draft forwards of the latest round
-    # The cost rule's calibration of confidence to acceptance: faded sums of accepted drafts and of their confidence.
-    accepted_seen: float = 1.0
-    confidence_seen: float = 1.0
-    threshold: float = field(init=False)
-    smoothed_acceptance: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.threshold = self.policy.confidence_threshold
-        self.smoothed_acceptance = self.policy.target_acceptance
+    read_once: bool  # host reads stall the device: one read per round, no cut inside it (`host_reads_stall`)
+    compiled: bool  # compiled verify steps take one width: every verification is padded to the widest round's
+    max_draft_tokens: int
+    profile: CostProfile | None  # prices rounds at first (None: the share of the weights a draft reads)
+    choosing: dict[SkipSet | None, Steps] | None  # several skip sets: the prefill chooses among these steps
 
 
-def _decode(loop: _Loop, prompt: torch.Tensor, max_new_tokens: int) -> GenerationOutput:
-    """Prefill, then rounds (or batches of plain steps) until `max_new_tokens`, an EOS or a stopping hook.
-    The cache holds every committed token but `last`, and its position is where `last` goes."""
+@dataclass(frozen=True)
+class _Round:
+    """What a round (or a batch of plain steps) committed, and what the controller observes of it."""
+
+    tokens: list[int]
+    last: torch.Tensor  # the last committed token, on the device: the next round starts from it
+    history: torch.Tensor | None  # with hooks: every committed id, on the device
+    stopped: bool  # a stopping hook fired
+    drafted: int = 0
+    accepted: int = 0
+    confidence: float | None = None  # the drafts' summed confidence, where it was read (the cut)
+
+
+def _decode(run: _Run, steps: Steps, controller: DraftController, prompt: torch.Tensor, max_new_tokens: int
+            ) -> GenerationOutput:
+    """Prefill, then rounds (or batches of plain steps) until `max_new_tokens`, an EOS or a stopping hook. The cache
+    holds every committed token but `last`: its length, `position`, is where `last` goes, passed to each round."""
+    stats = DecodeStats()
     synchronize(prompt.device)
     start_time = time.perf_counter()
-    last, tokens, history = _prefill(loop, prompt)
+    steps, done = _prefill(run, steps, controller, stats, prompt)
     since = ROUND_CLOCK()
-    loop.stats.prefill_time_s = time.perf_counter() - start_time
-    stopped = history is not None and _hooks_stop(loop, history, tokens)
-    while len(tokens) < max_new_tokens and tokens[-1] not in loop.eos and not stopped:
-        context, room = prompt.shape[1] + len(tokens) - 1, max_new_tokens - len(tokens)  # context: tokens cached
-        drafting = loop.steps.draft is not None and (loop.guard is None or loop.guard.drafting())
-        cold = _cold(loop, drafting)
-        if drafting or loop.hooks is not None:
-            new_tokens, last, history, stopped = _round(loop, last, context, room, history, drafting)
+    stats.prefill_time_s = time.perf_counter() - start_time
+    tokens = list(done.tokens)
+    while len(tokens) < max_new_tokens and tokens[-1] not in run.eos and not done.stopped:
+        position, room = prompt.shape[1] + len(tokens) - 1, max_new_tokens - len(tokens)
+        drafts = controller.plan(room)
+        cold = _cold(steps, drafts)
+        if drafts or run.hooks is not None:
+            done = _round(run, steps, controller, stats, done, position, room, drafts)
         else:
-            new_tokens, last = _plain_steps(loop, last, context, room)
-        tokens.extend(new_tokens)
-        since = _account(loop, len(new_tokens), since, cold, drafting)
+            done = _plain_steps(run, steps, stats, done.last, position, room)
+        tokens.extend(done.tokens)
+        since = _observe(controller, done, since, cold)
     synchronize(prompt.device)
-    loop.stats.wall_time_s = time.perf_counter() - start_time
-    loop.stats.new_tokens = len(tokens)
-    if loop.guard is not None:
-        loop.stats.guard = loop.guard.stats
-    moved = loop.policy.adaptive and loop.policy.stop_rule == "threshold" and loop.acceptance is None
-    threshold = loop.threshold if moved else None
-    return GenerationOutput(tokens, loop.stats, threshold)
+    stats.wall_time_s = time.perf_counter() - start_time
+    stats.new_tokens, stats.guard = len(tokens), controller.stats
+    return GenerationOutput(tokens, stats)
 
 
-def _cold(loop: _Loop, drafting: bool) -> bool:
-    """Whether the iteration runs a compiled step's first call (compiling): its time says nothing of decoding.
-    Asked only when something times the rounds (the guard, the cost rule)."""
-    if loop.guard is None and loop.costs is None:
-        return False
-    steps = (loop.steps.draft, loop.steps.verify) if drafting else (loop.steps.plain,)
-    return any(step.setup_time_s is None for step in steps)
+def _cold(steps: Steps, drafts: int) -> bool:
+    """Whether the iteration runs a compiled step's first call (compiling): its time says nothing of decoding."""
+    return any(step.setup_time_s is None for step in ((steps.draft, steps.verify) if drafts else (steps.plain,)))
 
 
-def _account(loop: _Loop, tokens: int, since: float, cold: bool, drafting: bool) -> float:
-    """The iteration's wall time, from the previous iteration's end (its host read) to now, to the guard and the
-    price of a draft; returns now. No clock is read when neither is on."""
-    if loop.guard is None and loop.costs is None:
-        return since
+def _observe(controller: DraftController, done: _Round, since: float, cold: bool) -> float:
+    """The iteration's wall time, from the previous iteration's end (its host read) to now, to the controller;
+    returns now. The clock is a host read of the host's: no device sync."""
     now = ROUND_CLOCK()
-    seconds = None if cold else now - since
-    if loop.guard is not None:
-        loop.guard.observe(tokens, seconds, drafting)
-    if loop.costs is not None and seconds is not None and tokens:
-        drafts = loop.round_drafts if drafting else 0
-        loop.costs.observe(drafts, seconds if drafting else seconds / tokens)  # plain: per step, as a round of none
+    controller.observe(done.drafted, done.accepted, len(done.tokens), None if cold else now - since, done.confidence)
     return now
 
 
-def _prefill(loop: _Loop, prompt: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
-    """The prompt's forward and the first new token; with hooks, the committed ids too (on the device).
-    With several skip sets, the prefill also chooses the one to draft with (`_prefill_choosing`)."""
-    loop.steps.cache.seek(0)
-    if loop.choosing is None:
-        logits = loop.steps.prefill(prompt)
+def _prefill(run: _Run, steps: Steps, controller: DraftController, stats: DecodeStats, prompt: torch.Tensor
+             ) -> tuple[Steps, _Round]:
+    """The prompt's forward and the first new token; with hooks, the committed ids too (on the device). With
+    several skip sets, the prefill also chooses the one to draft with, and so the steps (`_prefill_choosing`)."""
+    steps.cache.seek(0)
+    if run.choosing is None:
+        logits = steps.prefill(prompt)
     else:
-        logits = _prefill_choosing(loop, prompt)
+        logits, steps = _prefill_choosing(run, controller, stats, prompt)
     # Whether the model's own logits are finite (before the processors, whose -inf is meant), read back with the
     # first token below: the check costs no host read of its own, which on CUDA would drain the queue.
     finite = torch.isfinite(logits).all()
-    if loop.hooks is not None:
-        logits = loop.hooks.process(prompt, logits)
-    if loop.sampling.do_sample:  # NaN would stop the sampler before that read (on CUDA, a device-side assert)
+    if run.hooks is not None:
+        logits = run.hooks.process(prompt, logits)
+    if run.sampling.do_sample:  # NaN would stop the sampler before that read (on CUDA, a device-side assert)
         logits = torch.where(finite, logits, torch.zeros_like(logits))
-    last = _next_token(loop, logits)
+    last = _next_token(run, logits)
     # One host read, which also makes the prefill time exact on CUDA.
     *tokens, finite_read = torch.cat([last.view(-1), finite.view(1).to(last.dtype)]).tolist()
-    check_finite(loop.model, bool(finite_read))
-    history = torch.cat([prompt[0], last]) if loop.hooks is not None else None
-    return last, tokens, history
+    check_finite(run.model, bool(finite_read))
+    history = torch.cat([prompt[0], last]) if run.hooks is not None else None
+    stopped = history is not None and _hooks_stop(run, history, tokens)
+    return steps, _Round(tokens, last, history, stopped)
 
 
 def check_finite(model: torch.nn.Module, finite: bool) -> None:
@@ -503,140 +462,116 @@ def check_finite(model: torch.nn.Module, finite: bool) -> None:
                               "nothing was decoded or measured")
 
 
-def _prefill_choosing(loop: _Loop, prompt: torch.Tensor) -> torch.Tensor:
-    """The prefill that chooses this prompt's skip set, or plain decoding (choice.py); the loop then runs the
-    chosen one's steps. Returns the logits predicting the first new token."""
-    choosing = loop.choosing
-    logits, choice = prefill_choosing(loop.model, loop.steps.cache, prompt, choosing.candidates,
-                                      loop.policy.max_draft_tokens, loop.sampling, choosing.profile)
-    loop.steps = choosing.steps[choice.skip]
-    loop.verify_width = _verify_width(loop.steps, loop.policy, loop.settings)
-    _watch_rounds(loop, choice.skip)
-    loop.stats.choices.append(choice)
-    return logits
+def _prefill_choosing(run: _Run, controller: DraftController, stats: DecodeStats, prompt: torch.Tensor
+                      ) -> tuple[torch.Tensor, Steps]:
+    """The prefill that chooses this prompt's skip set, or plain decoding (choice.py): the controller drafts with
+    the chosen set, its acceptance seeded by the set's agreement. Returns the logits predicting the first token."""
+    cache = next(iter(run.choosing.values())).cache
+    candidates = tuple(skip for skip in run.choosing if skip is not None)
+    logits, choice = prefill_choosing(run.model, cache, prompt, candidates, run.max_draft_tokens, run.sampling,
+                                      run.profile)
+    if choice.skip is not None:
+        shape = round_costs(run.model, choice.skip, run.max_draft_tokens, run.profile, prompt.shape[1])
+        controller.use(choice.skip, shape, choice.agreements[choice.chosen])
+    stats.choices.append(choice)
+    return logits, run.choosing[choice.skip]
 
 
-def _next_token(loop: _Loop, logits: torch.Tensor) -> torch.Tensor:
-    if loop.sampling.do_sample:
-        return torch.multinomial(loop.sampling.probabilities(logits)[0], 1, generator=loop.generator)
+def _next_token(run: _Run, logits: torch.Tensor) -> torch.Tensor:
+    if run.sampling.do_sample:
+        return torch.multinomial(run.sampling.probabilities(logits)[0], 1, generator=run.generator)
     return logits.argmax(-1)
 
 
-def _plain_steps(loop: _Loop, last: torch.Tensor, context: int, room: int) -> tuple[list[int], torch.Tensor]:
+def _plain_steps(run: _Run, steps: Steps, stats: DecodeStats, last: torch.Tensor, position: int, room: int
+                 ) -> _Round:
     """Plain decoding: every token is final, so steps run back to back and are read back together.
     Tokens decoded past an EOS are dropped (and their steps counted)."""
-    n = min(PLAIN_STEPS_PER_READ if loop.read_once else 1, room)
-    steps = [last]
+    n = min(PLAIN_STEPS_PER_READ if run.read_once else 1, room)
+    ids = [last]
     for _ in range(n):
-        steps.append(_next_token(loop, loop.steps.plain(steps[-1].view(1, 1))))
-    new_tokens = torch.cat(steps[1:]).tolist()
-    loop.stats.rounds += n
-    loop.stats.verify_sizes[1] += n
-    loop.stats.verify_contexts.update((1, context + j) for j in range(n))
-    return _through_eos(new_tokens, loop.eos), steps[-1]
+        ids.append(_next_token(run, steps.plain(ids[-1].view(1, 1))))
+    new_tokens = torch.cat(ids[1:]).tolist()
+    steps.cache.seek(position + n)  # each step advanced it: said outright, as every round says it
+    stats.rounds += n
+    stats.verify_sizes[1] += n
+    stats.verify_contexts.update((1, position + j) for j in range(n))
+    return _Round(_through_eos(new_tokens, run.eos), ids[-1], None, False)
 
 
-def _round(loop: _Loop, last: torch.Tensor, context: int, room: int, history: torch.Tensor | None, drafting: bool
-           ) -> tuple[list[int], torch.Tensor, torch.Tensor | None, bool]:
-    """One speculative round: draft, roll back, verify, commit. Not `drafting` (plain decoding with hooks) or with
-    no room left for a draft, the round verifies `last` alone: a plain step."""
-    budget = min(loop.policy.max_draft_tokens, room - 1) if drafting else 0
-    draft = _timed_draft(loop, last, budget, history) if budget else Draft(last.view(1, 1), 0)
-    loop.steps.cache.advance(-draft.count)  # verification overwrites what the drafts wrote
-    loop.round_drafts = draft.count
-    verifier, width = (loop.steps.verify, loop.verify_width) if drafting else (loop.steps.plain, None)
-    ids = _pad(draft.ids, width) if width else draft.ids
-    logits = verifier(ids)
-    if loop.hooks is not None:
-        logits = loop.hooks.process(torch.cat([history, draft.ids[0, 1:]]).view(1, -1), logits[: draft.ids.shape[1]])
-    if loop.sampling.do_sample:
-        accepted, new_tokens, last = verify_sampling(logits, draft, loop.sampling, loop.generator)
+def _round(run: _Run, steps: Steps, controller: DraftController, stats: DecodeStats, before: _Round, position: int,
+           room: int, drafts: int) -> _Round:
+    """One speculative round at `position` (the cache's committed length): draft, verify, commit. With no drafts
+    (plain decoding with hooks, a plain stretch of the controller's, no room left) it verifies `last` alone."""
+    last, history = before.last, before.history
+    draft = _draft(run, steps, controller, stats, last, drafts, history) if drafts else Draft(last.view(1, 1), 0)
+    steps.cache.seek(position)  # verification overwrites what the drafts wrote
+    logits = _verify(run, steps, controller, draft)
+    if run.hooks is not None:
+        logits = run.hooks.process(torch.cat([history, draft.ids[0, 1:]]).view(1, -1), logits[: draft.ids.shape[1]])
+    if run.sampling.do_sample:
+        accepted, new_tokens, last = verify_sampling(logits, draft, run.sampling, run.generator)
     else:
         accepted, new_tokens, last = verify_greedy(logits, draft)
-    loop.steps.cache.advance(accepted + 1 - ids.shape[1])  # past the committed tokens, `last` excluded
-    _record_round(loop, accepted, draft.count, context, draft.confidence)
-    new_tokens = _through_eos(new_tokens[:room], loop.eos)
-    stopped = False
-    if loop.hooks is not None:
+    steps.cache.seek(position + accepted + 1)  # the committed tokens, the new `last` excluded
+    _record_round(stats, accepted, draft.count, position)
+    new_tokens, stopped = _through_eos(new_tokens[:room], run.eos), False
+    if run.hooks is not None:
         committed = torch.cat([draft.ids[0, 1 : 1 + accepted], last.view(-1)])[: len(new_tokens)]
         history = torch.cat([history, committed])
-        stopped, new_tokens = _hooks_commit(loop, history, new_tokens)
-    return new_tokens, last, history, stopped
+        stopped, new_tokens = _hooks_commit(run, history, new_tokens)
+    return _Round(new_tokens, last, history, stopped, draft.count, accepted, draft.confidence)
 
 
-def _timed_draft(loop: _Loop, last: torch.Tensor, budget: int, history: torch.Tensor | None) -> Draft:
-    """The round's drafts: where host reads stall the device (CUDA) as many as chosen before the round
-    (`economics.best_draft_length`), else up to the first unsure one (the stop rule).
+def _draft(run: _Run, steps: Steps, controller: DraftController, stats: DecodeStats, last: torch.Tensor,
+           drafts: int, history: torch.Tensor | None) -> Draft:
+    """The round's drafts: as many as planned, cut at an unsure one where reads are free (not on CUDA).
     With `time_drafts`, the drafting time is measured (two syncs: for cost accounting only)."""
-    if loop.time_drafts:
+    if run.time_drafts:
         synchronize(last.device)
         start = time.perf_counter()
-    if loop.acceptance is not None:  # reads stall the device: the round's length is chosen before it, with no cut
-        price = loop.costs.price
-        budget, threshold = best_draft_length(loop.acceptance.rate, lambda drafts: 1.0 + drafts * price, budget), None
-    else:
-        threshold = _stop_threshold(loop)
-    draft = draft_round(loop.steps.draft, last, budget, loop.policy, threshold, loop.sampling, loop.generator,
-                        loop.hooks, history, loop.accepted_seen / loop.confidence_seen)
-    if loop.time_drafts:
+    cut = None if run.read_once else controller.cut()
+    draft = draft_round(steps.draft, last, drafts, cut, run.sampling, run.generator, run.hooks, history)
+    if run.time_drafts:
         synchronize(last.device)
-        loop.stats.draft_time_s += time.perf_counter() - start
+        stats.draft_time_s += time.perf_counter() - start
     return draft
 
 
-def _stop_threshold(loop: _Loop) -> float:
-    """What a draft's confidence is compared with ("threshold" rule), or the chance that the drafts so far are all
-    accepted ("cost"): for the next draft to pay, that chance times the smoothed acceptance of one more must
-    exceed its price in plain steps."""
-    if loop.policy.stop_rule == "threshold":
-        return loop.threshold
-    return loop.costs.price / max(loop.smoothed_acceptance, MIN_SMOOTHED_ACCEPTANCE)
+def _verify(run: _Run, steps: Steps, controller: DraftController, draft: Draft) -> torch.Tensor:
+    """The full model's logits over the round's tokens, padded to the width verified at: compiled steps take one
+    width (the widest round's); eager ones the cheapest priced width at least as wide (`DraftController.width`)."""
+    if not draft.count:
+        return steps.plain(draft.ids)
+    width = run.max_draft_tokens + 1 if run.compiled else controller.width(draft.ids.shape[1])
+    return steps.verify(_pad(draft.ids, width))
 
 
-MIN_SMOOTHED_ACCEPTANCE = 0.05  # below it the cost rule's threshold exceeds any chance: one draft a round
-CALIBRATION_FADE = 0.9  # per round: the calibration follows the last ten rounds or so
-
-
-def _record_round(loop: _Loop, accepted: int, count: int, context: int, confidence: float | None = None) -> None:
-    """Statistics of a round, from the values its one host read brought; then the smoothed acceptance moves, and
-    with the "threshold" stop rule the threshold toward keeping it at the target (Draft & Verify); with the "cost"
-    rule, the calibration where the drafts' `confidence` was read back; where rounds' lengths are chosen ahead,
-    the acceptance rate they are chosen by."""
-    stats = loop.stats
+def _record_round(stats: DecodeStats, accepted: int, count: int, position: int) -> None:
+    """Statistics of a round, from the values its one host read brought."""
     stats.rounds += 1
     stats.verify_sizes[count + 1] += 1
-    stats.verify_contexts[count + 1, context] += 1
+    stats.verify_contexts[count + 1, position] += 1
     stats.drafted += count
     stats.accepted += accepted
-    if loop.policy.adaptive and count:
-        loop.smoothed_acceptance = 0.5 * loop.smoothed_acceptance + 0.5 * accepted / count
-        if loop.acceptance is not None:
-            loop.acceptance.observe(accepted, count)
-        if confidence is not None:
-            loop.accepted_seen = CALIBRATION_FADE * loop.accepted_seen + accepted
-            loop.confidence_seen = CALIBRATION_FADE * loop.confidence_seen + confidence
-        if loop.policy.stop_rule == "threshold":
-            up = loop.smoothed_acceptance < loop.policy.target_acceptance
-            step = loop.policy.threshold_step if up else -loop.policy.threshold_step
-            loop.threshold = min(1.0, max(0.0, loop.threshold + step))
 
 
-def _hooks_stop(loop: _Loop, history: torch.Tensor, tokens: list[int]) -> bool:
+def _hooks_stop(run: _Run, history: torch.Tensor, tokens: list[int]) -> bool:
     """After the prefill: whether a stopping criterion fired on the first token; the streamer gets it."""
-    stopped = loop.hooks.stop(history.view(1, -1), 1) is not None
-    if loop.hooks.commit is not None:
-        loop.hooks.commit(tokens)
+    stopped = run.hooks.stop(history.view(1, -1), 1) is not None
+    if run.hooks.commit is not None:
+        run.hooks.commit(tokens)
     return stopped
 
 
-def _hooks_commit(loop: _Loop, history: torch.Tensor, new_tokens: list[int]) -> tuple[bool, list[int]]:
+def _hooks_commit(run: _Run, history: torch.Tensor, new_tokens: list[int]) -> tuple[bool, list[int]]:
     """A round's tokens through the stopping criteria (cut after the one that fired) and to the streamer."""
-    keep = loop.hooks.stop(history.view(1, -1), len(new_tokens))
+    keep = run.hooks.stop(history.view(1, -1), len(new_tokens))
     stopped = keep is not None
     if stopped:
         new_tokens = new_tokens[:keep]
-    if loop.hooks.commit is not None:
-        loop.hooks.commit(new_tokens)
+    if run.hooks.commit is not None:
+        run.hooks.commit(new_tokens)
     return stopped, new_tokens
 
 

@@ -1,18 +1,16 @@
-"""What one more drafted token costs on this device, in plain decoding steps, measured as decoding goes.
+"""The economics of a round: what drafting commits and what it costs, as the draft controller (controller.py) weighs it.
 
-A round that runs `d` draft forwards and verifies `d + 1` tokens takes about `base + d * per_draft`
-seconds: `base` is a one-token forward of the full model plus the round's fixed work (a plain step's
-worth), `per_draft` one draft forward plus one more verified token. Their ratio is the price of the next
-draft in plain steps: drafting it pays only when its chance of being accepted (with all before it) is
-above that price. The two are fit by least squares over the call's rounds (with forgetting, so a
-growing context is tracked), from the wall time between the rounds' host reads, which the loop has
-anyway. Until the rounds vary enough in length to separate the two, the price is the share of the
-model's weights the draft still reads (`weight_fraction`): what it costs where decoding is bound
-by memory bandwidth and verifying a few more tokens is free.
-
-Where a read stalls the device (CUDA), a round cannot stop drafting at an unsure token without one: the
-length of each round is chosen before it from the acceptance rate seen so far and that price
-(`AcceptanceRate`, `best_draft_length`).
+- `Acceptance`: the one estimate of a draft's chance of being accepted, per skip set; seeded by the prior (or the
+  prefill's agreement, choice.py) and moved by the rounds.
+- `RoundCosts`: the shape of a round's price in one-token forwards of the full model (a draft forward; a verification
+  by width), from a device cost profile, else from the share of the weights a draft reads (`weight_fraction`): what a
+  draft costs where decoding is bound by memory bandwidth and verifying a few more tokens is free. Widths are priced
+  as measured: hardware prices them in steps (CPU matrix kernels, GPU tiles), so a verification of n tokens costs
+  the cheapest measured width j >= n, and is padded to j (`RoundCosts.width`).
+- `PriceFit`: that shape in seconds, fit from the rounds' wall times (faded least squares of a round's time on its
+  verification and its draft forwards).
+- `best_draft_length`: the drafts per round that commit the most tokens per unit of time (Leviathan et al. 2023,
+  section 3.4), priced; 0 (a plain step) on the menu where the caller puts it there.
 """
 
 from __future__ import annotations
@@ -25,9 +23,12 @@ from torch import nn
 from . import adapter
 from .skipping import SkipSet, decoder_layers
 
-FORGET = 0.95  # per round: the fit follows the last few dozen rounds
-MIN_SPREAD = 0.25  # variance of the draft counts below which the fit cannot separate base and per-draft cost
-PRICE_LIMITS = (0.02, 4.0)  # a fit outside these is noise, not a price
+PRIOR_ACCEPTANCE = 0.7  # before any round or agreement: drafts of a set worth trying are accepted often
+PRIOR_DRAFTS = 2.0  # the prior weighs as much as two drafts: the first rounds decide
+ACCEPTANCE_FADE = 0.9  # per round: the estimate follows the last ten rounds or so
+PRICE_FADE = 0.95  # per round: the price fit follows the last few dozen rounds, so a growing context is tracked
+PULL = 0.001  # how strongly the fit keeps the profile's ratio of draft to verification until rounds vary in length
+UNIT_LIMITS = (0.1, 10.0)  # a fit unit this far from the common one is noise, not a price
 
 
 @dataclass(frozen=True)
@@ -68,53 +69,22 @@ def _size(module: nn.Module) -> int:
 
 
 @dataclass
-class MarginalCost:
-    """Online least squares of round time on draft forwards; `price` is per_draft / base, or `prior` until the
-    rounds spread enough to tell the two apart."""
+class Acceptance:
+    """A drafted token's chance of being accepted when every draft before it in the round was: accepted drafts over
+    accepted drafts and rejections, where a round that kept fewer drafts than it ran ended in one rejection and a
+    round that kept them all in none (the maximum-likelihood rate where acceptances are independent draws and a
+    round's length cuts the draws short). Faded per round; starts from `prior` with the weight of `PRIOR_DRAFTS`."""
 
-    prior: float
-    weight: float = 0.0
-    sum_d: float = 0.0
-    sum_t: float = 0.0
-    sum_dd: float = 0.0
-    sum_dt: float = 0.0
-
-    def observe(self, drafts: int, seconds: float) -> None:
-        self.weight = FORGET * self.weight + 1.0
-        self.sum_d = FORGET * self.sum_d + drafts
-        self.sum_t = FORGET * self.sum_t + seconds
-        self.sum_dd = FORGET * self.sum_dd + drafts * drafts
-        self.sum_dt = FORGET * self.sum_dt + drafts * seconds
-
-    @property
-    def price(self) -> float:
-        if self.weight < 4:
-            return self.prior
-        mean_d, mean_t = self.sum_d / self.weight, self.sum_t / self.weight
-        spread = self.sum_dd / self.weight - mean_d * mean_d
-        if spread < MIN_SPREAD:
-            return self.prior
-        per_draft = (self.sum_dt / self.weight - mean_d * mean_t) / spread
-        base = mean_t - per_draft * mean_d
-        if base <= 0 or not PRICE_LIMITS[0] <= per_draft / base <= PRICE_LIMITS[1]:
-            return self.prior
-        return per_draft / base
-
-
-@dataclass
-class AcceptanceRate:
-    """A drafted token's chance of being accepted when every draft before it in the round was, from the rounds so
-    far: accepted drafts over accepted drafts and rejections, where a round that kept fewer drafts than it ran ended
-    in one rejection and a round that kept them all in none. That is the maximum-likelihood rate where acceptances
-    are independent draws and a round's length cuts the draws short. Faded per round, as the calibration of the
-    stop rule is; starts from `prior` (the policy's target acceptance) with the weight of `PRIOR_DRAFTS` drafts."""
-
-    prior: float
+    prior: float = PRIOR_ACCEPTANCE
     accepted: float = field(init=False)
     rejected: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.accepted, self.rejected = self.prior * PRIOR_DRAFTS, (1.0 - self.prior) * PRIOR_DRAFTS
+        self.seed(self.prior)
+
+    def seed(self, rate: float) -> None:
+        """Start again from `rate` (the prefill's agreement, or what the rounds so far said) at the prior's weight."""
+        self.accepted, self.rejected = rate * PRIOR_DRAFTS, (1.0 - rate) * PRIOR_DRAFTS
 
     def observe(self, accepted: int, drafted: int) -> None:
         self.accepted = ACCEPTANCE_FADE * self.accepted + accepted
@@ -125,10 +95,6 @@ class AcceptanceRate:
         return self.accepted / (self.accepted + self.rejected)
 
 
-PRIOR_DRAFTS = 2.0  # the prior weighs as much as two drafts: the first rounds decide
-ACCEPTANCE_FADE = 0.9  # per round: the rate follows the last ten rounds or so
-
-
 def committed_tokens(acceptance: float, drafts: int) -> float:
     """The tokens a round of `drafts` commits on average, its accepted drafts and the full model's next token, when
     each draft is accepted with probability `acceptance` once the ones before it were: 1 + a + ... + a^drafts."""
@@ -137,11 +103,81 @@ def committed_tokens(acceptance: float, drafts: int) -> float:
     return (1.0 - acceptance ** (drafts + 1)) / (1.0 - acceptance)
 
 
-def best_draft_length(acceptance: float, round_cost: Callable[[int], float], most: int) -> int:
-    """The drafts per round, 1 to `most` (0 when `most` is), that commit the most tokens per unit of cost, a round
-    of k drafts costing `round_cost(k)` (Leviathan et al. 2023, section 3.4). Chosen before the round where reading
-    a draft's confidence back would stall the device; at least one draft, since whether drafting pays at all is the
-    guard's verdict (and the choice's, among skip sets)."""
-    if most <= 0:
-        return 0
-    return max(range(1, most + 1), key=lambda drafts: committed_tokens(acceptance, drafts) / round_cost(drafts))
+def best_draft_length(acceptance: float, round_cost: Callable[[int], float], most: int, least: int = 1) -> int:
+    """The drafts per round, `least` to `most` (`most` when it is below `least`), that commit the most tokens per
+    unit of cost, a round of k drafts costing `round_cost(k)` (Leviathan et al. 2023, section 3.4); with `least` 0,
+    a plain step is on the menu (`round_cost(0)` its price). The shortest of equals wins."""
+    if most <= least:
+        return max(most, 0)
+    return max(range(least, most + 1), key=lambda drafts: committed_tokens(acceptance, drafts) / round_cost(drafts))
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """What a round's forwards cost, in one-token forwards of the full model: the shape a profile or the weights give,
+    which `PriceFit` scales to seconds."""
+
+    draft: float  # one draft forward
+    # verify[n - 1]: one verification of n tokens as measured (past the end: the last one); empty: 1.0 for any n, as
+    # on memory-bound hardware, where a forward of a few tokens reads the same weights as a forward of one.
+    verify: tuple[float, ...] = ()
+
+    def width(self, n_tokens: int, widest: int | None = None) -> int:
+        """The width a verification of `n_tokens` runs at: the cheapest measured width >= n_tokens (up to `widest`),
+        the narrowest of equals; n_tokens itself past the measured widths."""
+        last = min(len(self.verify), widest or len(self.verify))
+        if n_tokens >= last:
+            return n_tokens
+        return min(range(n_tokens, last + 1), key=lambda j: (self.verify[j - 1], j))
+
+    def verification(self, n_tokens: int) -> float:
+        """A verification of `n_tokens`, padded to its cheapest width (`width`)."""
+        if not self.verify:
+            return 1.0
+        return self.verify[min(self.width(n_tokens), len(self.verify)) - 1]
+
+    def round(self, drafts: int) -> float:
+        """A round of `drafts` draft forwards and their verification."""
+        return drafts * self.draft + self.verification(drafts + 1)
+
+
+@dataclass
+class PriceFit:
+    """A round's seconds as `v * shape.verification(k + 1) + d * k * shape.draft` for k drafts: the shape's two parts,
+    each scaled by a unit fit from the rounds' times (least squares faded by `PRICE_FADE`, pulled toward one common
+    unit by `PULL`, so that until the rounds vary in length the shape's ratio of draft to verification stands)."""
+
+    shape: RoundCosts
+    sums: list[float] = field(default_factory=lambda: [0.0] * 6)  # weight, x1x1, x1x2, x2x2, x1t, x2t
+
+    def observe(self, drafts: int, seconds: float) -> None:
+        x1, x2 = self.shape.verification(drafts + 1), drafts * self.shape.draft
+        terms = (1.0, x1 * x1, x1 * x2, x2 * x2, x1 * seconds, x2 * seconds)
+        self.sums = [PRICE_FADE * s + t for s, t in zip(self.sums, terms)]
+
+    def units(self) -> tuple[float, float] | None:
+        """Seconds per unit of verification and of draft forwards; None before any timed round."""
+        weight, s11, s12, s22, s1t, s2t = self.sums
+        if weight == 0.0:
+            return None
+        common = (s1t + s2t) / (s11 + 2 * s12 + s22)  # both parts in one unit: the profile's shape, scaled
+        pull = PULL * (s11 + s22) / 2
+        a11, a22, b1, b2 = s11 + pull, s22 + pull, s1t + pull * common, s2t + pull * common
+        det = a11 * a22 - s12 * s12
+        v, d = (b1 * a22 - s12 * b2) / det, (a11 * b2 - s12 * b1) / det
+        low, high = UNIT_LIMITS[0] * common, UNIT_LIMITS[1] * common
+        return min(max(v, low), high), min(max(d, low), high)
+
+    def round_s(self, drafts: int) -> float | None:
+        """A round of `drafts` in seconds (0: a verification of one token, a plain step's forward); None before any
+        timed round."""
+        units = self.units()
+        if units is None:
+            return None
+        return units[0] * self.shape.verification(drafts + 1) + units[1] * drafts * self.shape.draft
+
+    def draft_price(self) -> float:
+        """One more draft forward in one-token verifications: what a draft costs relative to a plain step."""
+        units = self.units()
+        v, d = units if units is not None else (1.0, 1.0)
+        return d * self.shape.draft / (v * self.shape.verification(1))

@@ -34,7 +34,6 @@ import torch._inductor.config
 from torch import nn
 
 from . import adapter
-from .guard import PlainSpeed, Schedule
 from .kvcache import SpeculativeCache
 from .skipping import SkippedLayer, SkipSet, decoder_layers, draft_layers, draft_model, forget_draft, model_with_layers
 
@@ -256,8 +255,7 @@ class Steps(NamedTuple):
 
 class Engine:
     """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead.
-    `plain_speeds` keeps plain decoding's measured speed by compile settings and `guard_schedules` the guard's
-    schedule by skip set and settings, across calls (guard.py)."""
+    What drafting learns across calls is not kept here but in the caller's `controller.DraftMemory`."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -269,8 +267,6 @@ class Engine:
         self.layers: dict[str, CompiledLayers] = {}  # by backend
         self.graph_pool = None
         self._kept_skip_sets = DRAFT_STEPS_KEPT
-        self.plain_speeds: dict[CompileSettings | None, PlainSpeed] = {}
-        self.guard_schedules: dict[tuple[SkipSet, CompileSettings | None], Schedule] = {}
 
     @property
     def kept_skip_sets(self) -> int:

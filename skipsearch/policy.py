@@ -1,59 +1,61 @@
-"""How many tokens a round drafts. Kept apart from the decode loop, so that configs, the command line and plots
+"""How far a round may draft. Kept apart from the decode loop, so that configs, the command line and plots
 read it without importing torch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import warnings
+from dataclasses import InitVar, dataclass, fields
 
-
-STOP_RULES = ("threshold", "cost")
 # Fields added after configs and studies were first written, with the values files without them mean: written only
 # when they differ, so that what an earlier release wrote reads back, and is written again, key for key.
-LATER_FIELDS = {"stop_rule": "threshold", "guard": True}
+LATER_FIELDS = {"guard": True}
+# Fields of the rules the draft controller replaced (issue 27): accepted for one release, with a warning, and ignored.
+DEPRECATED_FIELDS = ("confidence_threshold", "target_acceptance", "threshold_step", "stop_rule")
+
+
+def deprecation(names: list[str], where: str) -> str:
+    """The one line that says old policy fields were given and are ignored."""
+    return (f"{where} {', '.join(names)}: no longer used (one draft controller decides how far to draft, "
+            "controller.py); ignored, and refused in a later release")
 
 
 @dataclass(frozen=True)
 class DraftPolicy:
-    """How many tokens to draft per round.
+    """How far a round may draft, and whether drafting may give way to plain decoding.
 
-    With `adaptive`, drafting stops early by `stop_rule`:
-    - "threshold" (Draft & Verify): after a token whose draft top-1 probability is below
-      `confidence_threshold`; after every round the threshold moves by `threshold_step` toward
-      keeping the (smoothed) acceptance rate at `target_acceptance`.
-    - "cost": after a token when the chance that the drafts so far and the next are all accepted
-      (the product of their top-1 probabilities, times the smoothed acceptance for the next) is
-      below what one more drafted token costs in plain steps, measured as the call goes
-      (`economics.MarginalCost`): the next token is drafted only while it is expected to pay.
-    Both stop at a token only after reading its confidence back. Where that read would stall the device
-    (CUDA: `decoding.host_reads_stall`), adaptive drafting instead chooses each round's length before it,
-    from the acceptance rate seen so far and the measured price of a draft
-    (`economics.best_draft_length`), and verifies every draft it ran.
-    `guard` keeps drafting only while it measurably beats plain decoding (guard.py); studies turn
-    it off in their trials, which measure the skip set itself.
-    `max_draft_tokens=0` is plain autoregressive decoding through the same loop.
+    `max_draft_tokens`: the largest draft; 0 is plain autoregressive decoding through the same loop. With `adaptive`,
+    the draft controller (controller.py) plans each round's length, up to that, from the acceptance it sees and the
+    price of a round; without, every round drafts `max_draft_tokens` (what studies and fixed-length benchmarks run).
+    `guard` lets the controller decode plainly while drafting measures slower than plain decoding; studies turn it
+    off in their trials, which measure the skip set itself. The old rules' fields (`DEPRECATED_FIELDS`) are accepted
+    for one release with a warning, and ignored.
     """
 
     max_draft_tokens: int = 8
     adaptive: bool = True
-    confidence_threshold: float = 0.6
-    target_acceptance: float = 0.7
-    threshold_step: float = 0.05
-    stop_rule: str = "threshold"
     guard: bool = True
+    confidence_threshold: InitVar[float | None] = None
+    target_acceptance: InitVar[float | None] = None
+    threshold_step: InitVar[float | None] = None
+    stop_rule: InitVar[str | None] = None
+
+    @classmethod
+    def from_dict(cls, values: dict[str, object]) -> DraftPolicy:
+        """A policy that a study stored (`as_dict`): the old rules' fields of earlier studies are dropped unsaid."""
+        return cls(**{k: v for k, v in values.items() if k not in DEPRECATED_FIELDS})
 
     def as_dict(self) -> dict[str, object]:
         """The policy's fields for a file: those added later only where they differ from what their absence means."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return {k: v for k, v in values.items() if k not in LATER_FIELDS or v != LATER_FIELDS[k]}
 
-    def __post_init__(self) -> None:
-        if self.stop_rule not in STOP_RULES:
-            raise ValueError(f"stop_rule must be one of {', '.join(STOP_RULES)}, got {self.stop_rule!r}")
+    def __post_init__(self, *old: object) -> None:
+        given = [name for name, value in zip(DEPRECATED_FIELDS, old) if value is not None]
+        if given:
+            warnings.warn(deprecation(given, "DraftPolicy"), FutureWarning, stacklevel=3)
         if not isinstance(self.guard, bool):
             raise ValueError(f"guard must be true or false, got {self.guard!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"adaptive must be true or false, got {self.adaptive!r}")
         if isinstance(self.max_draft_tokens, bool) or not isinstance(self.max_draft_tokens, int) or self.max_draft_tokens < 0:
             raise ValueError(f"max_draft_tokens must be an integer >= 0, got {self.max_draft_tokens!r}")
-        for name in ("confidence_threshold", "target_acceptance", "threshold_step"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {value!r}")

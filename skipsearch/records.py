@@ -208,7 +208,7 @@ class StudyLabel:
         try:
             values = {f.name: attrs.get(f.name) for f in fields(cls)}
             values["model"] = ModelInfo(**attrs["model"])
-            values["draft"] = None if values["draft"] is None else DraftPolicy(**values["draft"])
+            values["draft"] = None if values["draft"] is None else DraftPolicy.from_dict(values["draft"])
             values["space"] = None if values["space"] is None else SearchSpace(**values["space"])
             if values["cost_profile"] is not None:
                 from .costs import CostProfile

@@ -55,13 +55,20 @@ def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, vocab_si
 
 @pytest.fixture(autouse=True)
 def guard_off_unless_tested(request, monkeypatch):
-    """The run-time guard decides by this machine's timings, and remembers a losing set across calls on a model: tests
-    of anything else run without it, so that their statistics do not follow the machine's load. tests/test_guard.py
-    (marked `guarded`) tests it, with a virtual clock where a verdict matters."""
+    """The draft controller prices rounds by this machine's timings, and its guard falls back to plain decoding by
+    them: tests of anything else run with the guard off and a clock on which every loop iteration takes 1 ms, so that
+    their statistics do not follow the machine's load. tests/test_guard.py (marked `guarded`) tests the controller,
+    with a virtual clock where a decision matters."""
     if request.node.get_closest_marker("guarded") is None:
+        import dataclasses
+        import itertools
+
         from skipsearch import decoding
 
-        monkeypatch.setattr(decoding, "Guard", lambda *args, **kwargs: None)
+        real, ticks = decoding.DraftController, itertools.count()
+        monkeypatch.setattr(decoding, "DraftController",
+                            lambda policy, *args: real(dataclasses.replace(policy, guard=False), *args))
+        monkeypatch.setattr(decoding, "ROUND_CLOCK", lambda: next(ticks) * 1e-3)
 
 
 @pytest.fixture(scope="session")

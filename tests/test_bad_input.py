@@ -90,7 +90,7 @@ def workspace(tmp_path, tiny_model_dir):
     (tmp_path / "not-a-model").mkdir()
     (tmp_path / "studies").mkdir()
     (tmp_path / "draft-list.json").write_text(json.dumps({**good, "draft": [8, 0.6]}))
-    (tmp_path / "draft-null.json").write_text(json.dumps({**good, "draft": {**good["draft"], "confidence_threshold": None}}))
+    (tmp_path / "draft-null.json").write_text(json.dumps({**good, "draft": {**good["draft"], "max_draft_tokens": None}}))
     (tmp_path / "a-folder.jsonl").mkdir()
     (tmp_path / "bad-line.jsonl").write_text('{"prompt": "one"}\n{"prompt": "two",\n{"prompt": "three"}\n')
     (tmp_path / "no-weights").mkdir()
@@ -177,7 +177,7 @@ CASES = [
     (["generate", "--prompt", "hi", "--device", "cuda:1"], "CUDA is not available"),
     # 5. malformed values, each naming its field or flag
     (["generate", "--prompt", "hi", "--config", "{dir}/draft-list.json"], r"'draft' has the wrong type \(list\)"),
-    (["generate", "--prompt", "hi", "--config", "{dir}/draft-null.json"], "draft.'confidence_threshold'"),
+    (["generate", "--prompt", "hi", "--config", "{dir}/draft-null.json"], "draft.'max_draft_tokens'"),
     (["generate", "--prompt", "hi", "--seed", "1e23"], "argument --seed"),
     (["generate", "--prompt", "hi", "--do-sample", "--seed", "100000000000000000000000"], "argument --seed"),
     (["generate", "--prompt", "caf\udce9"], "argument --prompt: not valid UTF-8"),

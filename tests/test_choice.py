@@ -176,7 +176,7 @@ layer_ids = st.lists(st.integers(0, NUM_LAYERS - 1), unique=True, max_size=NUM_L
        adaptive=st.booleans())
 def test_greedy_output_is_plain_decodings_whatever_is_chosen(sets, prompt, max_draft, adaptive):
     skips = [SkipSet.of(attn, mlp, NUM_LAYERS) for attn, mlp in sets]
-    policy = DraftPolicy(max_draft_tokens=max_draft, adaptive=adaptive, confidence_threshold=0.3)
+    policy = DraftPolicy(max_draft_tokens=max_draft, adaptive=adaptive)
     out = generate(GREEDY_MODEL, prompt, skip=skips, max_new_tokens=16, policy=policy, eos_token_id=None)
     assert out.tokens == hf_greedy(GREEDY_MODEL, prompt, 16, eos=None)
     assert len(out.stats.choices) == (len(decoding.drafting_sets(skips, policy)) > 1)

@@ -4,6 +4,7 @@ import re
 import pytest
 
 from skipsearch.cli import main
+from skipsearch.policy import DraftPolicy
 
 
 def run(capsys, *argv):
@@ -194,7 +195,7 @@ def test_optimize_takes_over_an_empty_unlabelled_study(capsys, tmp_path, tiny_mo
     assert STUDY_ATTR in study.user_attrs and "exported" in out
 
 
-def test_generate_takes_the_stop_rule_and_the_guard_switch(capsys, tiny_model_dir, monkeypatch):
+def test_generate_takes_the_guard_switch_and_warns_of_the_old_rules_flags(capsys, tiny_model_dir, monkeypatch):
     from skipsearch import decoding
 
     seen = []
@@ -207,11 +208,9 @@ def test_generate_takes_the_stop_rule_and_the_guard_switch(capsys, tiny_model_di
     monkeypatch.setattr(decoding, "generate", spy)
     common = ["generate", "--model", tiny_model_dir, "--prompt", "hello there", "--max-new-tokens", 8, "--json",
               "--dtype", "float64", "--skip-attn", "1"]
-    code, out, _ = run(capsys, *common, "--stop-rule", "cost", "--no-guard")
-    assert code == 0 and (seen[-1].stop_rule, seen[-1].guard) == ("cost", False)
+    code, out, err = run(capsys, *common, "--stop-rule", "cost", "--confidence-threshold", "0.5", "--no-guard")
+    assert code == 0 and seen[-1] == DraftPolicy(guard=False)
     assert json.loads(out)["stats"]["guard_plain_tokens"] == 0
-    code, _, _ = run(capsys, *common)
-    assert code == 0 and (seen[-1].stop_rule, seen[-1].guard) == ("threshold", True)
-    with pytest.raises(SystemExit) as exit_info:
-        main([*map(str, common), "--stop-rule", "fast"])
-    assert exit_info.value.code == 2 and "invalid choice: 'fast'" in capsys.readouterr().err
+    assert "warning: the flags --confidence-threshold, --stop-rule: no longer used" in err
+    code, _, err = run(capsys, *common)
+    assert code == 0 and seen[-1] == DraftPolicy() and "warning" not in err

@@ -12,7 +12,7 @@ from skipsearch.skipping import SkipSet
 def make_config(model, **overrides):
     fields = dict(
         model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([0, 2], [3], 4),
-        draft=DraftPolicy(max_draft_tokens=5, adaptive=False, confidence_threshold=0.4),
+        draft=DraftPolicy(max_draft_tokens=5, adaptive=False),
         metrics={"score": 0.5, "speedup": 1.1}, search={"study_name": "s"},
     )
     fields.update(overrides)
@@ -32,19 +32,23 @@ def test_round_trip(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["best.json"]  # no temp file left behind
 
 
-def test_the_stop_rule_and_the_guard_are_written_where_they_differ_from_earlier_files(tmp_path):
-    """Earlier exports have no "stop_rule" and "guard": they load with the rule and the guard on, and a config with
-    those values is written as before, key for key; other values are written and read back."""
+def test_the_guard_is_written_where_it_differs_and_the_old_rules_fields_load_with_a_warning(tmp_path):
+    """Earlier exports have no "guard": they load with the guard on, and a config with it on is written as before;
+    their old rules' fields ("stop_rule", "confidence_threshold", ...) load, ignored, with a one-line warning."""
     model = tiny_model()
     data = make_config(model).to_json()
-    assert "stop_rule" not in data["draft"] and "guard" not in data["draft"]
-    (tmp_path / "old.json").write_text(json.dumps(data))
-    draft = load_skip_config(tmp_path / "old.json", model).draft
-    assert (draft.stop_rule, draft.guard, draft.max_draft_tokens) == ("threshold", True, 5)
-    chosen = make_config(model, draft=DraftPolicy(stop_rule="cost", guard=False))
-    save_skip_config(chosen, tmp_path / "cost.json")
-    assert json.loads((tmp_path / "cost.json").read_text())["draft"]["stop_rule"] == "cost"
-    assert load_skip_config(tmp_path / "cost.json", model) == chosen
+    assert data["draft"] == {"max_draft_tokens": 5, "adaptive": False}
+    old = {**data["draft"], "confidence_threshold": 0.4, "target_acceptance": 0.7, "threshold_step": 0.05,
+           "stop_rule": "cost"}
+    (tmp_path / "old.json").write_text(json.dumps({**data, "draft": old}))
+    with pytest.warns(FutureWarning, match=r"draft.confidence_threshold, .*draft.stop_rule: no longer used") as seen:
+        draft = load_skip_config(tmp_path / "old.json", model).draft
+    assert len(seen) == 1 and len(str(seen[0].message).splitlines()) == 1
+    assert draft == DraftPolicy(max_draft_tokens=5, adaptive=False, guard=True)
+    chosen = make_config(model, draft=DraftPolicy(guard=False))
+    save_skip_config(chosen, tmp_path / "unguarded.json")
+    assert json.loads((tmp_path / "unguarded.json").read_text())["draft"]["guard"] is False
+    assert load_skip_config(tmp_path / "unguarded.json", model) == chosen
 
 
 def test_other_model_is_refused(tmp_path):
@@ -65,13 +69,10 @@ def test_other_model_is_refused(tmp_path):
         (lambda d: d["skip"].update(mlp=[1, 1]), "duplicates"),
         (lambda d: d["skip"].pop("attn"), "missing skip.'attn'"),
         (lambda d: d["model"].update(num_hidden_layers="4"), "wrong type"),
-        (lambda d: d["draft"].update(confidence_threshold=2.0), r"confidence_threshold must be in \[0, 1\]"),
         (lambda d: d.update(draft=[1, 2]), r"'draft' has the wrong type \(list\)"),
-        (lambda d: d["draft"].update(confidence_threshold=None), r"draft.'confidence_threshold' has the wrong type"),
         (lambda d: d["draft"].update(max_draft_tokens=2.5), r"draft.'max_draft_tokens' has the wrong type"),
         (lambda d: d["draft"].update(adaptive="yes"), r"draft.'adaptive' has the wrong type"),
         (lambda d: d.update(metrics=[]), r"'metrics' has the wrong type"),
-        (lambda d: d["draft"].update(stop_rule="fast"), r"stop_rule must be one of threshold, cost, got 'fast'"),
         (lambda d: d["draft"].update(guard="on"), r"draft.'guard' has the wrong type"),
     ],
 )
@@ -118,7 +119,7 @@ def several(model):
     return SkipConfig.of_entries(
         ModelInfo.of(model, "tiny"), [SkipEntry(SkipSet.of([1], [], 4), "code.jsonl", {"speedup": 1.2}),
                                       SkipEntry(SkipSet.of([], [2], 4), "chat.jsonl", {"speedup": 1.1})],
-        DraftPolicy(max_draft_tokens=5, adaptive=False, confidence_threshold=0.4),
+        DraftPolicy(max_draft_tokens=5, adaptive=False),
         {"study_name": "s", "dataset": ["code.jsonl", "chat.jsonl"]})
 
 

@@ -31,7 +31,7 @@ class Recorder(BaseStreamer):
 @pytest.mark.parametrize("arch", sorted(MODELS))
 @pytest.mark.parametrize("skip, policy", [
     (SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4, adaptive=False)),
-    (SkipSet.of([0, 3], [1], NUM_LAYERS), DraftPolicy(max_draft_tokens=6, confidence_threshold=0.3)),
+    (SkipSet.of([0, 3], [1], NUM_LAYERS), DraftPolicy(max_draft_tokens=6)),
 ])
 @pytest.mark.parametrize("options", [{}, {"repetition_penalty": 1.8},
                                      {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2},
