@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .config import SkipConfig
+from .controller import DraftMemory
 from .costs import CostProfile
 from .decoding import DecodeStats, DraftPolicy, first_divergence, generate, reference_logits, synchronize
 from .files import write_atomic
@@ -65,10 +66,14 @@ def hf_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int]
 def skipsearch_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, skip: SkipSet | None,
                        policy: DraftPolicy, time_drafts: bool = False, compile: bool = False,
                        compile_mode: str | None = None, compile_backend: str = "inductor") -> Decoder:
+    # One memory across the decoder's calls, as a server keeps one per model: the guard's plain speed and back-off
+    # carry from prompt to prompt instead of being measured again in every call.
+    memory = DraftMemory()
+
     def decode(prompt: list[int]) -> tuple[list[int], DecodeStats]:
         out = generate(model, prompt, skip=skip, max_new_tokens=max_new_tokens, policy=policy, eos_token_id=eos,
                        time_drafts=time_drafts, compile=compile, compile_mode=compile_mode,
-                       compile_backend=compile_backend)
+                       compile_backend=compile_backend, memory=memory)
         return out.tokens, out.stats
 
     return decode

@@ -226,6 +226,7 @@ class Prefill:
     def __call__(self, prompt: torch.Tensor) -> torch.Tensor:
         if self.steps is None:
             return forward_at_position(self.model, self.cache, prompt, logits_to_keep=1)
+        self._set_up(prompt)
         widest = PREFILL_WIDTHS[-1]
         for start in range(0, prompt.shape[1], widest):
             chunk = prompt[:, start : start + widest]
@@ -235,6 +236,16 @@ class Prefill:
             logits = self.steps[width](torch.cat([chunk, chunk[:, -1:].expand(1, width - real)], dim=1))
             self.cache.advance(real - width)
         return logits
+
+    def _set_up(self, prompt: torch.Tensor) -> None:
+        """Every width's first call (compiling; capturing on CUDA) at once, in the first prefill's setup time, so that
+        no later prompt length sets anything up. They write stale slots at the position, which is then restored."""
+        position = self.cache.position.clone()
+        for width, step in self.steps.items():
+            if step.setup_time_s is None:
+                self.row.fill_(0)
+                step(prompt[:, :1].expand(1, width))
+                self.cache.position.copy_(position)
 
 
 class Steps(NamedTuple):
