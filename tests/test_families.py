@@ -70,6 +70,22 @@ def test_greedy_decoding_equals_transformers_eager_and_compiled(family):
         assert out.stats.drafted > 0
 
 
+def test_a_mixture_of_experts_compiles_with_inductor_once_for_every_skip_set():
+    """The file's one real inductor compile (what a study runs on a CPU): Qwen3-MoE's routed experts, regional steps
+    equal to HF greedy, and a second skip set compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    model = family_model("qwen3_moe", seed=2)
+    expected = families.greedy_tokens(model, PROMPT, 16)
+    graphs = None
+    for skip in (families.SKIP, SkipSet.of([2], [1], NUM_LAYERS)):
+        out = generate(model, PROMPT, skip=skip, max_new_tokens=16, eos_token_id=None, compile=True,
+                       compile_mode="regional", policy=DraftPolicy(max_draft_tokens=3, guard=False))
+        assert out.tokens == expected and out.stats.drafted > 0
+        assert graphs is None or counters["stats"]["unique_graphs"] == graphs
+        graphs = counters["stats"]["unique_graphs"]
+
+
 @pytest.mark.parametrize("family, seed", [("gemma3", 1), ("qwen3_moe", 1), ("olmo2", 0)])
 def test_sampling_keeps_the_full_models_distribution(family, seed):
     assert_sampling_follows_the_full_model(family_model(family, seed=seed, vocab_size=8),
