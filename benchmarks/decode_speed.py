@@ -40,6 +40,24 @@ def parse_skip_sets(text: str, num_layers: int) -> list[SkipSet]:
     return sets
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model, --config-only, --device and --dtype, as the benchmark scripts take them (`load_for_benchmark`)."""
+    parser.add_argument("--model", default=None, help="Hugging Face name, folder or .gguf (default: the embedded model)")
+    parser.add_argument("--config-only", default=None, help="a config .json: random weights of that shape")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 (default: bfloat16 on CUDA, else float32)")
+
+
+def load_for_benchmark(args: argparse.Namespace):
+    """(model, its name, its tokenizer or None) from `add_model_arguments`' flags."""
+    from skipsearch.models import load_model, model_from_config
+
+    if args.config_only:
+        return model_from_config(args.config_only, device=args.device, dtype=args.dtype), args.config_only, None
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    return loaded.model, loaded.name_or_path, loaded.tokenizer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)

@@ -22,9 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from skipsearch.decoding import DraftPolicy, generate
 from skipsearch.engine import CompileSettings, engine_for
-from skipsearch.models import load_model, model_from_config
 
-from decode_speed import parse_skip_sets
+from decode_speed import add_model_arguments, load_for_benchmark, parse_skip_sets
 
 
 def count_kernels(run, device: torch.device, top: int) -> tuple[int, list[tuple[str, int]]]:
@@ -46,20 +45,13 @@ def count_kernels(run, device: torch.device, top: int) -> tuple[int, list[tuple[
 @torch.inference_mode()  # as decoding runs: the engine's cache was made in it
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="Hugging Face name, folder or .gguf (default: the embedded model)")
-    parser.add_argument("--config-only", default=None, help="a config .json: random weights of that shape")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 (default: bfloat16 on CUDA, else float32)")
+    add_model_arguments(parser)
     parser.add_argument("--compile", action="store_true", help="the engine's compiled steps (regional)")
     parser.add_argument("--skip-set", default="a20", help="the draft step's skip set (default: %(default)s)")
     parser.add_argument("--top", type=int, default=8, help="most frequent kernels to list (default: %(default)s)")
     args = parser.parse_args()
 
-    if args.config_only:
-        model, name = model_from_config(args.config_only, device=args.device, dtype=args.dtype), args.config_only
-    else:
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-        model, name = loaded.model, loaded.name_or_path
+    model, name, _ = load_for_benchmark(args)
     skip = parse_skip_sets(args.skip_set, model.config.num_hidden_layers)[0]
     options = dict(compile=True, compile_mode="regional") if args.compile else {}
     # One call sets everything up (compiling, capturing); the steps it leaves are what is counted.

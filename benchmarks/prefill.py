@@ -22,7 +22,9 @@ import torch
 from skipsearch.data import load_prompts
 from skipsearch.engine import PREFILL_WIDTHS, CompileSettings, Prefill, engine_for, synchronize
 from skipsearch.measure import ratio_interval
-from skipsearch.models import encode_prompt, load_model, model_from_config
+from skipsearch.models import encode_prompt
+
+from decode_speed import add_model_arguments, load_for_benchmark
 
 
 def timed(prefill: Prefill, prompt: torch.Tensor) -> tuple[float, torch.Tensor]:
@@ -37,22 +39,17 @@ def timed(prefill: Prefill, prompt: torch.Tensor) -> tuple[float, torch.Tensor]:
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="Hugging Face name, folder or .gguf (default: the embedded model)")
-    parser.add_argument("--config-only", default=None, help="a config .json: random weights, random prompts")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 (default: bfloat16 on CUDA, else float32)")
+    add_model_arguments(parser)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default: %(default)s)")
     parser.add_argument("--num-prompts", type=int, default=8, help="built-in prompts (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="paired runs per prompt (default: %(default)s)")
     args = parser.parse_args()
 
-    if args.config_only:
-        model, name = model_from_config(args.config_only, device=args.device, dtype=args.dtype), args.config_only
+    model, name, tokenizer = load_for_benchmark(args)
+    if tokenizer is None:  # random weights: prompts of set lengths
         prompts = [list(range(1, 1 + n)) for n in (37, 90, 150, 300)][: args.num_prompts]
     else:
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-        model, name = loaded.model, loaded.name_or_path
-        prompts = [encode_prompt(loaded.tokenizer, p) for p in load_prompts(num_prompts=args.num_prompts, seed=0)]
+        prompts = [encode_prompt(tokenizer, p) for p in load_prompts(num_prompts=args.num_prompts, seed=0)]
     engine, settings = engine_for(model), CompileSettings(args.backend, "regional")
     cache = engine.cache_for(max(map(len, prompts)) + 1, settings)
     compiled, eager = engine.steps_for(cache, None, settings, 1).prefill, Prefill(model, cache)

@@ -80,6 +80,15 @@ def flags_taken(script: str) -> set[str]:
         commands = build_parser()._subparsers._group_actions[0].choices
         return set(commands[script.split()[-1]]._option_string_actions)
     tree = ast.parse((ROOT / script).read_text())
+    flags = _added_flags(tree)
+    if any(isinstance(node, ast.Name) and node.id == "add_model_arguments" for node in ast.walk(tree)):
+        shared = ast.parse((ROOT / "benchmarks" / "decode_speed.py").read_text())
+        flags |= _added_flags(next(node for node in shared.body if isinstance(node, ast.FunctionDef)
+                                   and node.name == "add_model_arguments"))
+    return flags
+
+
+def _added_flags(tree: ast.AST) -> set[str]:
     return {arg.value for node in ast.walk(tree) if isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument"
             for arg in node.args if isinstance(arg, ast.Constant) and str(arg.value).startswith("--")}
