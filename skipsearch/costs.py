@@ -192,8 +192,13 @@ class CostProfile:
         return plain / speculative
 
     def to_dict(self) -> dict:
-        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self),
-                "contexts": [asdict(c) for c in self.contexts]}
+        """The JSON form: version 2's where the profile has no sublayer shares (read from a version-2 file), so that a
+        stored profile is written back as it was; version 3 with them."""
+        data = {**asdict(self), "contexts": [asdict(c) for c in self.contexts]}
+        if not self.attn_shares and not self.mlp_shares:
+            del data["attn_shares"], data["mlp_shares"]
+            return {"format": PROFILE_FORMAT, "version": 2, **data}
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
 
     @classmethod
     def from_dict(cls, data: dict) -> CostProfile:
