@@ -16,7 +16,7 @@ import torch
 from conftest import FAMILY_CONFIGS, family_config, family_model
 from skipsearch import adapter, families
 from skipsearch.cli import main
-from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
+from skipsearch.config import ModelInfo, SkipConfig
 from skipsearch.decoding import DraftPolicy, generate
 from skipsearch.economics import sublayer_weights, weight_fraction
 from skipsearch.families import zeroed_logits
