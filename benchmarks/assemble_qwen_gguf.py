@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from skipsearch.models import cache_dir
+from skipsearch.io.models import cache_dir
 
 PARTS = 22
 NAME = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"

@@ -28,10 +28,12 @@ import torch
 from tqdm.auto import tqdm
 
 from skipsearch import load_model
-from skipsearch.costs import format_profile, profile_costs
-from skipsearch.data import load_prompts
-from skipsearch.decoding import DecodeStats, DraftPolicy, generate
-from skipsearch.models import encode_prompt, model_from_config
+from skipsearch.costs.profiler import format_profile, profile_costs
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.stats import DecodeStats
+from skipsearch.io.data import load_prompts
+from skipsearch.io.models import encode_prompt, model_from_config
 
 from decode_speed import parse_skip_sets
 

@@ -21,9 +21,9 @@ import time
 import torch
 
 from skipsearch import DraftPolicy, SkipSet, generate, load_model, self_speculative
-from skipsearch.data import load_prompts
-from skipsearch.decoding import synchronize
-from skipsearch.models import encode_prompt
+from skipsearch.decode.engine import synchronize
+from skipsearch.io.data import load_prompts
+from skipsearch.io.models import encode_prompt
 
 
 def main() -> None:

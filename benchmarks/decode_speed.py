@@ -19,13 +19,13 @@ import json
 import torch
 
 from skipsearch import load_model
-from skipsearch.bench import hf_decoder, skipsearch_decoder, timed_runs
-from skipsearch.measure import ratio_interval
-from skipsearch.costs import contexts_for, profile_costs
-from skipsearch.data import load_prompts
-from skipsearch.decoding import DraftPolicy
-from skipsearch.models import encode_prompt
-from skipsearch.skipping import SkipSet
+from skipsearch.costs.profiler import contexts_for, profile_costs
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.io.data import load_prompts
+from skipsearch.io.models import encode_prompt
+from skipsearch.report.bench import hf_decoder, skipsearch_decoder, timed_runs
+from skipsearch.search.measure import ratio_interval
 
 
 def parse_skip_sets(text: str, num_layers: int) -> list[SkipSet]:
@@ -50,7 +50,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_for_benchmark(args: argparse.Namespace):
     """(model, its name, its tokenizer or None) from `add_model_arguments`' flags."""
-    from skipsearch.models import load_model, model_from_config
+    from skipsearch.io.models import load_model, model_from_config
 
     if args.config_only:
         return model_from_config(args.config_only, device=args.device, dtype=args.dtype), args.config_only, None

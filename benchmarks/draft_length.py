@@ -21,11 +21,13 @@ import argparse
 
 import torch
 
-from skipsearch import decoding, economics, load_model
-from skipsearch.data import load_prompts
-from skipsearch.decoding import DraftPolicy, generate
-from skipsearch.economics import weight_fraction
-from skipsearch.models import encode_prompt
+from skipsearch import load_model
+from skipsearch.decode import loop as decoding, economics
+from skipsearch.decode.economics import weight_fraction
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.io.data import load_prompts
+from skipsearch.io.models import encode_prompt
 
 from decode_speed import parse_skip_sets
 

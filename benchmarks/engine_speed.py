@@ -22,12 +22,14 @@ import time
 import torch
 
 from skipsearch import load_model
-from skipsearch.bench import hf_decoder, skipsearch_decoder, timed_runs
-from skipsearch.data import load_prompts
-from skipsearch.decoding import DraftPolicy, first_divergence, reference_logits, synchronize
-from skipsearch.engine import CPU_INDUCTOR_CONFIG
-from skipsearch.measure import ratio_interval
-from skipsearch.models import encode_prompt, model_from_config
+from skipsearch.decode.divergence import first_divergence, reference_logits
+from skipsearch.decode.engine import CPU_INDUCTOR_CONFIG
+from skipsearch.decode.engine import synchronize
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.io.data import load_prompts
+from skipsearch.io.models import encode_prompt, model_from_config
+from skipsearch.report.bench import hf_decoder, skipsearch_decoder, timed_runs
+from skipsearch.search.measure import ratio_interval
 
 from decode_speed import parse_skip_sets
 

@@ -42,7 +42,7 @@ for stage in "$@"; do
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log" | tail -30
       ;;
     tests)  # the suite with CUDA visible: CLI commands default to cuda and bf16; tests/test_cuda.py runs
-      python3 -c "from skipsearch.models import load_model; load_model()"  # convert once, before parallel workers
+      python3 -c "from skipsearch.io.models import load_model; load_model()"  # convert once, before parallel workers
       timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 tests 2>&1 | tee "$OUT/tests.log" | tail -40
       ;;
     setup)  # what a new skip set costs: regional graphs (inductor layers; eager layers) against a compile per set

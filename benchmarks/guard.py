@@ -21,15 +21,16 @@ import time
 import torch
 
 from skipsearch import load_model
-from skipsearch.bench import timed_runs
-from skipsearch.controller import DraftController, DraftMemory
-from skipsearch.costs import CostProfile
-from skipsearch.data import load_prompts
-from skipsearch.decoding import DraftPolicy, generate
-from skipsearch.economics import RoundCosts
-from skipsearch.measure import ratio_interval
-from skipsearch.models import encode_prompt
-from skipsearch.skipping import SkipSet
+from skipsearch.decode.controller import DraftController, DraftMemory
+from skipsearch.decode.cost_profile import CostProfile
+from skipsearch.decode.economics import RoundCosts
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.io.data import load_prompts
+from skipsearch.io.models import encode_prompt
+from skipsearch.report.bench import timed_runs
+from skipsearch.search.measure import ratio_interval
 
 from decode_speed import parse_skip_sets
 

@@ -33,12 +33,12 @@ import time
 import torch
 
 PARTS = {  # part: (module, owner or None, attribute)
-    "steps": ("skipsearch.engine", "Step", "__call__"),
-    "positions": [("skipsearch.kvcache", "SpeculativeCache", "advance"), ("skipsearch.kvcache", "SpeculativeCache", "seek")],
-    "drafting": ("skipsearch.decoding", None, "draft_round"),
-    "acceptance + read-back": ("skipsearch.decoding", None, "verify_greedy"),
-    "plain batches": ("skipsearch.decoding", None, "_plain_steps"),
-    "statistics": ("skipsearch.decoding", None, "_record_round"),
+    "steps": ("skipsearch.decode.engine", "Step", "__call__"),
+    "positions": [("skipsearch.decode.kvcache", "SpeculativeCache", "advance"), ("skipsearch.decode.kvcache", "SpeculativeCache", "seek")],
+    "drafting": ("skipsearch.decode.loop", None, "draft_round"),
+    "acceptance + read-back": ("skipsearch.decode.loop", None, "verify_greedy"),
+    "plain batches": ("skipsearch.decode.loop", None, "_plain_steps"),
+    "statistics": ("skipsearch.decode.loop", None, "_record_round"),
 }
 
 
@@ -89,7 +89,7 @@ def tiny_model(dtype: torch.dtype, device: str):
 
 
 def measure(model, prompt, skip, policy, compile_mode, new_tokens: int, repeats: int) -> dict[str, float]:
-    from skipsearch.decoding import generate
+    from skipsearch.decode.loop import generate
 
     run = dict(skip=skip, max_new_tokens=new_tokens, policy=policy, eos_token_id=None)
     if compile_mode:
@@ -126,8 +126,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per row (default: 3)")
     args = parser.parse_args()
 
-    from skipsearch.decoding import DraftPolicy
-    from skipsearch.skipping import SkipSet
+    from skipsearch.decode.policy import DraftPolicy
+    from skipsearch.decode.skipset import SkipSet
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; skipsearch from "
           f"{sys.modules['skipsearch'].__file__}")
@@ -139,11 +139,11 @@ def main() -> None:
         if model_name == "tiny":
             model = tiny_model(getattr(torch, args.dtype), args.device)
         elif model_name.endswith(".json"):  # a shape: built from its config with random weights
-            from skipsearch.models import model_from_config
+            from skipsearch.io.models import model_from_config
 
             model = model_from_config(model_name, device=args.device, dtype=args.dtype)
         else:
-            from skipsearch.models import load_model
+            from skipsearch.io.models import load_model
 
             model = load_model(device=args.device, dtype=args.dtype).model
         prompt = list(range(10, 42))

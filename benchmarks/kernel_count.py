@@ -20,8 +20,9 @@ import collections
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from skipsearch.decoding import DraftPolicy, generate
-from skipsearch.engine import CompileSettings, engine_for
+from skipsearch.decode.engine import CompileSettings, engine_for
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
 
 from decode_speed import add_model_arguments, load_for_benchmark, parse_skip_sets
 

@@ -26,12 +26,13 @@ import statistics
 import time
 
 from skipsearch import load_model
-from skipsearch.costs import device_name
-from skipsearch.data import load_prompts
-from skipsearch.decoding import DraftPolicy, generate
-from skipsearch.models import encode_prompt
-from skipsearch.evaluation import Evaluator
-from skipsearch.skipping import SkipSet
+from skipsearch.costs.profiler import device_name
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.io.data import load_prompts
+from skipsearch.io.models import encode_prompt
+from skipsearch.search.evaluation import Evaluator
 
 
 def busy_on_and_off(seed: int, stop_at: float) -> None:

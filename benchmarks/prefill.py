@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from skipsearch.data import load_prompts
-from skipsearch.engine import PREFILL_WIDTHS, CompileSettings, Prefill, engine_for, synchronize
-from skipsearch.measure import ratio_interval
-from skipsearch.models import encode_prompt
+from skipsearch.decode.engine import PREFILL_WIDTHS, CompileSettings, Prefill, engine_for, synchronize
+from skipsearch.io.data import load_prompts
+from skipsearch.io.models import encode_prompt
+from skipsearch.search.measure import ratio_interval
 
 from decode_speed import add_model_arguments, load_for_benchmark
 

@@ -23,11 +23,11 @@ import time
 from optuna.trial import TrialState
 
 from skipsearch import load_model
-from skipsearch.config import ModelInfo
-from skipsearch.data import load_prompts
-from skipsearch.decoding import DraftPolicy
-from skipsearch.models import encode_prompt
-from skipsearch.search import SearchSpace, StudySettings, distinct_trials, run_study
+from skipsearch.decode.config import ModelInfo
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.io.data import load_prompts
+from skipsearch.io.models import encode_prompt
+from skipsearch.search.study import SearchSpace, StudySettings, distinct_trials, run_study
 
 STRATEGIES = {
     "default": dict(sampler="tpe", skip_prior=0.15, min_match=0.5, warm_starts=True, pruning=True),

@@ -26,8 +26,9 @@ import time
 import psutil
 import torch
 
-from skipsearch.decoding import DraftPolicy, generate
-from skipsearch.skipping import SkipSet
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
 
 
 def sparse_sets(num_layers: int, count: int, seed: int = 0, share: float = 0.15) -> list[SkipSet]:
@@ -100,7 +101,7 @@ def main() -> None:
     if args.sets < 2:
         parser.error("--sets must be at least 2: the later sets' setup is compared with the first's")
 
-    from skipsearch import models
+    from skipsearch.io import models
 
     if args.config_only:
         model = models.model_from_config(args.config_only, device=args.device, dtype=args.dtype)

@@ -18,12 +18,12 @@ import argparse
 
 import torch
 
-from skipsearch.bench import skipsearch_decoder, timed_runs
-from skipsearch.data import load_prompts
-from skipsearch.decoding import DraftPolicy
-from skipsearch.measure import ratio_interval
-from skipsearch.models import encode_prompt, load_model
-from skipsearch.evaluation import Evaluator
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.io.data import load_prompts
+from skipsearch.io.models import encode_prompt, load_model
+from skipsearch.report.bench import skipsearch_decoder, timed_runs
+from skipsearch.search.evaluation import Evaluator
+from skipsearch.search.measure import ratio_interval
 
 from decode_speed import parse_skip_sets
 

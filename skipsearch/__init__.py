@@ -7,24 +7,27 @@ from typing import TYPE_CHECKING, Any
 
 # Public names resolve on first use (PEP 562), so `python -m skipsearch --help` never imports torch.
 _EXPORTS = {
-    "SkipConfig": "config", "load_skip_config": "config", "save_skip_config": "config",
-    "self_speculative": "custom_generate", "DraftMemory": "controller",
-    "DecodeStats": "decoding", "DraftPolicy": "policy", "GenerationOutput": "decoding", "Sampling": "decoding",
-    "generate": "decoding",
-    "LoadedModel": "models", "encode_prompt": "models", "load_model": "models",
-    "SkipSet": "skipping", "draft_mode": "skipping",
+    "SkipConfig": "decode.config", "load_skip_config": "decode.config", "save_skip_config": "decode.config",
+    "self_speculative": "decode.custom_generate", "DraftMemory": "decode.controller",
+    "DecodeStats": "decode.stats", "DraftPolicy": "decode.policy", "GenerationOutput": "decode.stats",
+    "Sampling": "decode.sampling", "generate": "decode.loop",
+    "LoadedModel": "io.models", "encode_prompt": "io.models", "load_model": "io.models",
+    "SkipSet": "decode.skipset", "draft_mode": "decode.skipping",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .config import SkipConfig, load_skip_config, save_skip_config
-    from .controller import DraftMemory
-    from .custom_generate import self_speculative
-    from .decoding import DecodeStats, GenerationOutput, Sampling, generate
-    from .models import LoadedModel, encode_prompt, load_model
-    from .policy import DraftPolicy
-    from .skipping import SkipSet, draft_mode
+    from .decode.config import SkipConfig, load_skip_config, save_skip_config
+    from .decode.controller import DraftMemory
+    from .decode.custom_generate import self_speculative
+    from .decode.loop import generate
+    from .decode.sampling import Sampling
+    from .decode.stats import DecodeStats, GenerationOutput
+    from .io.models import LoadedModel, encode_prompt, load_model
+    from .decode.policy import DraftPolicy
+    from .decode.skipping import draft_mode
+    from .decode.skipset import SkipSet
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,7 @@ FAMILY_CONFIGS = {
 
 def family_config(family: str, **overrides):
     """A tiny config of a tested family (`FAMILY_CONFIGS`); skips the test where this transformers lacks the family."""
-    from skipsearch.families import tiny_config
+    from skipsearch.decode.families import tiny_config
 
     name, extra = FAMILY_CONFIGS[family]
     cls = getattr(transformers, name, None)
@@ -32,7 +32,7 @@ def family_config(family: str, **overrides):
 
 def family_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     """A tiny random-weight model of a tested family (fp32 by default: the routed experts' kernels take no fp64)."""
-    from skipsearch.families import tiny_model as tiny_family_model
+    from skipsearch.decode.families import tiny_model as tiny_family_model
 
     return tiny_family_model(family_config(family, **overrides), seed=seed, dtype=dtype)
 
@@ -63,7 +63,7 @@ def guard_off_unless_tested(request, monkeypatch):
         import dataclasses
         import itertools
 
-        from skipsearch import decoding
+        from skipsearch.decode import loop as decoding
 
         real, ticks = decoding.DraftController, itertools.count()
         monkeypatch.setattr(decoding, "DraftController",
@@ -73,7 +73,7 @@ def guard_off_unless_tested(request, monkeypatch):
 
 @pytest.fixture(scope="session")
 def default_model():
-    from skipsearch.models import load_model
+    from skipsearch.io.models import load_model
 
     # The exactness tests need fp32: pinned, so that on a GPU machine (where CUDA and bf16 are the defaults)
     # they test the same thing; tests/test_cuda.py covers CUDA.
@@ -136,9 +136,10 @@ def virtual_profiles(monkeypatch):
     of what the commands write: a busy test machine's real timings would be refused as noise."""
     import types
 
-    from skipsearch import costs, decoding
+    from skipsearch.api import bench, profile
+    from skipsearch.costs.profiler import profile_costs as real
+    from skipsearch.decode import loop as decoding
 
-    real = costs.profile_costs
 
     def in_virtual_time(model, *args, **kwargs):
         timer = VirtualTimer(model)
@@ -149,4 +150,5 @@ def virtual_profiles(monkeypatch):
         finally:
             timer.remove()
 
-    monkeypatch.setattr(costs, "profile_costs", in_virtual_time)
+    for command in (bench, profile):  # where the commands that profile look it up
+        monkeypatch.setattr(command, "profile_costs", in_virtual_time)

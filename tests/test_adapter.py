@@ -17,12 +17,13 @@ from torch import nn
 from transformers import GenerationConfig, TextStreamer
 
 from conftest import FAMILY_CONFIGS, family_model, tiny_model
-from skipsearch import adapter
-from skipsearch.adapter import AdapterError
-from skipsearch.decoding import DraftPolicy, generate
-from skipsearch.kvcache import PositionalLayer, SpeculativeCache
-from skipsearch.skipping import SkipSet
-from skipsearch.custom_generate import self_speculative
+from skipsearch.decode import adapter
+from skipsearch.decode.adapter import AdapterError
+from skipsearch.decode.custom_generate import self_speculative
+from skipsearch.decode.kvcache import PositionalLayer, SpeculativeCache
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
 
 NUM_LAYERS = 4
 PROMPT = [5, 9, 14, 3, 22, 7]

@@ -15,8 +15,8 @@ import torch
 
 from skipsearch import LoadedModel, SkipSet, load_model
 from skipsearch.cli import main
-from skipsearch.errors import RESOURCE_EXIT
-from skipsearch.search import StudySettings
+from skipsearch.io.errors import RESOURCE_EXIT
+from skipsearch.search.study import StudySettings
 
 
 def snapshot(folder):
@@ -57,7 +57,7 @@ def damage_a_page(database, page=5, page_size=4096):
 def damaged(tmp_path_factory, tiny_model_dir):
     """Model files cut short or hostile, too big to write for every case: a model folder whose weights are cut
     short, one whose config.json nests too deeply, a GGUF file cut short."""
-    from skipsearch.models import default_gguf_path
+    from skipsearch.io.models import default_gguf_path
 
     folder = tmp_path_factory.mktemp("damaged")
     shutil.copytree(tiny_model_dir, folder / "cut-weights")
@@ -75,8 +75,8 @@ def workspace(tmp_path, tiny_model_dir):
     """A folder with a good config and some bad inputs, and the tiny model's path."""
     from transformers import AutoModelForCausalLM
 
-    from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
-    from skipsearch.skipping import SkipSet
+    from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
+    from skipsearch.decode.skipset import SkipSet
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     save_skip_config(SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [2], 4)), tmp_path / "good.json")
@@ -289,7 +289,7 @@ def test_bad_environment(env, argv, message, workspace, capsys, monkeypatch):
 
         delays = random.Random(0)
         readings = itertools.accumulate(delays.expovariate(1e3) for _ in itertools.count())
-        monkeypatch.setattr("skipsearch.costs.time", types.SimpleNamespace(perf_counter=lambda: next(readings)))
+        monkeypatch.setattr("skipsearch.costs.profiler.time", types.SimpleNamespace(perf_counter=lambda: next(readings)))
     if "read_only" in env:  # one file of another user, or chmod a-w (which root, running the tests, ignores)
         real_access, target = os.access, Path(env["read_only"].replace("{dir}", str(folder)))
         monkeypatch.setattr(os, "access", lambda path, mode, **k: not (Path(path) == target and mode & os.W_OK)
@@ -322,7 +322,8 @@ def test_no_traceback_from_the_real_command(workspace):
 
 def _generate(sampling_options=None, **kwargs):
     """A call of `generate` on a model; `sampling_options` build the Sampling inside the call (its checks count)."""
-    from skipsearch.decoding import Sampling, generate
+    from skipsearch.decode.loop import generate
+    from skipsearch.decode.sampling import Sampling
 
     def call(model):
         sampling = {"sampling": Sampling(**sampling_options)} if sampling_options else {}
@@ -343,7 +344,7 @@ def _with_model(wrap, call):
 
 
 def _skip_config(model):
-    from skipsearch.config import ModelInfo, SkipConfig
+    from skipsearch.decode.config import ModelInfo, SkipConfig
 
     return SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [2], 4))
 
@@ -418,7 +419,7 @@ def test_the_python_api_refuses_before_any_work(call, error, message, api_model)
                                     numpy.array([5, 9, 14])],
                          ids=["list", "tuple", "one row", "tensor", "int32 row", "0-d tensors", "numpy"])
 def test_every_form_of_one_prompt_decodes_alike(prompt, api_model):
-    from skipsearch.decoding import generate
+    from skipsearch.decode.loop import generate
 
     assert generate(api_model, prompt, max_new_tokens=4).tokens == generate(api_model, [5, 9, 14],
                                                                              max_new_tokens=4).tokens
@@ -430,10 +431,10 @@ def test_load_model_takes_a_path(tiny_model_dir):
 
 def test_a_study_refuses_settings_that_measure_no_draft_before_any_work(api_model, tmp_path):
     """No draft, no figure: `run_study` refuses a policy that drafts nothing before it opens the storage."""
-    from skipsearch.config import ModelInfo
-    from skipsearch.decoding import DraftPolicy
-    from skipsearch.search import run_study
-    from skipsearch.space import SearchSpace
+    from skipsearch.decode.config import ModelInfo
+    from skipsearch.decode.policy import DraftPolicy
+    from skipsearch.search.space import SearchSpace
+    from skipsearch.search.study import run_study
 
     settings = StudySettings(study_name="s", storage=f"sqlite:///{tmp_path}/s.db", show_progress_bar=False)
     forwards = []
@@ -449,7 +450,7 @@ def test_a_study_refuses_settings_that_measure_no_draft_before_any_work(api_mode
 
 def _raw_prompt_of(tokens, tokenizer):
     """A raw prompt text that encodes to exactly `tokens` tokens."""
-    from skipsearch.models import encode_prompt
+    from skipsearch.io.models import encode_prompt
 
     text = " ".join(["word"] * tokens)
     while len(encode_prompt(tokenizer, text, raw=True)) > tokens:
@@ -485,7 +486,8 @@ def test_decoding_at_the_edge_of_the_context_feeds_no_position_past_it(skip, api
     """The cache has spare slots past prompt + max_new_tokens (a round's verify width, a batch of plain steps), but
     no token is fed at a position the model does not have: plain decoding stops its steps at max_new_tokens, and a
     drafting round's positions are inside the drafts the context check counts."""
-    from skipsearch.decoding import DraftPolicy, generate
+    from skipsearch.decode.loop import generate
+    from skipsearch.decode.policy import DraftPolicy
 
     policy = DraftPolicy(max_draft_tokens=4, adaptive=False)
     drafts = policy.max_draft_tokens if skip is not None else 0

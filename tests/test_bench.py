@@ -3,11 +3,11 @@ import json
 import torch
 
 from conftest import VirtualTimer, tiny_model
-from skipsearch.bench import bench_verdict, format_table, run_bench, write_outputs
-from skipsearch.config import ModelInfo, SkipConfig
-from skipsearch.costs import profile_costs
-from skipsearch.decoding import DraftPolicy
-from skipsearch.skipping import SkipSet
+from skipsearch.costs.profiler import profile_costs
+from skipsearch.decode.config import ModelInfo, SkipConfig
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.report.bench import bench_verdict, format_table, run_bench, write_outputs
 
 PROMPTS = [[5, 9, 14, 3, 5, 9], [7, 2, 30, 31, 8]]
 
@@ -43,7 +43,7 @@ def test_bench_rows_json_and_chart(tmp_path):
 
 
 def test_bench_verdict_quotes_the_paired_figure_and_the_studys_own_verdict():
-    from skipsearch.bench import BenchRow
+    from skipsearch.report.bench import BenchRow
 
     base = [BenchRow("hf greedy", 10.0, 1.0, True), BenchRow("skipsearch plain", 10.5, 1.05, True)]
     slow = BenchRow("skipsearch attn=[3]", 9.0, 0.9, True, acceptance_rate=0.8, speedup_over_plain_loop=0.86,
@@ -70,7 +70,7 @@ def test_bench_verdict_quotes_the_paired_figure_and_the_studys_own_verdict():
 
 
 def test_a_config_is_benched_as_deployed_and_as_its_study_measured_it():
-    from skipsearch.bench import config_decoders
+    from skipsearch.report.bench import config_decoders
 
     model = tiny_model()
     config = SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [], 4), draft=DraftPolicy())

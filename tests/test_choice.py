@@ -11,12 +11,15 @@ from hypothesis import strategies as st
 from conftest import tiny_model
 from test_decoding import hf_greedy
 from test_engine import HostReads
-from skipsearch import decoding
-from skipsearch.choice import CHOICE_WINDOW, RoundCosts, agreement, choose, expected_speedup, round_costs
-from skipsearch.costs import ContextCosts, CostProfile
-from skipsearch.decoding import DecodeStats, DraftPolicy, Sampling, generate
-from skipsearch.economics import weight_fraction
-from skipsearch.skipping import SkipSet
+from skipsearch.decode import loop as decoding
+from skipsearch.decode.choice import CHOICE_WINDOW, RoundCosts, agreement, choose, expected_speedup, round_costs
+from skipsearch.decode.cost_profile import ContextCosts, CostProfile
+from skipsearch.decode.economics import weight_fraction
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.sampling import Sampling
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.decode.stats import DecodeStats
 
 NUM_LAYERS = 4
 CODE, CHAT = range(2, 49), range(49, 96)  # the two kinds of token of `two_kinds_model`
@@ -254,7 +257,7 @@ def test_bad_skip_lists_are_refused_before_any_work(skip, message):
 
 def configs_of(model, tmp_path):
     """Two single-set configs (one per kind of prompt) and one config carrying both, as files."""
-    from skipsearch.config import ModelInfo, SkipConfig, SkipEntry, save_skip_config
+    from skipsearch.decode.config import ModelInfo, SkipConfig, SkipEntry, save_skip_config
 
     info, policy = ModelInfo.of(model, "two-kinds"), DraftPolicy(max_draft_tokens=4)
     save_skip_config(SkipConfig(info, FITS_CODE, policy), tmp_path / "code.json")
@@ -284,7 +287,7 @@ def test_self_speculative_refuses_sets_that_do_not_go_together(tmp_path):
     import dataclasses
 
     from skipsearch import self_speculative
-    from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
+    from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
 
     code, chat, _ = configs_of(MODEL, tmp_path)
     save_skip_config(SkipConfig(ModelInfo("other", "LlamaForCausalLM", 6, 32), SkipSet.of([5])), tmp_path / "six.json")

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from skipsearch.cli import main
-from skipsearch.policy import DraftPolicy
+from skipsearch.decode.policy import DraftPolicy
 
 
 def run(capsys, *argv):
@@ -31,8 +31,8 @@ def test_generate_json_matches_autoregressive(capsys, tiny_model_dir):
 def test_generate_reads_a_config(capsys, tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
-    from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
-    from skipsearch.skipping import SkipSet
+    from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
+    from skipsearch.decode.skipset import SkipSet
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     save_skip_config(SkipConfig(model=ModelInfo.of(model, str(tiny_model_dir)), skip=SkipSet.of([3], [1], 4)),
@@ -68,7 +68,7 @@ def optimize_args(model_dir, studies, *extra, n_trials=4):
 
 
 def test_optimize_exports_plots_and_resumes(capsys, tmp_path, tiny_model_dir):
-    from skipsearch.config import load_skip_config
+    from skipsearch.decode.config import load_skip_config
 
     code, out, _ = run(capsys, *optimize_args(tiny_model_dir, tmp_path))
     assert code == 0
@@ -80,7 +80,7 @@ def test_optimize_exports_plots_and_resumes(capsys, tmp_path, tiny_model_dir):
     assert code == 0 and "study cli in " in out and ": 6 distinct skip sets evaluated" in out
     import optuna
 
-    from skipsearch.search import distinct_trials
+    from skipsearch.search.study import distinct_trials
 
     study = optuna.load_study(study_name="cli", storage=f"sqlite:///{tmp_path}/cli.db")
     assert len(distinct_trials(study)) == 6
@@ -123,8 +123,8 @@ def test_every_command_has_help(capsys):
 def test_profile_then_bench_with_a_config(capsys, tmp_path, tiny_model_dir, virtual_profiles):
     from transformers import AutoModelForCausalLM
 
-    from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
-    from skipsearch.skipping import SkipSet
+    from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
+    from skipsearch.decode.skipset import SkipSet
 
     code, out, _ = run(capsys, "profile", "--model", tiny_model_dir, "--output", tmp_path / "p.json", "--repeats", 2,
                        "--contexts", "8,16", "--no-progress")
@@ -186,7 +186,7 @@ def test_optimize_takes_over_an_empty_unlabelled_study(capsys, tmp_path, tiny_mo
     """A worker started beside another can find the study created but not yet labelled; it must not refuse it."""
     import optuna
 
-    from skipsearch.records import STUDY_ATTR
+    from skipsearch.search.records import STUDY_ATTR
 
     optuna.create_study(study_name="cli", storage=f"sqlite:///{tmp_path}/cli.db", direction="maximize")
     code, out, err = run(capsys, *optimize_args(tiny_model_dir, tmp_path, "--no-plots", n_trials=2))
@@ -196,16 +196,16 @@ def test_optimize_takes_over_an_empty_unlabelled_study(capsys, tmp_path, tiny_mo
 
 
 def test_generate_takes_the_guard_switch_and_warns_of_the_old_rules_flags(capsys, tiny_model_dir, monkeypatch):
-    from skipsearch import decoding
+    from skipsearch.api import generate as command
 
     seen = []
-    real = decoding.generate
+    real = command.generate
 
     def spy(*args, **kwargs):
         seen.append(kwargs["policy"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(decoding, "generate", spy)
+    monkeypatch.setattr(command, "generate", spy)
     common = ["generate", "--model", tiny_model_dir, "--prompt", "hello there", "--max-new-tokens", 8, "--json",
               "--dtype", "float64", "--skip-attn", "1"]
     code, out, err = run(capsys, *common, "--stop-rule", "cost", "--confidence-threshold", "0.5", "--no-guard")

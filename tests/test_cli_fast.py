@@ -42,7 +42,8 @@ def test_each_default_appears_once_in_help():
 
 
 def test_constants_match_the_modules_that_own_them():
-    from skipsearch import models, search
+    from skipsearch.io import models
+    from skipsearch.search import study as search
 
     assert models.DEFAULT_MODEL == constants.DEFAULT_MODEL
     assert set(models.DTYPES) == set(constants.DTYPE_NAMES)
@@ -51,7 +52,7 @@ def test_constants_match_the_modules_that_own_them():
 
 def test_drafting_help_shows_the_draft_policys_own_defaults():
     from skipsearch.cli import build_parser
-    from skipsearch.decoding import DraftPolicy
+    from skipsearch.decode.policy import DraftPolicy
 
     policy = DraftPolicy()  # the decode loop's, which is policy.py's: one class, one set of defaults
     commands = build_parser()._subparsers._group_actions[0].choices

@@ -3,10 +3,10 @@ import json
 import pytest
 
 from conftest import tiny_model
-from skipsearch.config import (FORMAT, ModelInfo, SkipConfig, SkipEntry, combine_skip_configs, load_skip_config,
-                               parse_skip_config, save_skip_config)
-from skipsearch.decoding import DraftPolicy
-from skipsearch.skipping import SkipSet
+from skipsearch.decode.config import (FORMAT, ModelInfo, SkipConfig, SkipEntry, combine_skip_configs, load_skip_config,
+                                      parse_skip_config, save_skip_config)
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
 
 
 def make_config(model, **overrides):
@@ -93,9 +93,9 @@ def test_unreadable_files_are_clear_errors(tmp_path):
 
 
 def test_a_draft_and_verify_file_is_named_as_such():
-    from skipsearch.config import parse_skip_config
-    from skipsearch.skipping import SkipSet
-    from skipsearch.warmstart import dv_json
+    from skipsearch.decode.config import parse_skip_config
+    from skipsearch.decode.skipset import SkipSet
+    from skipsearch.search.warmstart import dv_json
 
     with pytest.raises(ValueError, match="Draft & Verify / SWIFT skip file .*optimize --warm-start"):
         parse_skip_config(dv_json("smollm2", SkipSet.of([3], [5], 30)))
@@ -108,8 +108,8 @@ def test_configs_models_and_plots_do_not_import_the_decode_loop():
     import sys
     from pathlib import Path
 
-    code = ("import sys, skipsearch.config, skipsearch.models, skipsearch.plots; "
-            "print(sorted(name for name in sys.modules if name in ('skipsearch.decoding', 'skipsearch.engine')))")
+    code = ("import sys, skipsearch.decode.config, skipsearch.io.models, skipsearch.report.plots; "
+            "print(sorted(name for name in sys.modules if name in ('skipsearch.decode.loop', 'skipsearch.decode.engine')))")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr

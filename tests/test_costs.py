@@ -11,10 +11,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import VirtualTimer, tiny_model
 from skipsearch.cli import main
-from skipsearch.costs import ContextCosts, CostProfile, Overheads, profile_costs, projection_lines
-from skipsearch.decoding import DecodeStats, DraftPolicy, generate
-from skipsearch.models import model_from_config
-from skipsearch.skipping import SkipSet
+from skipsearch.costs.profiler import profile_costs
+from skipsearch.decode.cost_profile import ContextCosts, CostProfile, Overheads
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.decode.stats import DecodeStats
+from skipsearch.io.models import model_from_config
+from skipsearch.report.projections import projection_lines
 
 
 def synthetic(contexts=None, **overrides):
@@ -127,7 +131,7 @@ def test_profile_has_one_table_per_context_and_round_trips(tmp_path):
 
 def virtual_time(monkeypatch, model):
     """Time that only forwards advance (`VirtualTimer`), for the profile's forwards and the decoder's wall time."""
-    from skipsearch import decoding
+    from skipsearch.decode import loop as decoding
 
     timer = VirtualTimer(model)
     monkeypatch.setattr(decoding, "time", types.SimpleNamespace(perf_counter=timer))
@@ -138,11 +142,11 @@ def test_overheads_are_measured_in_the_decoder(monkeypatch):
     """Real decoding runs, in virtual time: the loop costs nothing besides its forwards but what is added here, 0.5 ms
     a round and 0.2 ms a drafted token; the residuals find exactly those. The confidence read that a cut round pays
     per draft is timed directly: in virtual time, where only forwards take time, it is free."""
-    from skipsearch import costs
+    from skipsearch.costs import calibration
 
     model = tiny_model()
     timer = virtual_time(monkeypatch, model)
-    real_generate = costs.generate
+    real_generate = calibration.generate
 
     def generate_with_bookkeeping(*args, **kwargs):
         output = real_generate(*args, **kwargs)
@@ -150,7 +154,7 @@ def test_overheads_are_measured_in_the_decoder(monkeypatch):
         stats.wall_time_s += 0.5e-3 * stats.rounds + 0.2e-3 * stats.drafted
         return output
 
-    monkeypatch.setattr(costs, "generate", generate_with_bookkeeping)
+    monkeypatch.setattr(calibration, "generate", generate_with_bookkeeping)
     profile = profile_costs(model, contexts=(8,), max_verify_tokens=5, repeats=1, clock=timer)
     o = profile.overheads
     assert o.round_s == pytest.approx(0.5e-3) and o.draft_token_s == pytest.approx(0.2e-3)
@@ -244,7 +248,7 @@ def test_profile_config_only_and_the_folder_without_weights(capsys, tmp_path, ti
 
 
 def test_project_with_prints_and_stores_predictions(capsys, tmp_path, tiny_model_dir):
-    from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
+    from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     contexts = tuple(ContextCosts(context_tokens=c, attn_s=0.001, mlp_s=0.001, rest_s=0.002, verify_s=[0.01, 0.0101])
@@ -313,7 +317,7 @@ def test_a_time_budget_bounds_the_profile_to_fewer_contexts():
 
 
 def test_a_machine_too_noisy_to_profile_is_said_in_one_line():
-    from skipsearch.costs import NoisyMachine
+    from skipsearch.costs.profiler import NoisyMachine
 
     model = tiny_model()
     noisy = VirtualTimer(model, noise=0.02)  # every forward delayed by 20 ms on average: costs vanish in the noise
@@ -326,7 +330,7 @@ def test_a_machine_too_noisy_to_profile_is_said_in_one_line():
 def test_only_repeats_that_disagree_refuse_a_profile():
     """The figures of issue 27's quiet AMD EPYC (verify costs out of order by width, stable run after run) are a
     profile, priced by the envelope; zero or negative parts are clipped and said; repeats that spread widely refuse."""
-    from skipsearch.costs import _ContextRuns
+    from skipsearch.costs.profiler import _ContextRuns
 
     def runs(verify, one_token):
         made = _ContextRuns(128, [[v / 1e3 for v in r] for r in verify],
@@ -352,7 +356,7 @@ def test_only_repeats_that_disagree_refuse_a_profile():
 
 
 def test_overheads_below_zero_are_clipped_and_said_a_little_below_is_zero():
-    from skipsearch.costs import _overheads
+    from skipsearch.costs.calibration import _overheads
 
     model = tiny_model()
     profile = synthetic(contexts=(ContextCosts(context_tokens=8, attn_s=1e-3, mlp_s=1e-3, rest_s=2e-3,
@@ -375,7 +379,7 @@ def test_a_compiled_profile_times_the_engines_own_steps(monkeypatch):
     """With `compile_mode`, the profile times the steps decoding runs (on CUDA: the CUDA graphs). Each engine step is
     charged a made-up cost by what it is (a verify step by its width, a draft step by what it skips); the profile
     must find exactly those costs, which it can only by timing the engine's steps."""
-    from skipsearch import engine as engine_module
+    from skipsearch.decode import engine as engine_module
 
     model = tiny_model()
     now, real_call = [0.0], engine_module.Step.__call__

@@ -8,8 +8,9 @@ import torch
 
 from conftest import tiny_model
 from test_decoding import hf_greedy
-from skipsearch.decoding import DraftPolicy, generate
-from skipsearch.skipping import SkipSet
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 NUM_LAYERS = 4

@@ -9,8 +9,8 @@ from transformers.generation.streamers import BaseStreamer
 
 from conftest import tiny_model
 from skipsearch import DraftPolicy, SkipSet, self_speculative
-from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
-from skipsearch.skipping import draft_mode
+from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
+from skipsearch.decode.skipping import draft_mode
 
 NUM_LAYERS = 4
 MODELS = {arch: tiny_model(arch, seed=10 + i, dtype=torch.float64) for i, arch in enumerate(["llama", "qwen2"])}

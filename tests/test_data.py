@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from skipsearch.data import load_prompts
+from skipsearch.io.data import load_prompts
 
 
 def test_builtin_prompts_are_selected_deterministically_by_seed():

@@ -8,15 +8,16 @@ import pytest
 
 from test_choice import CHAT, CODE, FITS_CHAT, FITS_CODE, MODEL, prompt_of
 from test_export import candidate
-from skipsearch.config import ModelInfo, load_skip_config
-from skipsearch.costs import ContextCosts, CostProfile
-from skipsearch.decoding import DraftPolicy, generate
-from skipsearch.evaluation import Evaluator
-from skipsearch.export import dataset_verdicts, decide, decided_config, export_trial, write_dv
-from skipsearch.ranking import best_candidates, ranked
-from skipsearch.records import CONFIRM_ATTR, ConfirmedCandidate, Figures, Ratio, TrialRecord
-from skipsearch.search import SearchSpace, StudySettings, run_study
-from skipsearch.skipping import SkipSet
+from skipsearch.decode.config import ModelInfo, load_skip_config
+from skipsearch.decode.cost_profile import ContextCosts, CostProfile
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.report.export import dataset_verdicts, decide, decided_config, export_trial, write_dv
+from skipsearch.search.evaluation import Evaluator
+from skipsearch.search.ranking import best_candidates, ranked
+from skipsearch.search.records import CONFIRM_ATTR, ConfirmedCandidate, Figures, Ratio, TrialRecord
+from skipsearch.search.study import SearchSpace, StudySettings, run_study
 
 DATASETS = ["code.jsonl", "chat.jsonl"]
 

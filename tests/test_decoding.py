@@ -4,11 +4,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_model
-from skipsearch import adapter
-from skipsearch.decoding import (DecodeStats, Divergence, DraftPolicy, Sampling, _rejection_sample, first_divergence,
-                                 generate, reference_logits)
-from skipsearch.kvcache import SpeculativeCache
-from skipsearch.skipping import SkipSet
+from skipsearch.decode import adapter
+from skipsearch.decode.divergence import Divergence, first_divergence, reference_logits
+from skipsearch.decode.kvcache import SpeculativeCache
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.sampling import Sampling, rejection_sample as _rejection_sample
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.decode.stats import DecodeStats
 
 NUM_LAYERS = 4
 MODELS = {arch: tiny_model(arch, seed=i, dtype=torch.float64) for i, arch in enumerate(["llama", "qwen2", "mistral"])}
@@ -227,7 +230,7 @@ def second_token_marginal(model, prompt):
 def assert_sampling_follows_the_full_model(model, skip, runs=2000):
     """Sampled self-speculative decoding's second token follows the full model's exact marginal, though the draft's
     own marginal is far from it (the check has teeth). A model of vocabulary 8, so that the marginal is exact."""
-    from skipsearch.skipping import draft_mode
+    from skipsearch.decode.skipping import draft_mode
 
     expected = second_token_marginal(model, [2])
     with draft_mode(model, skip):
@@ -332,7 +335,7 @@ def test_reference_logits_predict_each_reference_token():
 
 def test_a_process_compiles_more_skip_sets_than_dynamos_recompile_limit():
     """Each compiled step has its own code object: a study's many skip sets never hit dynamo's per-code limit."""
-    from skipsearch.engine import engine_for
+    from skipsearch.decode.engine import engine_for
 
     model = tiny_model("llama", seed=6, dtype=torch.float64)
     policy = DraftPolicy(max_draft_tokens=2, adaptive=False)
@@ -366,7 +369,7 @@ def test_plain_decoding_reads_tokens_back_once_per_several_steps_and_stops_at_eo
     """On CUDA plain decoding runs several steps per host read-back; here the CPU is told to, and must stay exact."""
     from unittest import mock
 
-    from skipsearch import decoding
+    from skipsearch.decode import loop as decoding
 
     assert not decoding.host_reads_stall(torch.device("cpu"))  # a CPU read waits for nothing: no steps past EOS
     assert decoding.host_reads_stall(torch.device("cuda")) and decoding.PLAIN_STEPS_PER_READ == 8

@@ -17,11 +17,13 @@ from torch.overrides import TorchFunctionMode
 
 from conftest import tiny_model
 from test_decoding import hf_greedy
-from skipsearch import decoding
-from skipsearch.controller import DraftController
-from skipsearch.decoding import DraftPolicy, Sampling, generate
-from skipsearch.engine import DRAFT_STEPS_KEPT, CompileSettings, engine_for
-from skipsearch.skipping import SkipSet
+from skipsearch.decode import loop as decoding
+from skipsearch.decode.controller import DraftController
+from skipsearch.decode.engine import DRAFT_STEPS_KEPT, CompileSettings, engine_for
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.sampling import Sampling
+from skipsearch.decode.skipset import SkipSet
 
 NUM_LAYERS = 4
 REGIONAL = dict(compile=True, compile_backend="aot_eager", compile_mode="regional")
@@ -208,7 +210,7 @@ def test_the_compiled_prefill_runs_any_prompt_length_at_its_fixed_widths():
     widths are compiled, a prompt of a new length compiles nothing."""
     from torch._dynamo.utils import counters
 
-    from skipsearch.engine import PREFILL_WIDTHS
+    from skipsearch.decode.engine import PREFILL_WIDTHS
 
     model = tiny_model("llama", seed=11, dtype=torch.float64)
     model.config.max_position_embeddings = 1024  # room for a prompt over the widest width (rotary takes any length)

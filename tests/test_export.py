@@ -3,10 +3,10 @@ import json
 import optuna
 import pytest
 
-from skipsearch.decoding import DraftPolicy
-from skipsearch.export import decide, export_trial, verdict
-from skipsearch.records import CONFIRM_ATTR
-from skipsearch.skipping import SkipSet
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.report.export import decide, export_trial, verdict
+from skipsearch.search.records import CONFIRM_ATTR
 
 
 def candidate(trial, speedup, low, high, attn, acceptance=0.8):

@@ -14,14 +14,16 @@ import pytest
 import torch
 
 from conftest import FAMILY_CONFIGS, family_config, family_model
-from skipsearch import adapter, families
 from skipsearch.cli import main
-from skipsearch.config import ModelInfo, SkipConfig
-from skipsearch.decoding import DraftPolicy, generate
-from skipsearch.economics import sublayer_weights, weight_fraction
-from skipsearch.families import zeroed_logits
-from skipsearch.kvcache import check_layer_types
-from skipsearch.skipping import SkippedLayer, SkipSet, draft_mode, draft_model, model_with_layers
+from skipsearch.decode import adapter, families
+from skipsearch.decode.config import ModelInfo, SkipConfig
+from skipsearch.decode.economics import sublayer_weights, weight_fraction
+from skipsearch.decode.families import zeroed_logits
+from skipsearch.decode.kvcache import check_layer_types
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipping import SkippedLayer, draft_mode, draft_model, model_with_layers
+from skipsearch.decode.skipset import SkipSet
 from test_decoding import assert_sampling_follows_the_full_model
 
 FAMILIES = sorted(FAMILY_CONFIGS)

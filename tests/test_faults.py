@@ -21,12 +21,12 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from skipsearch.cli import main
-from skipsearch.errors import RESOURCE_EXIT
-from skipsearch.evaluation import Evaluator
-from skipsearch.records import read_confirmation
-from skipsearch.search import distinct_trials
-from skipsearch.storage import dead_worker, make_storage, recover_dead_workers_trials
-from skipsearch.worker import Interrupted, StopRequest, stop_on_signals
+from skipsearch.io.errors import RESOURCE_EXIT
+from skipsearch.search.evaluation import Evaluator
+from skipsearch.search.records import read_confirmation
+from skipsearch.search.storage import dead_worker, make_storage, recover_dead_workers_trials
+from skipsearch.search.study import distinct_trials
+from skipsearch.search.worker import Interrupted, StopRequest, stop_on_signals
 from test_workers import finish, worker
 
 SMALL = ["--num-prompts", "2", "--max-new-tokens", "16", "--min-match", "0", "--no-progress", "--no-pruning",

@@ -8,9 +8,9 @@ from contextlib import contextmanager
 import matplotlib.pyplot as plt
 import pytest
 
-from skipsearch.bench import BenchRow, write_outputs
-from skipsearch.files import follow_umask, write_atomic
-from skipsearch.plots import save_figure
+from skipsearch.io.files import follow_umask, write_atomic
+from skipsearch.report.bench import BenchRow, write_outputs
+from skipsearch.report.plots import save_figure
 
 
 @contextmanager

@@ -7,12 +7,13 @@ import pytest
 import torch
 from conftest import VirtualTimer, tiny_model
 
-from skipsearch import decoding
-from skipsearch.controller import (FIRST_BACKOFF_TOKENS, KEEP_ABOVE, PLAIN_SAMPLE_TOKENS, ROUNDS_PER_CHECK,
-                                   DraftController, DraftMemory)
-from skipsearch.decoding import DraftPolicy, generate
-from skipsearch.economics import Acceptance, PriceFit, RoundCosts, best_draft_length, committed_tokens
-from skipsearch.skipping import SkipSet
+from skipsearch.decode import loop as decoding
+from skipsearch.decode.controller import (FIRST_BACKOFF_TOKENS, KEEP_ABOVE, PLAIN_SAMPLE_TOKENS, ROUNDS_PER_CHECK,
+                                          DraftController, DraftMemory)
+from skipsearch.decode.economics import Acceptance, PriceFit, RoundCosts, best_draft_length, committed_tokens
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
 from test_engine import HostReads
 
 pytestmark = pytest.mark.guarded  # conftest turns the guard off in every other test
@@ -296,7 +297,7 @@ def test_plain_stretches_run_through_hooks_and_compiled_steps(monkeypatch):
 def test_a_profile_pads_eager_verifications_to_the_cheapest_width(monkeypatch):
     """With a profile whose verification of 4 tokens is the cheapest of 2 to 4, every round verifies 4 tokens, its
     drafts followed by padding, and the output is plain greedy decoding's."""
-    from skipsearch.costs import ContextCosts, CostProfile
+    from skipsearch.decode.cost_profile import ContextCosts, CostProfile
 
     model = damped_model()
     virtual_time(model, monkeypatch)

@@ -21,8 +21,7 @@ import torch
 from optuna.trial import TrialState
 
 from skipsearch.cli import main
-from skipsearch.errors import (RESOURCE_EXIT, NonFiniteLogits, ResourceExhausted, exhausted_resource,
-                               resource_error)
+from skipsearch.io.errors import RESOURCE_EXIT, NonFiniteLogits, ResourceExhausted, exhausted_resource, resource_error
 from test_bad_input import snapshot
 from test_export import fake_study
 
@@ -80,7 +79,7 @@ def secrets_in(text):
 
 @pytest.mark.parametrize("url", URL_FORMS.values(), ids=URL_FORMS)
 def test_redact_url_hides_every_form_of_a_password(url):
-    from skipsearch.storage import redact_text, redact_url
+    from skipsearch.search.storage import redact_text, redact_url
 
     shown = redact_url(url)
     assert not secrets_in(shown) and "***" in shown and "127.0.0.1" in shown
@@ -89,7 +88,7 @@ def test_redact_url_hides_every_form_of_a_password(url):
 
 
 def test_redact_url_leaves_urls_without_secrets_alone():
-    from skipsearch.storage import redact_text, redact_url
+    from skipsearch.search.storage import redact_text, redact_url
 
     for url in ("sqlite:///studies/x.db", "journal:studies/x.log", "postgresql://me@host/db?sslmode=require"):
         assert redact_url(url) == url and redact_text(f"at {url}", url) == f"at {url}"
@@ -122,7 +121,7 @@ def test_a_study_reports_and_stores_its_storage_without_the_secret(tmp_path, tin
 
 
 def test_study_settings_repr_hides_the_password():
-    from skipsearch.search import StudySettings
+    from skipsearch.search.study import StudySettings
 
     text = repr(StudySettings(study_name="s", storage=URL_FORMS["password as a query parameter"]))
     assert "password=***" in text and not secrets_in(text) and "study_name='s'" in text
@@ -131,7 +130,7 @@ def test_study_settings_repr_hides_the_password():
 def test_storage_place_names_the_file_or_the_redacted_url(tmp_path):
     from optuna.storages.journal import JournalFileBackend
 
-    from skipsearch.storage import make_storage, storage_place
+    from skipsearch.search.storage import make_storage, storage_place
 
     assert storage_place("sqlite:///studies/x.db?password=pw") == "study database 'studies/x.db'"
     assert storage_place("journal:studies/x.log") == "journal 'studies/x.log'"
@@ -191,7 +190,7 @@ def test_resource_error_is_one_line_naming_what_and_where():
 
 
 def test_ends_the_study_on_resources_and_non_finite_models_only():
-    from skipsearch.worker import ends_the_study
+    from skipsearch.search.worker import ends_the_study
 
     assert ends_the_study(MemoryError()) and ends_the_study(NonFiniteLogits("nan"))
     assert ends_the_study(OSError(errno.ENOSPC, "full"))
@@ -235,7 +234,7 @@ def test_a_file_size_limit_on_an_output_names_the_output_and_keeps_the_old_file(
     assert output.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["fake.db", "out.json"]
 
 
-MEMORY_FREE = "import skipsearch.resources as r\nr.free_memory = lambda device: 40_000  # bytes: less than the cache"
+MEMORY_FREE = "import skipsearch.io.resources as r\nr.free_memory = lambda device: 40_000  # bytes: less than the cache"
 
 
 @pytest.mark.parametrize("command", ["generate", "optimize"])
@@ -251,7 +250,8 @@ def test_a_cache_the_memory_cannot_hold_is_refused_before_any_work(command, tiny
 
 def test_the_cache_checks_its_memory_before_it_allocates(monkeypatch):
     from conftest import tiny_model
-    from skipsearch import kvcache, resources
+    from skipsearch.decode import kvcache
+    from skipsearch.io import resources
 
     model = tiny_model()  # 4 layers, 2 key/value heads of 8, float32: 512 bytes a token
     assert kvcache.cache_bytes(model.config, 100, torch.float32) == 2 * 4 * 2 * 8 * 100 * 4
@@ -267,7 +267,7 @@ def test_the_cache_checks_its_memory_before_it_allocates(monkeypatch):
 
 
 def test_free_memory_reads_the_device():
-    from skipsearch.resources import check_memory, free_memory, size_text
+    from skipsearch.io.resources import check_memory, free_memory, size_text
 
     cpu = torch.device("cpu")
     free = free_memory(cpu)
@@ -284,7 +284,7 @@ def test_free_memory_reads_the_device():
 def test_an_allocator_error_mid_study_ends_it_in_one_line(tiny_model_dir, tmp_path):
     """The allocator's error in the second decoded trial: the study ends there (no failed trial after failed trial,
     each with Optuna's traceback), exits RESOURCE_EXIT, and keeps the trials that finished."""
-    patch = ("from skipsearch.evaluation import Evaluator\nreal, calls = Evaluator.evaluate, []\n"
+    patch = ("from skipsearch.search.evaluation import Evaluator\nreal, calls = Evaluator.evaluate, []\n"
              "def evaluate(self, *a, **k):\n    calls.append(1)\n"
              f"    if len(calls) == 2:\n        raise RuntimeError({ALLOCATOR!r})\n    return real(self, *a, **k)\n"
              "Evaluator.evaluate = evaluate")
@@ -301,7 +301,7 @@ def test_an_allocator_error_mid_study_ends_it_in_one_line(tiny_model_dir, tmp_pa
 
 
 def test_an_allocator_error_while_decoding_is_one_line(tiny_model_dir, capsys, monkeypatch):
-    from skipsearch import kvcache
+    from skipsearch.decode import kvcache
 
     def cannot(*args, **kwargs):
         raise RuntimeError(ALLOCATOR)
@@ -387,7 +387,7 @@ def test_export_through_a_symlink_to_a_file_replaces_the_file_and_keeps_the_link
 
 
 def test_an_output_that_is_neither_file_nor_stream_is_refused(tmp_path, capsys):
-    from skipsearch.files import output_target, write_atomic
+    from skipsearch.io.files import output_target, write_atomic
 
     block = tmp_path / "disk"
     try:
@@ -404,7 +404,7 @@ def test_an_output_that_is_neither_file_nor_stream_is_refused(tmp_path, capsys):
 
 
 def test_write_output_writes_a_stream_whole_and_only_after_the_writer_succeeds(tmp_path):
-    from skipsearch.files import output_target, write_output
+    from skipsearch.io.files import output_target, write_output
 
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -420,7 +420,7 @@ def test_write_output_writes_a_stream_whole_and_only_after_the_writer_succeeds(t
 
 
 def test_write_output_reports_a_full_disk_naming_the_output(tmp_path, monkeypatch):
-    from skipsearch.files import write_output
+    from skipsearch.io.files import write_output
 
     def full(tmp):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp))
@@ -468,8 +468,8 @@ def test_a_study_on_a_model_with_non_finite_logits_ends_before_any_trial(nan_mod
 def test_check_finite_is_asked_once_per_call_and_reads_nothing_of_its_own(monkeypatch):
     """The answer comes back with the prefill's first token, in its one host read: never per decoded token."""
     from conftest import tiny_model
-    from skipsearch import decoding
-    from skipsearch.skipping import SkipSet
+    from skipsearch.decode import loop as decoding
+    from skipsearch.decode.skipset import SkipSet
 
     model, calls = tiny_model(), []
     real = decoding.check_finite
@@ -513,9 +513,9 @@ BOM = "\ufeff"
 def test_json_and_jsonl_files_with_a_byte_order_mark_are_read(tmp_path, tiny_model_dir, capsys):
     from transformers import AutoModelForCausalLM
 
-    from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
-    from skipsearch.files import read_json
-    from skipsearch.skipping import SkipSet
+    from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
+    from skipsearch.decode.skipset import SkipSet
+    from skipsearch.io.files import read_json
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     save_skip_config(SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [], 4)), tmp_path / "c.json")
@@ -559,8 +559,8 @@ def test_an_unusable_home_is_refused_before_any_cache_is_made(home, tmp_path):
 
 
 def test_home_folder_and_the_cache_refuse_an_empty_home(monkeypatch):
-    from skipsearch import models
-    from skipsearch.files import home_folder
+    from skipsearch.io import models
+    from skipsearch.io.files import home_folder
 
     monkeypatch.delenv("SKIPSEARCH_CACHE", raising=False)
     monkeypatch.setenv("HOME", "/home/someone")

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from skipsearch.measure import Interval, paired_runs, ratio_interval
+from skipsearch.search.measure import Interval, paired_runs, ratio_interval
 
 
 def test_ratio_interval_is_a_geometric_mean_with_a_t_interval_on_logs():

@@ -3,7 +3,7 @@ import importlib.util
 import pytest
 import torch
 
-from skipsearch import models
+from skipsearch.io import models
 
 
 def test_missing_default_model_names_the_install_command(monkeypatch):

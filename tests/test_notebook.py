@@ -2,11 +2,11 @@ import nbformat
 from nbclient import NotebookClient
 
 from conftest import tiny_model
-from skipsearch.config import ModelInfo
-from skipsearch.config import load_skip_config
-from skipsearch.decoding import DraftPolicy
-from skipsearch.export import export_trial
-from skipsearch.search import SearchSpace, StudySettings, run_study
+from skipsearch.decode.config import ModelInfo
+from skipsearch.decode.config import load_skip_config
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.report.export import export_trial
+from skipsearch.search.study import SearchSpace, StudySettings, run_study
 
 NOTEBOOK = "notebooks/view_study.ipynb"
 

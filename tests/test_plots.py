@@ -9,12 +9,12 @@ import pytest
 from optuna.distributions import FloatDistribution
 
 from conftest import tiny_model
-from skipsearch import bench, plots
-from skipsearch.bench import BenchRow
-from skipsearch.config import ModelInfo
-from skipsearch.decoding import DraftPolicy
-from skipsearch.records import STUDY_ATTR
-from skipsearch.search import SearchSpace, StudySettings, run_study
+from skipsearch.decode.config import ModelInfo
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.report import bench, plots
+from skipsearch.report.bench import BenchRow
+from skipsearch.search.records import STUDY_ATTR
+from skipsearch.search.study import SearchSpace, StudySettings, run_study
 
 LAYERS = 30
 

@@ -3,9 +3,9 @@
 import pytest
 
 from conftest import VirtualTimer, tiny_model
-from skipsearch.costs import profile_costs
-from skipsearch.decoding import DraftPolicy
-from skipsearch.search import Evaluator
+from skipsearch.costs.profiler import profile_costs
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.search.study import Evaluator
 
 
 @pytest.mark.parametrize("enabled", [True, False])

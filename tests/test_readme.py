@@ -3,8 +3,8 @@
 import re
 from pathlib import Path
 
-from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
-from skipsearch.skipping import SkipSet
+from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
+from skipsearch.decode.skipset import SkipSet
 
 
 def run_readme_block(marker, tmp_path, monkeypatch, default_model):

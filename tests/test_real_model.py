@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from skipsearch.decoding import DraftPolicy, generate
-from skipsearch.models import encode_prompt
-from skipsearch.skipping import SkipSet
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.io.models import encode_prompt
 
 PROMPTS = ["Explain what a hash map is.", "Write a Python function that reverses a string."]
 SKIPS = [SkipSet.of([0], [29], 30), SkipSet.of([4, 9, 14, 19], [2, 25], 30), SkipSet.of(range(0, 30, 2), [], 30)]
@@ -50,7 +51,7 @@ def test_default_model_loads_from_the_converted_cache(default_model):
 
 
 def test_a_gguf_path_is_converted_once_and_loads(tmp_path, monkeypatch):
-    from skipsearch.models import default_gguf_path, load_model
+    from skipsearch.io.models import default_gguf_path, load_model
 
     monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path))
     (tmp_path / "not.gguf").write_bytes(b"NOPE" + bytes(16))
@@ -67,7 +68,7 @@ def test_a_damaged_cached_default_model_is_converted_again(tmp_path, monkeypatch
     import os
     import stat
 
-    from skipsearch.models import cache_dir, converted_default_model, load_model
+    from skipsearch.io.models import cache_dir, converted_default_model, load_model
 
     cached = converted_default_model()
     monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path))

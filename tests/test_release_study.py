@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from skipsearch.cli import main
-from skipsearch.export import export_trial, verdict, write_dv
-from skipsearch.search import study_summary
-from skipsearch.storage import load_study
+from skipsearch.report.export import export_trial, verdict, write_dv
+from skipsearch.search.storage import load_study
+from skipsearch.search.study import study_summary
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EXPECTED = json.loads((FIXTURES / "release_studies.expected.json").read_text())
@@ -55,11 +55,11 @@ def test_every_surface_ranks_and_labels_as_before(name, storage):
     and the progress bar labelled by two more: one ranking now gives what each gave."""
     import matplotlib.pyplot as plt
 
-    from skipsearch import plots
-    from skipsearch.ranking import ranked
-    from skipsearch.records import decoded_trials, measured_trials
-    from skipsearch.search import _confirmation_is_stale, confirmation_candidates
-    from skipsearch.worker import best_label
+    from skipsearch.report import plots
+    from skipsearch.search.ranking import ranked
+    from skipsearch.search.records import decoded_trials, measured_trials
+    from skipsearch.search.study import _confirmation_is_stale, confirmation_candidates
+    from skipsearch.search.worker import best_label
 
     study = load_study(name, storage)
     expected = EXPECTED[name]
@@ -78,8 +78,8 @@ def test_every_surface_ranks_and_labels_as_before(name, storage):
 def test_records_write_back_what_the_release_stored(name, storage):
     """One conversion each way: every trial, the label and the confirmation, read as records and written back as
     user attributes, are what the release stored, key for key."""
-    from skipsearch.policy import DEPRECATED_FIELDS
-    from skipsearch.records import CONFIRM_ATTR, STUDY_ATTR, Confirmation, StudyLabel, TrialRecord
+    from skipsearch.decode.policy import DEPRECATED_FIELDS
+    from skipsearch.search.records import CONFIRM_ATTR, STUDY_ATTR, Confirmation, StudyLabel, TrialRecord
 
     study = load_study(name, storage)
     stored = dict(study.user_attrs[STUDY_ATTR])

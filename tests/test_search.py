@@ -3,13 +3,13 @@ import pytest
 from optuna.trial import FixedTrial, TrialState
 
 from conftest import tiny_model
-from skipsearch.config import ModelInfo, load_skip_config
-from skipsearch.decoding import DraftPolicy
-from skipsearch.plots import write_plots
-from skipsearch.export import decide, export_trial
-from skipsearch.search import (Evaluator, SearchSpace, StudySettings, distinct_trials, make_sampler, run_study,
-                               study_summary)
-from skipsearch.skipping import SkipSet
+from skipsearch.decode.config import ModelInfo, load_skip_config
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.report.export import decide, export_trial
+from skipsearch.report.plots import write_plots
+from skipsearch.search.study import (Evaluator, SearchSpace, StudySettings, distinct_trials, make_sampler, run_study,
+                                     study_summary)
 
 PROMPTS = [[5, 9, 14, 3], [7, 2, 30, 31, 8]]
 
@@ -77,7 +77,7 @@ def test_evaluation_stops_when_the_pruner_says_so():
 
 
 def test_modeled_evaluation_times_nothing():
-    from skipsearch.costs import CostProfile
+    from skipsearch.decode.cost_profile import CostProfile
 
     profile = CostProfile.from_dict(dict(device="cpu", dtype="float32", architecture="LlamaForCausalLM",
                                          num_hidden_layers=4, context_tokens=8, attn_s=1.0, mlp_s=1.0, rest_s=1.0,
@@ -176,7 +176,7 @@ def test_bad_sampler_choices_are_clear_errors():
 
 
 def test_modeled_objective_scores_by_the_cost_profile_and_keeps_it(tmp_path):
-    from skipsearch.costs import CostProfile
+    from skipsearch.decode.cost_profile import CostProfile
 
     model = tiny_model()
     profile = CostProfile.from_dict(dict(device="cpu", dtype="float32", architecture="LlamaForCausalLM",
@@ -213,7 +213,7 @@ def test_random_unevaluated_draws_a_set_not_yet_evaluated_or_none():
 
 
 def tiny_profile():
-    from skipsearch.costs import CostProfile
+    from skipsearch.decode.cost_profile import CostProfile
 
     return CostProfile.from_dict(dict(device="cpu", dtype="float32", architecture="LlamaForCausalLM",
                                       num_hidden_layers=4, context_tokens=8, attn_s=1.0, mlp_s=1.0, rest_s=1.0,
@@ -260,7 +260,7 @@ def test_the_empty_set_is_plain_decoding_by_definition_and_never_exported(tmp_pa
 def test_a_compiled_study_runs_regional_steps(monkeypatch):
     """A study's compiled trials run regional steps (a new skip set compiles nothing; on CUDA they are what
     generate --compile runs), never frozen ones, which would keep a model copy per compiled skip set."""
-    import skipsearch.evaluation as evaluation
+    import skipsearch.search.evaluation as evaluation
 
     calls = []
     real_generate = evaluation.generate

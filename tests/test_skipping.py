@@ -2,10 +2,12 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from skipsearch import adapter
-from skipsearch.kvcache import SpeculativeCache
-from skipsearch.skipping import (SkippedLayer, SkipSet, ZeroAttention, ZeroFeedForward, decoder_layers, draft_layers,
-                                 draft_mode, draft_model)
+from skipsearch.decode import adapter
+from skipsearch.decode.adapter import decoder_layers
+from skipsearch.decode.kvcache import SpeculativeCache
+from skipsearch.decode.skipping import (SkippedLayer, ZeroAttention, ZeroFeedForward, draft_layers, draft_mode,
+                                        draft_model)
+from skipsearch.decode.skipset import SkipSet
 
 
 def test_skip_set_sorts_and_validates():

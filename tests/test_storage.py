@@ -1,7 +1,7 @@
 import optuna
 import pytest
 
-from skipsearch.storage import Heartbeat, load_study, make_storage, redact_url
+from skipsearch.search.storage import Heartbeat, load_study, make_storage, redact_url
 from test_export import fake_study
 
 
@@ -36,7 +36,7 @@ def test_passwords_are_redacted():
 def test_existing_study_reads_labels_and_trial_count(tmp_path):
     import optuna
 
-    from skipsearch.storage import existing_study, make_storage
+    from skipsearch.search.storage import existing_study, make_storage
 
     storage = make_storage(f"sqlite:///{tmp_path}/s.db")
     assert existing_study(storage, "s") is None
@@ -54,7 +54,7 @@ def test_a_stale_trial_failed_by_optuna_itself_says_why(tmp_path):
 
     from optuna.trial import TrialState
 
-    from skipsearch.storage import explain_stale_trials, heartbeat_enabled
+    from skipsearch.search.storage import explain_stale_trials, heartbeat_enabled
 
     storage = make_storage(f"sqlite:///{tmp_path}/s.db", Heartbeat(interval_s=1, grace_s=1, max_retries=0))
     study = optuna.create_study(study_name="s", storage=storage)

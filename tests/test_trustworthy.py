@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from skipsearch.config import ModelInfo
-from skipsearch.decoding import DraftPolicy
-from skipsearch.export import decide, export_trial
-from skipsearch.search import Evaluator, SearchSpace, StudySettings, run_study, study_summary
-from skipsearch.skipping import SkipSet, decoder_layers
+from skipsearch.decode.adapter import decoder_layers
+from skipsearch.decode.config import ModelInfo
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.report.export import decide, export_trial
+from skipsearch.search.study import Evaluator, SearchSpace, StudySettings, run_study, study_summary
 
 PROMPTS = [[5, 9, 14, 3], [7, 2, 30, 31, 8], [11, 4, 19]]
 POLICY = DraftPolicy(max_draft_tokens=4, adaptive=False)

@@ -7,11 +7,11 @@ import re
 import optuna
 import pytest
 
-from skipsearch import published
 from skipsearch.cli import main
-from skipsearch.config import ModelInfo, SkipConfig, save_skip_config
-from skipsearch.skipping import SkipSet
-from skipsearch.warmstart import dv_json, dv_name, parse_skip_sets, read_warm_starts
+from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.search import published
+from skipsearch.search.warmstart import dv_json, dv_name, parse_skip_sets, read_warm_starts
 
 TINY = ModelInfo("tiny", "LlamaForCausalLM", 4, 32)  # the shape of conftest's tiny_model_dir
 
@@ -148,8 +148,8 @@ def test_matching_published_sets_become_first_trials(capsys, tmp_path, tiny_mode
 
 
 def test_a_config_of_several_sets_warm_starts_each(tmp_path):
-    from skipsearch.config import SkipEntry
-    from skipsearch.policy import DraftPolicy
+    from skipsearch.decode.config import SkipEntry
+    from skipsearch.decode.policy import DraftPolicy
 
     entries = [SkipEntry(SkipSet.of([1], [], 4), "code.jsonl"), SkipEntry(SkipSet.of([], [2], 4), None)]
     save_skip_config(SkipConfig.of_entries(TINY, entries, DraftPolicy(), {}), tmp_path / "best.json")

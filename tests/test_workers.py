@@ -12,8 +12,8 @@ import pytest
 from optuna.storages import RetryHeartbeatStaleTrialCallback
 from optuna.trial import TrialState
 
-from skipsearch.search import distinct_trials
-from skipsearch.storage import make_storage
+from skipsearch.search.storage import make_storage
+from skipsearch.search.study import distinct_trials
 
 
 @pytest.fixture(scope="module")

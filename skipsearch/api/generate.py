@@ -1,0 +1,97 @@
+"""`generate`: decode one prompt, drafting with a skip config's sets, with sets given by layer ids, or plainly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..decode.checks import check_room
+from ..decode.choice import Choice
+from ..decode.config import combine_skip_configs, load_skip_config
+from ..decode.cost_profile import CostProfile
+from ..decode.loop import generate
+from ..decode.policy import DraftPolicy
+from ..decode.sampling import Sampling
+from ..decode.skipset import SkipSet
+from ..decode.stats import GenerationOutput
+from ..io import models
+from .options import DraftOptions, ModelOptions
+
+
+@dataclass(frozen=True)
+class GenerateSettings(ModelOptions, DraftOptions):
+    prompt: str = ""
+    raw: bool = False
+    config: list[Path] | None = None  # skip configs: with several sets, the prefill chooses among them
+    cost_profile: Path | None = None
+    skip_attn: list[int] | None = None
+    skip_mlp: list[int] | None = None
+    autoregressive: bool = False
+    max_new_tokens: int = 128
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    compile: bool = False
+
+
+@dataclass(frozen=True)
+class Generation:
+    text: str
+    output: GenerationOutput
+    skip: SkipSet | None  # what it drafted with: the one set, the prefill's choice among several, or None
+    choice: str  # how the prefill chose among several sets, for the summary line ("" when it made no choice)
+
+
+def generate_text(settings: GenerateSettings) -> Generation:
+    """Decode `settings.prompt` as `python -m skipsearch generate` does."""
+    s = settings
+    if s.config and (s.skip_attn or s.skip_mlp):
+        raise ValueError("give either --config or --skip-attn/--skip-mlp, not both")
+    if s.autoregressive and (s.config or s.skip_attn or s.skip_mlp):
+        raise ValueError("--autoregressive decodes plainly: it takes no --config, --skip-attn or --skip-mlp")
+    if not s.prompt.strip():
+        raise ValueError("--prompt is empty: give the text to answer")
+    profile = CostProfile.load(s.cost_profile) if s.cost_profile is not None else None
+    loaded = s.load()
+    skip, base_policy, labels = _skips(s, loaded.model)
+    policy = s.policy(base_policy)
+    sampling = Sampling(do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    prompt_ids = models.encode_prompt(loaded.tokenizer, s.prompt, raw=s.raw)
+    check_room(loaded.model, len(prompt_ids), s.max_new_tokens, skip, policy, flag="--max-new-tokens")
+    generator = torch.Generator(loaded.device).manual_seed(s.seed) if s.do_sample else None
+    output = generate(
+        loaded.model, prompt_ids, skip=skip, max_new_tokens=s.max_new_tokens, policy=policy,
+        sampling=sampling, eos_token_id=loaded.model.generation_config.eos_token_id, generator=generator,
+        compile=s.compile, cost_profile=profile,
+    )
+    choice = output.stats.choices[0] if output.stats.choices else None
+    text = loaded.tokenizer.decode(output.tokens, skip_special_tokens=True)
+    return Generation(text, output, choice.skip if choice else skip, _choice_text(choice, labels))
+
+
+def _skips(s: GenerateSettings, model: torch.nn.Module
+           ) -> tuple[SkipSet | tuple[SkipSet, ...] | None, DraftPolicy, dict[SkipSet, str]]:
+    """What `generate` drafts with (one skip set, several to choose among, or None), the draft policy it
+    starts from, and each set's label (its --config file, or the label that file gives it)."""
+    if s.autoregressive:
+        return None, DraftPolicy(), {}
+    if not s.config:
+        return SkipSet.of(s.skip_attn or (), s.skip_mlp or (), model.config.num_hidden_layers), DraftPolicy(), {}
+    config = combine_skip_configs([load_skip_config(path, model) for path in s.config], s.config)
+    labels = {entry.skip: entry.label for entry in config.entries}
+    return config.skip_sets if config.others else config.skip, config.draft, labels
+
+
+def _choice_text(choice: Choice | None, labels: dict[SkipSet, str]) -> str:
+    """How the prefill chose among several skip sets, for the summary line ("" when it made no choice)."""
+    if choice is None:
+        return ""
+    agreements = ", ".join(f"{labels.get(skip, str(skip))} {agreement:.2f}"
+                           for skip, agreement in zip(choice.candidates, choice.agreements))
+    chosen = "plain decoding" if choice.skip is None else labels.get(choice.skip, str(choice.skip))
+    return (f"; {chosen} chosen among {len(choice.candidates)} sets and plain decoding by their agreement with the "
+            f"full model over the prompt's last {choice.window} tokens: {agreements}")

@@ -1,0 +1,223 @@
+"""`optimize`: run (or resume) a study, confirm its best sets, export the decision, project it and plot the study."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import optuna
+
+from ..decode.config import MODEL_SHAPE, ModelInfo, SkipConfig
+from ..decode.cost_profile import CostProfile
+from ..decode.policy import DraftPolicy
+from ..decode.skipset import SkipSet
+from ..io import models
+from ..io.data import BUILTIN, load_prompts
+from ..io.files import check_output_folder
+from ..report.export import dataset_verdicts, export_trial, exported_text, verdict
+from ..report.plots import write_plots
+from ..report.projections import decode_stats, load_projections, projection_lines
+from ..search.published import matching_skip_sets
+from ..search.ranking import ranked
+from ..search.records import made_by_skipsearch
+from ..search.space import SearchSpace
+from ..search.storage import Heartbeat, existing_study, make_storage, redact_url
+from ..search.study import StudySettings, check_measurable, make_sampler, run_study, study_summary
+from ..search.warmstart import NamedSkipSet, outside_space, read_warm_starts
+from ..search.worker import StopRequest
+from .options import DraftOptions, ModelOptions, StudyOptions, encoded_prompts, not_made_by_skipsearch
+
+
+@dataclass(frozen=True)
+class OptimizeSettings(ModelOptions, DraftOptions, StudyOptions):
+    """`python -m skipsearch optimize`'s flags, by name, with its defaults."""
+
+    dataset: list[str] | None = None  # each --num-prompts prompts (None: the builtin prompts)
+    field: str = "prompt"
+    split: str = "train"
+    num_prompts: int = 4
+    max_new_tokens: int = 32
+    raw: bool = False
+    objective: str = "speed_x_acceptance"
+    cost_profile: Path | None = None
+    project_with: list[Path] | None = None
+    sampler: str = "tpe"
+    n_trials: int = 20
+    timeout: float | None = None
+    seed: int = 0
+    skip_prior: float = 0.15
+    max_skip_fraction: float = 0.5
+    allow_first_last: bool = False
+    min_match: float = 0.5
+    no_pruning: bool = False
+    repeats: int = 1
+    confirm_top: int = 3
+    confirm_repeats: int = 2
+    no_warm_starts: bool = False
+    warm_start: list[str] | None = None
+    heartbeat_interval: int = 60
+    heartbeat_grace: int = 180
+    max_retries: int = 2
+    no_plots: bool = False
+    no_progress: bool = False
+    compile: bool = False
+
+
+@dataclass
+class Optimization:
+    """What `optimize` decided: the study, the exported config and its line, and the stop signal that ended the run
+    early (None: it ran to its end, projections and plots included)."""
+
+    study: optuna.Study
+    config: SkipConfig
+    exported: str
+    stopped_by: str | None = None
+    outcome: str = ""  # with a stop signal: what the stop did to the running trial
+    plots: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class _Prepared:
+    """What `optimize` checked and loaded before it opens the study's storage."""
+
+    loaded: models.LoadedModel
+    model_info: ModelInfo
+    space: SearchSpace
+    policy: DraftPolicy
+    prompts: list[list[int]]
+    datasets: list[str]  # --dataset, each once
+    prompt_datasets: list[str] | None  # each prompt's dataset, with several
+    first_trials: tuple[tuple[str, SkipSet], ...]
+    profile: CostProfile | None
+    projections: list[tuple[str, CostProfile]]
+
+
+def optimize(settings: OptimizeSettings, say: Callable[[str], None] = print) -> Optimization:
+    """Run the study `settings` describe, as `python -m skipsearch optimize` does; `say` gets each line of its
+    report as it comes (warm starts, the study's summary, the verdict, the export, projections, plots)."""
+    s = settings
+    run = _prepare(s, say)
+    storage, heartbeat = _open_storage(s)
+    studied = StudySettings(
+        study_name=s.study_name, storage=storage, objective=s.objective,
+        sampler=s.sampler, seed=s.seed, n_trials=s.n_trials, timeout=s.timeout, min_match=s.min_match,
+        dataset=run.datasets if len(run.datasets) > 1 else run.datasets[0], num_prompts=len(run.prompts),
+        max_new_tokens=s.max_new_tokens,
+        show_progress_bar=not s.no_progress, warm_starts=not s.no_warm_starts, pruning=not s.no_pruning,
+        repeats=s.repeats, confirm_top=s.confirm_top, confirm_repeats=s.confirm_repeats,
+        first_trials=run.first_trials, heartbeat=heartbeat, compile=s.compile or None,
+    )
+    model, stop = run.loaded.model, StopRequest()
+    study = run_study(model, run.model_info, run.loaded.dtype_name, run.prompts, studied, run.space, run.policy,
+                      model.generation_config.eos_token_id, profile=run.profile, stop=stop,
+                      prompt_datasets=run.prompt_datasets)
+    config = export_trial(study, s.folder / "best.json")
+    result = Optimization(study, config, f"exported {s.folder / 'best.json'}: {exported_text(config)}")
+    say(f"study {s.study_name} in {redact_url(s.storage_url(must_exist=False))}: {study_summary(study)}")
+    say("\n".join([verdict(study)[1], *dataset_verdicts(study)]))
+    say(result.exported)
+    if stop.signal_name:
+        # No slow extras (a scheduler's kill follows its SIGTERM): running the command again resumes the study.
+        if not s.no_plots:
+            say("plots not written after the stop signal: `python -m skipsearch plot` writes them")
+        result.stopped_by, result.outcome = stop.signal_name, stop.outcome
+        return result
+    if run.projections:
+        say("\n".join(_projections(study, run, s.max_new_tokens)))
+    if not s.no_plots:
+        result.plots = write_plots(study, s.folder / "plots")
+        say(f"plots: {', '.join(str(p) for p in result.plots)}")
+    return result
+
+
+def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
+    """Everything `optimize` needs, checked before the storage is opened, so a rejected run leaves no database."""
+    policy = s.policy()
+    check_measurable(s.max_new_tokens, policy.max_draft_tokens, names=("--max-new-tokens", "--max-draft-tokens"))
+    warm_files = [entry for spec in s.warm_start or () for entry in read_warm_starts(spec)]
+    datasets, prompts, prompt_datasets = _study_prompts(s)
+    make_sampler(s.sampler, s.seed, s.objective == "pareto")
+    if s.heartbeat_grace <= s.heartbeat_interval:
+        raise ValueError("--heartbeat-grace must be longer than --heartbeat-interval")
+    if s.cost_profile is not None and s.objective != "modeled":
+        raise ValueError("--cost-profile is for --objective modeled")
+    profile = CostProfile.load(s.cost_profile) if s.cost_profile is not None else None
+    check_output_folder(s.folder, "--studies-dir")
+    loaded = s.load()
+    model_info = ModelInfo.of(loaded.model, loaded.name_or_path)  # refuses decoders the draft path cannot run
+    space = SearchSpace(num_layers=model_info.num_hidden_layers, keep_first_last=not s.allow_first_last,
+                        max_skip_fraction=s.max_skip_fraction, skip_prior=s.skip_prior)
+    first_trials = _first_trials(warm_files, model_info, space, not s.no_warm_starts, say)
+    encoded = encoded_prompts(loaded, prompts, s.raw, s.max_new_tokens, policy.max_draft_tokens)
+    if profile is not None:
+        profile.check_model(loaded.model)
+    projections = load_projections(s.project_with or (), loaded.model)
+    return _Prepared(loaded, model_info, space, policy, encoded, datasets, prompt_datasets, first_trials,
+                     profile, projections)
+
+
+def _study_prompts(s: OptimizeSettings) -> tuple[list[str], list[str], list[str] | None]:
+    """The datasets, the calibration prompts of each, interleaved (so that a trial the pruner stops early has
+    measured each dataset), and each prompt's dataset (None with one)."""
+    datasets = s.dataset or [BUILTIN]
+    repeated = next((d for i, d in enumerate(datasets) if d in datasets[:i]), None)
+    if repeated is not None:
+        raise ValueError(f"--dataset {repeated!r} is given twice")
+    texts = [load_prompts(d, field=s.field, split=s.split, num_prompts=s.num_prompts, seed=s.seed) for d in datasets]
+    interleaved = [(text, d) for row in zip(*texts) for text, d in zip(row, datasets)]
+    return datasets, [text for text, _ in interleaved], [d for _, d in interleaved] if len(datasets) > 1 else None
+
+
+def _open_storage(s: OptimizeSettings) -> tuple[optuna.storages.BaseStorage, Heartbeat]:
+    """The study's storage (made if missing), refused if it holds a study of that name not made by skipsearch."""
+    heartbeat = Heartbeat(s.heartbeat_interval, s.heartbeat_grace, s.max_retries)
+    if s.storage is None:
+        s.studies_dir.mkdir(parents=True, exist_ok=True)  # the default SQLite file lives there
+    storage = make_storage(s.storage_url(must_exist=False), heartbeat)
+    existing = existing_study(storage, s.study_name)
+    # A study with no trials yet may be one that a worker started beside this one has created a moment ago and
+    # not yet labelled; taking it over loses nothing.
+    if existing is not None and existing[1] > 0 and not made_by_skipsearch(existing[0]):
+        raise not_made_by_skipsearch(s.study_name)
+    return storage, heartbeat
+
+
+def _projections(study: optuna.Study, run: _Prepared, max_new_tokens: int, top: int = 3) -> list[str]:
+    """The best measured skip sets' predicted speedups with other devices' profiles (`--project-with`)."""
+    model = run.loaded.model
+    measured = []
+    for trial in ranked(study)[:top]:
+        stats = decode_stats(model, run.prompts, trial.skip, run.policy, max_new_tokens,
+                             model.generation_config.eos_token_id)
+        speedup = trial.figures.speedup.estimate if trial.figures.speedup else float("nan")
+        measured.append((f"trial {trial.number}, {trial.skip} (measured here {speedup:.2f}x)", trial.skip, stats))
+    if not measured:
+        return ["--project-with: no completed trial skips anything, nothing to project"]
+    return projection_lines(run.projections, measured, run.policy.adaptive)
+
+
+def _first_trials(files: list[NamedSkipSet], model: ModelInfo, space: SearchSpace, published: bool,
+                  say: Callable[[str], None]) -> tuple[tuple[str, SkipSet], ...]:
+    """--warm-start sets (each must fit the model and the search space, else ValueError), then the published
+    sets made for a model of this shape that the space can propose."""
+    chosen = []
+    for entry in files:
+        if entry.model is not None and not entry.matches(model):
+            made_for = ", ".join(f"{k}={entry.model.get(k)!r}" for k in MODEL_SHAPE)
+            raise ValueError(f"warm start {entry.origin} was made for another model ({made_for})")
+        skip = entry.skip_set(model.num_hidden_layers)
+        reason = outside_space(skip, space)
+        if reason:
+            raise ValueError(f"warm start {entry.origin} is outside the search space: {reason}")
+        chosen.append((entry.origin, skip))
+    for entry in matching_skip_sets(model) if published else ():
+        skip = entry.skip_set(model.num_hidden_layers)
+        reason = outside_space(skip, space)
+        if reason:
+            say(f"published skip set {entry.origin} left out: {reason}")
+        else:
+            chosen.append((entry.origin, skip))
+    if chosen:
+        say(f"warm starts: {', '.join(name for name, _ in chosen)}")
+    return tuple(chosen)

@@ -1,0 +1,92 @@
+"""Options that several commands share (the model, the draft policy, the study), as typed values the command line
+fills from its flags and Python callers fill by name; each field is the flag of the same name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+
+from ..decode.kvcache import check_cache_memory
+from ..decode.policy import DraftPolicy
+from ..io import models
+from ..search.records import STUDY_ATTR, read_label
+from ..search.storage import default_storage, load_study
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    model: str | None = None  # a Hugging Face name, a local folder or a GGUF file (None: the embedded default)
+    device: str | None = None
+    dtype: str | None = None
+
+    def load(self) -> models.LoadedModel:
+        return models.load_model(self.model, device=self.device, dtype=self.dtype)
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """The drafting flags, over a base policy (a config's, else DraftPolicy's defaults)."""
+
+    max_draft_tokens: int | None = None
+    fixed_draft: bool = False
+    no_guard: bool = False
+
+    def policy(self, base: DraftPolicy = DraftPolicy()) -> DraftPolicy:
+        return DraftPolicy(
+            max_draft_tokens=base.max_draft_tokens if self.max_draft_tokens is None else self.max_draft_tokens,
+            adaptive=base.adaptive and not self.fixed_draft,
+            guard=base.guard and not self.no_guard,
+        )
+
+
+@dataclass(frozen=True)
+class StudyOptions:
+    """Where a study lives: `storage` (any Optuna storage URL), else `<studies_dir>/<study_name>.db`."""
+
+    study_name: str = "default"
+    studies_dir: Path = Path("studies")
+    storage: str | None = None
+
+    @property
+    def folder(self) -> Path:
+        """The study's exports and plots."""
+        return self.studies_dir / self.study_name
+
+    def storage_url(self, must_exist: bool) -> str:
+        if self.storage:
+            return self.storage
+        database = self.studies_dir / f"{self.study_name}.db"
+        if must_exist and not database.is_file():
+            raise ValueError(f"no study database at {database}: run `python -m skipsearch optimize` first, "
+                             "or give --storage / --studies-dir")
+        return default_storage(self.study_name, self.studies_dir)
+
+    def load_study(self) -> optuna.Study:
+        """The study, refused unless skipsearch made it."""
+        study = load_study(self.study_name, self.storage_url(must_exist=True))
+        try:
+            label = read_label(study)
+        except ValueError:
+            raise ValueError(f"study {self.study_name!r} has a damaged {STUDY_ATTR!r} attribute") from None
+        if label is None:
+            raise not_made_by_skipsearch(self.study_name)
+        return study
+
+
+def not_made_by_skipsearch(name: str) -> ValueError:
+    return ValueError(f"study {name!r} was not made by skipsearch (it has no {STUDY_ATTR!r} attribute): "
+                      "give another --study-name")
+
+
+def encoded_prompts(loaded: models.LoadedModel, texts: list[str], raw: bool, max_new_tokens: int,
+                    max_draft_tokens: int) -> list[list[int]]:
+    """The prompts as token ids, each checked to leave the model room for its new and drafted tokens, in its context
+    and in the device's memory."""
+    encoded = [models.encode_prompt(loaded.tokenizer, text, raw=raw) for text in texts]
+    for ids in encoded:
+        models.check_context(loaded.model, len(ids), max_new_tokens, max_draft_tokens)
+    # Before the study or the benchmark starts: the longest prompt's cache must fit the device as well as the context.
+    check_cache_memory(loaded.model, max(map(len, encoded)) + max_new_tokens + max_draft_tokens)
+    return encoded

@@ -1,0 +1,99 @@
+"""`optimize`: search for the skip set that decodes fastest."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..constants import OBJECTIVES, SAMPLERS
+from .arguments import (Commands, Formatter, add_draft_flags, add_model_flags, add_prompt_flags, add_study_flags,
+                        non_negative_int, positive_float, positive_int, seed_value, settings_of, unit_float,
+                        warn_of_deprecated_flags)
+from .process import INTERRUPTED
+
+
+def cmd_optimize(args: argparse.Namespace) -> int:
+    from ..api.optimize import OptimizeSettings, optimize  # here: it imports torch, which --help does without
+
+    warn_of_deprecated_flags(args)
+    result = optimize(settings_of(OptimizeSettings, args))
+    if result.stopped_by:
+        # The code of an interrupted command, so that a script or a Kubernetes Job does not take the study for
+        # finished: running the command again resumes it.
+        print(f"{args.prog}: stopped by {result.stopped_by} {result.outcome}; {result.exported}", file=sys.stderr)
+        return INTERRUPTED
+    return 0
+
+
+def add_optimize(commands: Commands, formatter: Formatter) -> argparse.ArgumentParser:
+    opt = commands.add_parser(
+        "optimize", help="search for the skip set that decodes fastest", formatter_class=formatter,
+        description="Run (or resume) an Optuna study over attention/MLP skip sets, each measured paired with plain "
+                    "decoding; re-measure the best few, export the one confirmed faster (else plain decoding) as "
+                    "JSON and plot the study. Re-running the same command resumes the study up to --n-trials.",
+    )
+    add_prompt_flags(opt, num_prompts=4, max_new_tokens=32, several_datasets=True)
+    add_search_flags(opt.add_argument_group("search"))
+    add_worker_flags(opt.add_argument_group("workers and crash recovery (SQLite / PostgreSQL storages)"))
+    out = opt.add_argument_group("output")
+    out.add_argument("--no-plots", action="store_true", help="do not write plots")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_study_flags(opt)
+    add_draft_flags(opt)
+    add_model_flags(opt)
+    opt.add_argument("--compile", action="store_true",
+                     help="compiled draft and verify steps on a CPU too (always on CUDA, as CUDA graphs): each layer "
+                          "kind compiles once for the whole study, a new skip set compiles nothing")
+    return opt
+
+
+def add_search_flags(search: argparse._ArgumentGroup) -> None:
+    search.add_argument("--objective", choices=OBJECTIVES, default="speed_x_acceptance",
+                        help="speedup x acceptance rate, speedup alone, both as a Pareto front, or the speedup "
+                             "the cost model predicts from measured acceptance (deterministic)")
+    search.add_argument("--cost-profile", type=Path, default=None,
+                        help="with --objective modeled: a profile from `python -m skipsearch profile`, e.g. of a "
+                             "GPU (default: profile this device when the study starts)")
+    search.add_argument("--project-with", type=Path, action="append", metavar="PROFILE",
+                        help="also print the best sets' speedup PREDICTED with this cost profile, e.g. a GPU's "
+                             "(repeatable; a prediction, not a measurement)")
+    search.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="Optuna sampler")
+    search.add_argument("--n-trials", type=positive_int, default=20,
+                        help="distinct skip sets the study should evaluate (a re-run resumes up to this; repeated "
+                             "proposals are answered from earlier trials and do not count)")
+    search.add_argument("--timeout", type=positive_float, default=None, help="stop after this many seconds")
+    search.add_argument("--seed", type=seed_value, default=0, help="seed of the sampler and of the prompt selection")
+    search.add_argument("--skip-prior", type=unit_float, default=0.15,
+                        help="share of sublayers a uniform draw skips (0.5: the plain 2L-switch space)")
+    search.add_argument("--max-skip-fraction", type=unit_float, default=0.5, help="never skip more than this share")
+    search.add_argument("--allow-first-last", action="store_true",
+                        help="let the search skip sublayers of the first and last layers (kept by default)")
+    search.add_argument("--min-match", type=unit_float, default=0.5,
+                        help="prune a skip set whose teacher-forced draft/full agreement is below this (0: never)")
+    search.add_argument("--no-pruning", action="store_true",
+                        help="never stop a trial early (the Wilcoxon pruner compares it prompt by prompt with the best)")
+    search.add_argument("--repeats", type=positive_int, default=1,
+                        help="paired runs (plain, then skip set, alternating order) per prompt in a trial")
+    search.add_argument("--confirm-top", type=non_negative_int, default=3,
+                        help="best distinct skip sets re-measured against plain decoding before export, and with "
+                             "several --dataset each dataset's best as many (0: none, so plain decoding is exported)")
+    search.add_argument("--confirm-repeats", type=positive_int, default=2,
+                        help="paired runs per prompt when confirming")
+    search.add_argument("--no-warm-starts", action="store_true",
+                        help="do not enqueue the structured first trials, nor the published skip sets of a model "
+                             "of this shape (--warm-start files still are)")
+    search.add_argument("--warm-start", action="append", metavar="FILE[:NAME]",
+                        help="enqueue the skip sets of FILE as the first trials: a skipsearch config, or a Draft & "
+                             "Verify / SWIFT skip_layers.json ({\"<name>\": {\"attention\": [...], \"mlp\": [...]}}); "
+                             ":NAME picks one entry; repeatable")
+
+
+def add_worker_flags(workers: argparse._ArgumentGroup) -> None:
+    workers.add_argument("--heartbeat-interval", type=positive_int, default=60,
+                         help="seconds between a running trial's heartbeats")
+    workers.add_argument("--heartbeat-grace", type=positive_int, default=180,
+                         help="seconds without a heartbeat after which a trial's worker is taken for dead, "
+                              "its trial failed and retried")
+    workers.add_argument("--max-retries", type=non_negative_int, default=2,
+                         help="times a dead worker's trial is retried")

@@ -1,0 +1,125 @@
+"""What decoding pays besides forwards (`Overheads`): the draft-mode switch and the confidence read, timed directly;
+per round and per drafted token, residuals of real decoding runs over a profile's forwards."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from ..decode.cost_profile import CostProfile, Overheads
+from ..decode.engine import synchronize
+from ..decode.loop import generate
+from ..decode.policy import DraftPolicy
+from ..decode.skipping import draft_mode
+from ..decode.skipset import SkipSet
+from ..decode.stats import DecodeStats
+
+
+def calibrated(model: torch.nn.Module, profile: CostProfile, repeats: int, compile_mode: str | None,
+                clock: Callable[[], float]) -> tuple[Overheads, list[str]]:
+    """What a round pays besides its forwards: the draft-mode switch and the confidence read, timed directly; the
+    rest, residuals of real decoding runs over the profiled forwards (`_overheads`), with what was clipped."""
+    switches = replace(_switch_costs(model, clock), adaptive_token_s=_confidence_read_s(model, clock))
+    decodes = _decoding_runs(model, replace(profile, overheads=switches), max(1, min(repeats, 5)), compile_mode)
+    return _overheads(replace(profile, overheads=switches), decodes, model)
+
+
+def _confidence_read_s(model: torch.nn.Module, clock: Callable[[], float], runs: int = 200) -> float:
+    """What the cut inside a round pays per draft besides the draft: its confidence (a softmax over the vocabulary)
+    read back to the host. Timed directly: a residual of two decodings' times would be a small difference of noise."""
+    logits = torch.zeros((1, model.config.vocab_size), device=model.device, dtype=model.dtype)
+    times = []
+    for _ in range(runs):
+        synchronize(model.device)
+        start = clock()
+        float(torch.softmax(logits.float(), -1).max())
+        times.append(clock() - start)
+    return statistics.median(times)
+
+
+def _switch_costs(model: torch.nn.Module, clock: Callable[[], float], runs: int = 200) -> Overheads:
+    """Entering and leaving draft mode, timed directly (it costs no device time)."""
+    num_layers = model.config.num_hidden_layers
+    every = range(num_layers)
+
+    def switch(skip: SkipSet) -> float:
+        times = []
+        for _ in range(runs):
+            start = clock()
+            with draft_mode(model, skip):
+                pass
+            times.append(clock() - start)
+        return statistics.median(times)
+
+    empty = switch(SkipSet())
+    full = switch(SkipSet.of(every, every, num_layers))
+    return Overheads(switch_s=empty, switch_sublayer_s=max(0.0, full - empty) / (2 * num_layers))
+
+
+def _decode_seconds(stats: DecodeStats) -> float:
+    return stats.wall_time_s - stats.prefill_time_s
+
+
+_NEW_TOKENS, _DRAFT_TOKENS = 16, 4
+
+
+NOISE_SLACK = 0.1  # a residual overhead less than this share of a forward below zero is noise, stored as 0 unreported
+
+
+def _calibration(model: torch.nn.Module, profile: CostProfile) -> tuple[list[int], SkipSet, DraftPolicy]:
+    """The prompt (at the shortest profiled context), skip set and policy that the overheads are measured with."""
+    num_layers = model.config.num_hidden_layers
+    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+    context = max(1, min(profile.context_lengths[0], limit - _NEW_TOKENS - _DRAFT_TOKENS - 1))
+    prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+    skip = SkipSet.of(range(1, num_layers - 1, 2), (), num_layers)  # any set will do: the switch is known
+    # Fixed rounds, the guard off: the overheads are those of the rounds themselves.
+    return prompt, skip, DraftPolicy(max_draft_tokens=_DRAFT_TOKENS, adaptive=False, guard=False)
+
+
+def _decoding_runs(model: torch.nn.Module, profile: CostProfile, repeats: int,
+                   compile_mode: str | None = None) -> list[tuple[DecodeStats, DecodeStats]]:
+    """`repeats` pairs of real decoding runs: plain, and fixed drafting."""
+    prompt, skip, fixed = _calibration(model, profile)
+
+    def run(skip_set: SkipSet | None) -> DecodeStats:
+        return generate(model, prompt, skip=skip_set, max_new_tokens=_NEW_TOKENS, policy=fixed,
+                        compile=compile_mode is not None, compile_mode=compile_mode).stats
+
+    run(None), run(skip)  # warm-up
+    return [(run(None), run(skip)) for _ in range(repeats)]
+
+
+def _overheads(profile: CostProfile, decodes: list[tuple[DecodeStats, DecodeStats]], model: torch.nn.Module
+               ) -> tuple[Overheads, list[str]]:
+    """What the real decoder pays besides the profiled forwards (residuals of `decodes` over them, at the shortest
+    profiled context): plain decoding gives the per-round cost, fixed drafting the per-drafted-token cost. A residual
+    below zero cannot be a cost: it is clipped to 0, and said (the second value) where beyond noise."""
+    _, skip, _ = _calibration(model, profile)
+
+    def forwards(stats: DecodeStats, skip_set: SkipSet) -> float:
+        """The profiled forwards (and known switches) of the rounds in `stats`."""
+        total = 0.0
+        for (n_tokens, at), count in stats.verify_contexts.items():
+            total += count * (profile.verify_time(n_tokens, at) + (n_tokens - 1) * profile.draft_s(skip_set, at)
+                              + (profile.switch_time(skip_set) if n_tokens > 1 else 0.0))
+        return total
+
+    round_s, token_s = [], []
+    for plain, drafted in decodes:
+        round_s.append((_decode_seconds(plain) - forwards(plain, SkipSet())) / plain.rounds)
+        if drafted.drafted:
+            token_s.append((_decode_seconds(drafted) - forwards(drafted, skip) - drafted.rounds * round_s[-1])
+                           / drafted.drafted)
+    context = profile.context_lengths[0]
+    scales = {"per round": profile.forward_at(context), "per drafted token": profile.draft_s(skip, context)}
+    figures, clipped = [], []
+    for (name, scale), values in zip(scales.items(), (round_s, token_s)):
+        value = statistics.median(values) if values else 0.0
+        if value < -NOISE_SLACK * scale:
+            clipped.append(f"a negative decoding overhead {name} ({value * 1e3:.3f} ms), clipped to 0")
+        figures.append(max(0.0, value))
+    return replace(profile.overheads, round_s=figures[0], draft_token_s=figures[1]), clipped

@@ -1,0 +1,234 @@
+"""The skip-config JSON: what a search exports and inference loads.
+
+Version 1 carries one skip set ("skip", with its "metrics"); version 2 several ("skips": a list of {"label", "skip",
+"metrics"}, e.g. the best set per dataset of a study of several), among which decoding chooses one per prompt
+(choice.py). A config of one unlabelled set is written as version 1, which every release reads.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..io.files import read_json, write_atomic
+from .policy import DEPRECATED_FIELDS, DraftPolicy, deprecation
+from .skipping import check_model, supported_layers
+from .skipset import SkipSet
+
+FORMAT = "skipsearch/skip-config"
+VERSIONS = (1, 2)
+MODEL_SHAPE = ("architecture", "num_hidden_layers", "hidden_size")  # what a config, a warm start or a study is for
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name_or_path: str
+    architecture: str
+    num_hidden_layers: int
+    hidden_size: int
+
+    @classmethod
+    def of(cls, model: nn.Module, name_or_path: str) -> ModelInfo:
+        return cls(
+            name_or_path=name_or_path,
+            architecture=type(model).__name__,
+            num_hidden_layers=len(supported_layers(model)),
+            hidden_size=int(model.config.hidden_size),
+        )
+
+
+@dataclass(frozen=True)
+class SkipEntry:
+    """One skip set of a config: what it skips, what it was chosen on (e.g. a dataset; None: unsaid), its figures."""
+
+    skip: SkipSet
+    label: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"label": self.label, "skip": self.skip.as_dict(), "metrics": self.metrics}
+
+
+@dataclass
+class SkipConfig:
+    """A skip set (`skip`, its `metrics`) with the draft policy to decode with, or several sets: `skip` is then the
+    first, `label` what it was chosen on, and `others` the rest (`entries` lists them all)."""
+
+    model: ModelInfo
+    skip: SkipSet
+    draft: DraftPolicy = field(default_factory=DraftPolicy)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    search: dict[str, Any] = field(default_factory=dict)
+    label: str | None = None
+    others: tuple[SkipEntry, ...] = ()
+
+    @classmethod
+    def of_entries(cls, model: ModelInfo, entries: Sequence[SkipEntry], draft: DraftPolicy,
+                   search: dict[str, Any]) -> SkipConfig:
+        first, *others = entries
+        return cls(model=model, skip=first.skip, draft=draft, metrics=first.metrics, search=search,
+                   label=first.label, others=tuple(others))
+
+    @property
+    def entries(self) -> tuple[SkipEntry, ...]:
+        """Every skip set of the config, the first first."""
+        return (SkipEntry(self.skip, self.label, self.metrics), *self.others)
+
+    @property
+    def skip_sets(self) -> tuple[SkipSet, ...]:
+        return tuple(entry.skip for entry in self.entries)
+
+    def to_json(self) -> dict[str, Any]:
+        several = bool(self.others) or self.label is not None
+        return {
+            "format": FORMAT,
+            "version": 2 if several else 1,
+            "model": vars(self.model).copy(),
+            **({"skips": [entry.to_json() for entry in self.entries]} if several else {"skip": self.skip.as_dict()}),
+            "draft": self.draft.as_dict(),
+            **({} if several else {"metrics": self.metrics}),
+            "search": self.search,
+        }
+
+    def check_model(self, model: nn.Module) -> None:
+        """Raise ValueError unless this config was made for a model of `model`'s shape (TypeError for no model)."""
+        check_model(model)
+        actual = ModelInfo.of(model, self.model.name_or_path)
+        for name in MODEL_SHAPE:
+            want, have = getattr(self.model, name), getattr(actual, name)
+            if want != have:
+                raise ValueError(
+                    f"skip config is for a model with {name}={want!r}, but the loaded model has {name}={have!r} "
+                    f"(config made for {self.model.name_or_path!r})"
+                )
+
+
+def save_skip_config(config: SkipConfig, path: str | Path) -> None:
+    write_atomic(path, json.dumps(config.to_json(), indent=2) + "\n")
+
+
+def load_skip_config(path: str | Path, model: nn.Module | None = None) -> SkipConfig:
+    """Read a skip config; with `model`, also check it was made for this model's architecture and size."""
+    path = Path(path)
+    config = parse_skip_config(read_json(path, "skip config"), source=str(path))
+    if model is not None:
+        config.check_model(model)
+    return config
+
+
+def combine_skip_configs(configs: Sequence[SkipConfig], sources: Sequence[str] | None = None) -> SkipConfig:
+    """One config carrying the skip sets of all `configs` (made for one model shape, drafting alike), for decoding
+    to choose among per prompt; a set given twice is kept once. A set without a label is labelled with its config's
+    source (its file, say) when `sources` are given."""
+    names = list(sources) if sources is not None else [f"config {i + 1}" for i in range(len(configs))]
+    first = configs[0]
+    for config, name in zip(configs[1:], names[1:]):
+        for key in MODEL_SHAPE:
+            if getattr(config.model, key) != getattr(first.model, key):
+                raise ValueError(f"skip configs {names[0]} and {name} are for different models ({key}="
+                                 f"{getattr(first.model, key)!r} and {getattr(config.model, key)!r})")
+        if config.draft != first.draft:
+            raise ValueError(f"skip configs {names[0]} and {name} draft differently ({first.draft} and "
+                             f"{config.draft}): decoding drafts with one policy")
+    entries: dict[SkipSet, SkipEntry] = {}
+    for config, name in zip(configs, names if sources is not None else [None] * len(configs)):
+        for entry in config.entries:
+            entries.setdefault(entry.skip, replace(entry, label=entry.label or name))
+    return SkipConfig.of_entries(first.model, list(entries.values()), first.draft, first.search)
+
+
+def _need(mapping: Any, key: str, kind: type | tuple[type, ...], where: str, source: str) -> Any:
+    if not isinstance(mapping, dict) or key not in mapping:
+        raise ValueError(f"{source}: missing {where}{key!r}")
+    value = mapping[key]
+    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+        raise ValueError(f"{source}: {where}{key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _skip_set(mapping: Any, where: str, num_layers: int, source: str) -> SkipSet:
+    attn, mlp = _need(mapping, "attn", list, where, source), _need(mapping, "mlp", list, where, source)
+    try:
+        return SkipSet.of(attn, mlp, num_layers)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+
+
+def _object(mapping: dict, key: str, where: str, source: str) -> dict[str, Any]:
+    """An optional object (metrics, search); empty when absent."""
+    value = mapping.get(key, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"{source}: {where}{key!r} has the wrong type ({type(value).__name__}), expected an object")
+    return value
+
+
+def _entries(data: dict, num_layers: int, source: str) -> list[SkipEntry]:
+    """The config's skip sets: version 1's one ("skip" and "metrics"), version 2's list ("skips")."""
+    if data["version"] == 1:
+        skip = _skip_set(_need(data, "skip", dict, "", source), "skip.", num_layers, source)
+        return [SkipEntry(skip, None, _object(data, "metrics", "", source))]
+    listed = _need(data, "skips", list, "", source)
+    if not listed:
+        raise ValueError(f"{source}: 'skips' is empty: a config carries at least one skip set")
+    entries = []
+    for i, item in enumerate(listed):
+        where = f"skips[{i}]."
+        if not isinstance(item, dict):
+            raise ValueError(f"{source}: skips[{i}] has the wrong type ({type(item).__name__}), expected an object")
+        label = item.get("label")
+        if label is not None and not isinstance(label, str):
+            raise ValueError(f"{source}: {where}'label' has the wrong type ({type(label).__name__}), expected text")
+        skip = _skip_set(_need(item, "skip", dict, where, source), f"{where}skip.", num_layers, source)
+        if any(entry.skip == skip for entry in entries):
+            raise ValueError(f"{source}: skips[{i}] repeats an earlier skip set ({skip})")
+        entries.append(SkipEntry(skip, label, _object(item, "metrics", where, source)))
+    return entries
+
+
+def parse_skip_config(data: Any, source: str = "skip config") -> SkipConfig:
+    def need(mapping: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+        return _need(mapping, key, kind, where, source)
+
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        if isinstance(data, dict) and data and all(isinstance(v, dict) and {"attention", "mlp"} <= v.keys()
+                                                   for v in data.values()):
+            raise ValueError(f"{source}: a Draft & Verify / SWIFT skip file (as `export --format dv` writes), not a "
+                             "skipsearch skip config: give the JSON `export` writes by default, or pass this one to "
+                             "`optimize --warm-start`")
+        raise ValueError(f"{source}: not a skipsearch skip config (expected \"format\": \"{FORMAT}\")")
+    if data.get("version") not in VERSIONS or isinstance(data.get("version"), bool):
+        raise ValueError(f"{source}: unsupported version {data.get('version')!r} (this skipsearch reads versions "
+                         f"{' and '.join(map(str, VERSIONS))})")
+    model = need(data, "model", dict, "")
+    info = ModelInfo(
+        name_or_path=need(model, "name_or_path", str, "model."),
+        architecture=need(model, "architecture", str, "model."),
+        num_hidden_layers=need(model, "num_hidden_layers", int, "model."),
+        hidden_size=need(model, "hidden_size", int, "model."),
+    )
+    entries = _entries(data, info.num_hidden_layers, source)
+    draft_data = data.get("draft", {})
+    if not isinstance(draft_data, dict):
+        raise ValueError(f"{source}: 'draft' has the wrong type ({type(draft_data).__name__}), expected an object")
+    search = _object(data, "search", "", source)
+    defaults = DraftPolicy()
+
+    def draft_field(key: str, kind: type | tuple[type, ...]) -> Any:
+        return need(draft_data, key, kind, "draft.") if key in draft_data else getattr(defaults, key)
+
+    old = [key for key in DEPRECATED_FIELDS if key in draft_data]
+    if old:  # every export of format 1 and 2 before issue 27 has them
+        warnings.warn(deprecation([f"draft.{key}" for key in old], f"{source}:"), FutureWarning, stacklevel=2)
+    try:
+        draft = DraftPolicy(max_draft_tokens=draft_field("max_draft_tokens", int),
+                            adaptive=draft_field("adaptive", bool), guard=draft_field("guard", bool))
+    except (TypeError, ValueError) as error:
+        message = str(error)
+        raise ValueError(message if message.startswith(source) else f"{source}: {message}") from None
+    return SkipConfig.of_entries(info, entries, draft, search)

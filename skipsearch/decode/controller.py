@@ -1,0 +1,207 @@
+"""One controller decides whether and how far to draft.
+
+Before each round, `DraftController.plan` says how many tokens to draft, 0 meaning a plain step; after it, `observe`
+takes what happened (drafted, accepted, committed, and the round's wall time where it was read). Every decision comes
+from two estimates of the skip set being drafted with:
+- `economics.Acceptance`, a draft's chance of being accepted (seeded by the prefill's agreement where several sets
+  were chosen among, choice.py);
+- `economics.PriceFit`, the seconds of a round of k drafts: at first the profile's (or the weights') shape, then fit
+  from the rounds' times, which the loop has anyway (each iteration ends in its one host read).
+The length planned is the one that commits the most tokens per second (Leviathan et al.'s optimal length, priced).
+The guard is that choice with 0 on the menu and plain decoding's speed measured: every `ROUNDS_PER_CHECK` timed
+rounds, when the planned length's expected speed is below `KEEP_ABOVE` of plain speed, the controller decodes plainly
+for a stretch, then probes drafting again, each failed probe doubling the stretch (back-off). Where plain speed is not
+known yet it is measured first (`PLAIN_SAMPLE_TOKENS`). CPU and CUDA run the same plan; where a draft's confidence can
+be read for free (a CPU), `cut` lets the round stop early inside it, by the same acceptance estimate.
+
+What the controller learns across calls (plain speed, each set's back-off) lives in a `DraftMemory` that the caller
+holds: a server keeps one per model and passes it to every call, a study keeps none (each call starts afresh).
+
+Switching between drafting and plain steps changes no token: greedy output is plain greedy output either way, and
+sampling keeps the full model's distribution either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .economics import Acceptance, PriceFit, RoundCosts, best_draft_length, committed_tokens
+from .policy import DraftPolicy
+from .skipset import SkipSet
+
+ROUNDS_PER_CHECK = 4  # timed rounds between verdicts: a few tokens' worth, enough above timer noise
+KEEP_ABOVE = 0.97  # keep drafting above this fraction of plain speed: losses under 3% are within noise
+FIRST_BACKOFF_TOKENS = 32  # plain tokens after a first failed verdict; doubled after each failed probe
+MAX_BACKOFF_TOKENS = 1024
+PLAIN_SAMPLE_TOKENS = 8  # plain tokens decoded to measure plain speed when none is known yet
+PLAIN_FADE = 0.8  # per plain token: plain speed follows the last few tokens
+CONFIDENCE_FADE = 0.9  # per round: a draft's typical confidence follows the last ten rounds or so
+
+
+@dataclass
+class GuardStats:
+    """What the controller decoded plainly in a call, and why."""
+
+    plain_tokens: int = 0  # tokens decoded plainly because drafting was losing
+    sample_tokens: int = 0  # tokens decoded plainly to measure plain speed
+    fallbacks: int = 0  # verdicts that stopped drafting
+    last_ratio: float | None = None  # drafting's expected speed over plain speed at the last verdict
+
+    def add(self, other: GuardStats) -> None:
+        self.plain_tokens += other.plain_tokens
+        self.sample_tokens += other.sample_tokens
+        self.fallbacks += other.fallbacks
+        self.last_ratio = other.last_ratio if other.last_ratio is not None else self.last_ratio
+
+    def reason(self) -> str | None:
+        """One line for people: how many tokens went plain and why; None when the guard never intervened."""
+        if not self.fallbacks:
+            return None
+        times = "once" if self.fallbacks == 1 else f"{self.fallbacks} times"
+        return (f"the guard decoded {self.plain_tokens} tokens plainly: drafting fell below {KEEP_ABOVE}x of plain "
+                f"decoding's speed {times}, last measured at {self.last_ratio:.2f}x")
+
+
+@dataclass
+class Backoff:
+    """When a skip set drafts again."""
+
+    plain_left: int = 0  # tokens to decode plainly before drafting again
+    sampling: bool = False  # the plain stretch measures plain speed, it is no fallback
+    stretch: int = FIRST_BACKOFF_TOKENS  # the next failed verdict's plain stretch
+
+
+@dataclass
+class DraftMemory:
+    """What drafting learned across calls, held by the caller: plain decoding's seconds per token by how the steps run
+    (`plain_s`) and each skip set's back-off (`backoffs`), keyed by strings (`DraftController.key`). One per model:
+    pass it to every call of a server (`generate(memory=...)`); `reset` forgets; `as_dict` / `from_dict` persist."""
+
+    plain_s: dict[str, float] = field(default_factory=dict)
+    backoffs: dict[str, Backoff] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.plain_s.clear()
+        self.backoffs.clear()
+
+    def as_dict(self) -> dict:
+        return {"plain_s": dict(self.plain_s), "backoffs": {k: asdict(v) for k, v in self.backoffs.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DraftMemory:
+        return cls(dict(data.get("plain_s", {})), {k: Backoff(**v) for k, v in data.get("backoffs", {}).items()})
+
+
+class DraftController:
+    """Decides each round's drafts for one call (module doc). `use` says which skip set drafts (None: plain
+    decoding) and how its rounds are priced; `plan`, `cut` and `width` decide; `observe` learns."""
+
+    def __init__(self, policy: DraftPolicy, memory: DraftMemory | None = None, steps_key: str = "eager"):
+        self.policy, self.memory, self.steps_key = policy, memory if memory is not None else DraftMemory(), steps_key
+        self.stats = GuardStats()
+        self.skip: SkipSet | None = None
+        self.acceptance: dict[SkipSet, Acceptance] = {}  # one estimate per skip set
+        self.fit = PriceFit(RoundCosts(draft=1.0))
+        self.backoff: Backoff | None = None  # None: no guard
+        self.timed_rounds = 0  # timed drafting rounds since the last verdict
+        self.guarding_plain = False  # the latest plan was a plain stretch of the guard's
+        self.confidence = [0.0, 0.0]  # faded sums of the confidences read and of the drafts they were read for
+
+    def key(self, skip: SkipSet | None = None) -> str:
+        """The memory's key of plain speed (no `skip`) or of a skip set's back-off, with these steps."""
+        return self.steps_key if skip is None else f"{self.steps_key} {skip}"
+
+    def use(self, skip: SkipSet | None, shape: RoundCosts | None = None, agreement: float | None = None) -> None:
+        """Draft with `skip` (None: plain decoding), its rounds shaped as `shape`; `agreement` seeds its acceptance."""
+        self.skip = skip
+        if skip is None:
+            return
+        estimate = self.acceptance.setdefault(skip, Acceptance())
+        if agreement is not None:
+            estimate.seed(agreement)
+        self.fit = PriceFit(shape or RoundCosts(draft=1.0))
+        self.backoff = self.memory.backoffs.setdefault(self.key(skip), Backoff()) if self.policy.guard else None
+
+    @property
+    def rate(self) -> float:
+        """The acceptance estimate of the set drafting now."""
+        return self.acceptance[self.skip].rate
+
+    def plan(self, room: int) -> int:
+        """Drafts for the next round, with `room` tokens left to decode; 0: plain steps."""
+        most = min(self.policy.max_draft_tokens, room - 1) if self.skip is not None else 0
+        self.guarding_plain = self.backoff is not None and self.backoff.plain_left > 0
+        if most <= 0 or self.guarding_plain:
+            return 0
+        drafts = best_draft_length(self.rate, self._round_cost, most) if self.policy.adaptive else most
+        if self.backoff is not None and self.timed_rounds >= ROUNDS_PER_CHECK:
+            drafts = self._verdict(drafts)
+            self.guarding_plain = drafts == 0
+        return drafts
+
+    def _round_cost(self, drafts: int) -> float:
+        seconds = self.fit.round_s(drafts)
+        return self.fit.shape.round(drafts) if seconds is None else seconds
+
+    def _verdict(self, drafts: int) -> int:
+        """`drafts`, or 0 where plain decoding is faster (the menu with 0 on it, losses within noise forgiven)."""
+        plain_s = self.memory.plain_s.get(self.key())
+        if plain_s is None:  # the rounds timed so far stay: the verdict comes after the plain sample
+            self.backoff.plain_left, self.backoff.sampling = PLAIN_SAMPLE_TOKENS, True
+            return 0
+        self.timed_rounds = 0
+        ratio = committed_tokens(self.rate, drafts) / self._round_cost(drafts) * plain_s
+        self.stats.last_ratio = ratio
+        if ratio >= KEEP_ABOVE:
+            self.backoff.stretch = FIRST_BACKOFF_TOKENS
+            return drafts
+        self.stats.fallbacks += 1
+        self.backoff.plain_left = self.backoff.stretch
+        self.backoff.stretch = min(2 * self.backoff.stretch, MAX_BACKOFF_TOKENS)
+        self.acceptance[self.skip].seed(self.rate)  # the probe after the stretch is judged mostly on its own rounds
+        return 0
+
+    def cut(self) -> tuple[float, float, float | None] | None:
+        """For a cut inside the round where a draft's confidence is free to read: (the acceptance estimate, the price
+        of a draft in plain steps, a draft's typical confidence so far or None). A draft's chance of acceptance is the
+        estimate scaled by its confidence over the typical one (at most 1); the next token is drafted only while its
+        chance of being accepted with every draft before it is above its price (`decoding.draft_round`). None:
+        drafting runs the planned length (fixed-length policies, plain decoding)."""
+        if not self.policy.adaptive or self.skip is None:
+            return None
+        summed, count = self.confidence
+        return self.rate, self.fit.draft_price(), summed / count if count else None
+
+    def width(self, n_tokens: int) -> int:
+        """The width to verify `n_tokens` at: the cheapest priced width at least as wide, within the largest round."""
+        return self.fit.shape.width(n_tokens, self.policy.max_draft_tokens + 1)
+
+    def observe(self, drafted: int, accepted: int, tokens: int, seconds: float | None,
+                confidence: float | None = None) -> None:
+        """A round (or a batch of plain steps) that drafted `drafted`, kept `accepted` of them and committed `tokens`
+        in `seconds` of wall time (None: untimed, as a compiled step's first call is); `confidence`: the drafts'
+        summed confidence, where it was read (the cut)."""
+        if confidence is not None:
+            self.confidence = [CONFIDENCE_FADE * self.confidence[0] + confidence,
+                               CONFIDENCE_FADE * self.confidence[1] + drafted]
+        if drafted:
+            self.acceptance[self.skip].observe(accepted, drafted)
+            if seconds is not None:
+                self.fit.observe(drafted, seconds)
+                self.timed_rounds += 1
+        elif self.guarding_plain:
+            self._observe_plain(tokens, seconds)
+
+    def _observe_plain(self, tokens: int, seconds: float | None) -> None:
+        backoff = self.backoff
+        if backoff.sampling:
+            self.stats.sample_tokens += tokens
+        else:
+            self.stats.plain_tokens += tokens
+        backoff.plain_left -= tokens
+        if backoff.plain_left <= 0:
+            backoff.sampling = False
+        if tokens and seconds:
+            per_token, known = seconds / tokens, self.memory.plain_s.get(self.key())
+            weight = 1.0 - PLAIN_FADE**tokens  # a batch of 8 steps counts as 8 single steps would
+            self.memory.plain_s[self.key()] = per_token if known is None else (1 - weight) * known + weight * per_token

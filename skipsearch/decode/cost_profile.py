@@ -1,0 +1,229 @@
+"""A device's cost profile: what drafting and verifying cost at several context lengths, and the speedup it predicts
+for a skip set from the rounds decoding took. A plain data type, apart from the profiler that fills it
+(costs/profiler.py), so that the decode loop, studies and reports read it without the profiler. Predictions
+interpolate every cost at each round's context length. A profile is JSON, so a study on one machine can be scored
+with another machine's costs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..io.files import read_json, write_atomic
+
+if TYPE_CHECKING:  # the types it prices: a plain value needs neither torch nor the decode loop
+    import torch
+
+    from .skipset import SkipSet
+    from .stats import DecodeStats
+
+
+PROFILE_FORMAT = "skipsearch/cost-profile"
+
+
+PROFILE_VERSION = 3  # 3 added each layer's sublayer shares; 2 (no shares) reads as all alike
+
+
+@dataclass(frozen=True)
+class ContextCosts:
+    """Forward costs with `context_tokens` already in the KV cache."""
+
+    context_tokens: int
+    attn_s: float  # one attention sublayer, one token
+    mlp_s: float  # one MLP sublayer, one token
+    rest_s: float  # the full forward less all sublayers: embeddings, final norm, lm_head, overhead
+    verify_s: list[float]  # verify_s[n - 1]: one full forward of n tokens
+
+    def verify_time(self, n_tokens: float) -> float:
+        """Time to verify `n_tokens`: the cheapest measured width at least as wide (hardware prices widths in steps, and
+        the loop pads to that width), interpolated between whole widths, extrapolated past the last."""
+        envelope = self.envelope()
+        if n_tokens <= 1:
+            return envelope[0]
+        low = min(int(n_tokens), len(envelope))
+        if low == len(envelope):
+            slope = envelope[-1] - envelope[-2] if len(envelope) > 1 else 0.0
+            return envelope[-1] + max(0.0, slope) * (n_tokens - low)
+        frac = n_tokens - low
+        return envelope[low - 1] * (1 - frac) + envelope[low] * frac
+
+    def envelope(self) -> list[float]:
+        """envelope[n - 1]: the cheapest measured verification of n tokens or more; non-decreasing in n."""
+        cheapest, out = float("inf"), []
+        for cost in reversed(self.verify_s):
+            cheapest = min(cheapest, cost)
+            out.append(cheapest)
+        return out[::-1]
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """What decoding pays besides forwards, in seconds (zero in profiles that did not measure it).
+
+    `round_s` and `draft_token_s` are residuals of the real decoder's wall time over the profiled forwards, so they
+    also absorb any difference between forwards in the loop and forwards timed alone; one below zero is clipped to 0
+    (profiles of older versions may hold negatives). `adaptive_token_s` is the confidence read, timed directly.
+    """
+
+    round_s: float = 0.0  # every round, plain or speculative: cache roll-back, host transfer, bookkeeping
+    switch_s: float = 0.0  # entering and leaving draft mode, once per speculative round
+    switch_sublayer_s: float = 0.0  # ... plus this per skipped sublayer
+    draft_token_s: float = 0.0  # per drafted token besides its forward: picking it, loop bookkeeping
+    adaptive_token_s: float = 0.0  # per drafted token cut by confidence (a CPU's adaptive rounds): the softmax, its read
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    device: str
+    dtype: str
+    architecture: str
+    num_hidden_layers: int
+    contexts: tuple[ContextCosts, ...]  # sorted by context length
+    overheads: Overheads = Overheads()
+    provenance: dict = field(default_factory=dict)  # date, device name, versions, how the model was built
+    # Each layer's attention and feed-forward block relative to the mean of its kind (whose cost `contexts` hold):
+    # the weights a token reads in it (`economics.sublayer_weights`: a routed block by the experts it reads), so that
+    # a model of dense and routed layers prices each right. Empty (profiles of older versions): all alike.
+    attn_shares: tuple[float, ...] = ()
+    mlp_shares: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.contexts:
+            raise ValueError("a cost profile needs at least one context length")
+        object.__setattr__(self, "contexts", tuple(sorted(self.contexts, key=lambda c: c.context_tokens)))
+        for name in ("attn_shares", "mlp_shares"):
+            shares = tuple(getattr(self, name))
+            if shares and len(shares) != self.num_hidden_layers:
+                raise ValueError(f"{name} has {len(shares)} entries for {self.num_hidden_layers} layers")
+            object.__setattr__(self, name, shares)
+
+    @property
+    def context_lengths(self) -> list[int]:
+        return [c.context_tokens for c in self.contexts]
+
+    @property
+    def forward_s(self) -> float:
+        """One full one-token forward at the shortest profiled context."""
+        return self.contexts[0].verify_s[0]
+
+    def _at(self, context: float, cost: Callable[[ContextCosts], float]) -> float:
+        """`cost` at `context` tokens: linear between profiled lengths, the nearest segment's slope beyond them."""
+        lengths = self.context_lengths
+        if len(lengths) == 1:
+            return cost(self.contexts[0])
+        i = min(max(bisect.bisect_right(lengths, context), 1), len(lengths) - 1)
+        low, high = self.contexts[i - 1], self.contexts[i]
+        frac = (context - low.context_tokens) / (high.context_tokens - low.context_tokens)
+        return max(0.0, cost(low) + frac * (cost(high) - cost(low)))
+
+    def attn_at(self, context: float) -> float:
+        return self._at(context, lambda c: c.attn_s)
+
+    def forward_at(self, context: float) -> float:
+        return self._at(context, lambda c: c.verify_s[0])
+
+    def draft_s(self, skip: SkipSet, context: float | None = None) -> float:
+        """Predicted time of one draft forward with `skip` skipped (at the shortest profiled context by default)."""
+        context = self.context_lengths[0] if context is None else context
+        kept_attn, kept_mlp = self._kept(self.attn_shares, skip.attn), self._kept(self.mlp_shares, skip.mlp)
+        return self._at(context, lambda c: c.rest_s + kept_attn * c.attn_s + kept_mlp * c.mlp_s)
+
+    def _kept(self, shares: tuple[float, ...], skipped: tuple[int, ...]) -> float:
+        """The sublayers of one kind a draft still runs, each counted by its share (1 each without shares)."""
+        if not shares:
+            return self.num_hidden_layers - len(skipped)
+        return sum(shares) - sum(shares[i] for i in skipped)
+
+    def verify_time(self, n_tokens: float, context: float | None = None) -> float:
+        """Time to verify `n_tokens` with `context` tokens cached (the shortest profiled context by default)."""
+        context = self.context_lengths[0] if context is None else context
+        return self._at(context, lambda c: c.verify_time(n_tokens))
+
+    def verify_measured(self, n_tokens: int, context: float | None = None) -> float:
+        """A verification of exactly `n_tokens` as measured, out of order where widths step (`verify_time` prices it
+        padded); past the measured widths, `verify_time`'s extrapolation."""
+        context = self.context_lengths[0] if context is None else context
+        return self._at(context, lambda c: c.verify_s[n_tokens - 1] if n_tokens <= len(c.verify_s)
+                        else c.verify_time(n_tokens))
+
+    def switch_time(self, skip: SkipSet) -> float:
+        return self.overheads.switch_s + self.overheads.switch_sublayer_s * skip.size
+
+    def predict_speedup(self, skip: SkipSet, stats: DecodeStats, adaptive: bool = False) -> float:
+        """Plain-decoding time over self-speculative time for the decoding that `stats` describes.
+
+        Each round drafts (verified tokens - 1) tokens at its context length, then verifies them;
+        plain decoding spends one forward and one round per committed token, at the contexts
+        those tokens had. `adaptive`: the drafts paid adaptive drafting's confidence check.
+        """
+        if stats.rounds == 0 or not skip.size:
+            return 1.0
+        rounds = stats.verify_contexts or {(n, self.context_lengths[0]): m for n, m in stats.verify_sizes.items()}
+        o = self.overheads
+        per_draft = o.draft_token_s + (o.adaptive_token_s if adaptive else 0.0)
+        # Committed tokens per round (accepted + 1); the first token comes from the prefill in both.
+        committed = (stats.accepted + stats.rounds) / stats.rounds
+        speculative = plain = 0.0
+        for (n_tokens, context), count in rounds.items():
+            drafts = n_tokens - 1
+            speculative += count * (drafts * (self.draft_s(skip, context) + per_draft)
+                                    + self.verify_time(n_tokens, context) + o.round_s
+                                    + (self.switch_time(skip) if drafts else 0.0))
+            plain += count * committed * (self.forward_at(context + (committed - 1) / 2) + o.round_s)
+        return plain / speculative
+
+    def to_dict(self) -> dict:
+        """The JSON form: version 2's where the profile has no sublayer shares (read from a version-2 file), so that a
+        stored profile is written back as it was; version 3 with them."""
+        data = {**asdict(self), "contexts": [asdict(c) for c in self.contexts]}
+        if not self.attn_shares and not self.mlp_shares:
+            del data["attn_shares"], data["mlp_shares"]
+            return {"format": PROFILE_FORMAT, "version": 2, **data}
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CostProfile:
+        """A profile from its JSON form; a version-1 (single context, no overheads) or version-2 (no sublayer shares)
+        profile is read as is."""
+        data = dict(data)
+        data.pop("format", None)
+        version = data.pop("version", 1)
+        if version == 1:
+            single = {k: data.pop(k) for k in ("context_tokens", "attn_s", "mlp_s", "rest_s", "verify_s")}
+            return cls(**data, contexts=(ContextCosts(**single),))
+        if version not in (2, PROFILE_VERSION):
+            raise ValueError(f"cost profile version {version} is newer than this skipsearch reads ({PROFILE_VERSION})")
+        contexts = tuple(ContextCosts(**c) for c in data.pop("contexts"))
+        overheads = Overheads(**data.pop("overheads", {}))
+        return cls(**data, contexts=contexts, overheads=overheads)
+
+    def save(self, path: str | Path) -> None:
+        write_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostProfile:
+        data = read_json(path, "cost profile")
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"{path}: not a skipsearch cost profile (expected \"format\": \"{PROFILE_FORMAT}\")")
+        try:
+            return cls.from_dict(data)
+        except (TypeError, KeyError, AttributeError) as error:
+            raise ValueError(f"{path}: malformed cost profile ({error})") from None
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        if (self.architecture, self.num_hidden_layers) != (type(model).__name__, model.config.num_hidden_layers):
+            raise ValueError(
+                f"cost profile is for {self.architecture} with {self.num_hidden_layers} layers, not "
+                f"{type(model).__name__} with {model.config.num_hidden_layers}"
+            )
+
+    def label(self) -> str:
+        name = self.provenance.get("device_name")
+        return f"{self.device}{f' ({name})' if name else ''}, {self.dtype}"

@@ -1,0 +1,430 @@
+"""The forwards the decoding loop runs ("steps"), eager or compiled, kept per model so that calls and trials reuse them.
+
+A step is one forward at the cache's write position that advances the position past what it wrote:
+the plain step (one token, full model), the draft step (one token, the draft path of a skip set)
+and the verify step (the full model over a round's tokens). How steps run (`CompileSettings`):
+- eager (no compile): the model's own forward on a fresh cache of exactly the call's length.
+- "regional" (CUDA's default, and what studies run on a CPU): every decoder layer runs through a
+  compiled function for its kind (its class and attention kind, and which of its sublayers the draft
+  skips) and width, shared by all layers and all skip sets (`CompiledLayers`), so a new skip set
+  compiles nothing. On CUDA each step
+  is then captured once as a CUDA graph over static buffers and replayed: one launch per step,
+  milliseconds to set up a new skip set, and no cudagraph-tree bookkeeping per call.
+- "frozen" (a CPU's default for `generate` and `bench`): the whole step compiled with the weights
+  frozen into the graph and inductor's autotuned C++ GEMMs (`CPU_INDUCTOR_CONFIG`), the fastest on a
+  CPU; a compile per skip set, and inductor keeps each one's prepacked weights for the process's life.
+- any torch.compile mode name: the whole step compiled in that mode, one compile per skip set.
+Compiled steps share one cache (reused while calls fit in it: graphs see the same buffers) and
+the engine keeps the draft steps of the `DRAFT_STEPS_KEPT` latest skip sets, so a study's memory
+stays flat. The engine lives on the model (`engine_for`), not in a global.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch._inductor.config
+from torch import nn
+
+from . import adapter
+from .adapter import decoder_layers
+from .kvcache import SpeculativeCache
+from .skipping import SkippedLayer, draft_layers, draft_model, forget_draft, model_with_layers
+from .skipset import SkipSet
+
+CACHE_BLOCK = 256  # capacities round up to this, so calls of similar lengths share one cache and one graph
+# The widths a compiled prefill runs at: a prompt goes in chunks of the widest, the last chunk padded to the narrowest
+# that holds it, so no prompt length compiles or captures anything new. The widest is at most CACHE_BLOCK, so a padded
+# chunk never writes past the cache (its capacity is the prompt and more, rounded up to CACHE_BLOCK).
+PREFILL_WIDTHS = (16, 64, 256)
+DRAFT_STEPS_KEPT = 8  # skip sets whose draft steps stay ready by default (Engine.kept_skip_sets); older ones are freed
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def forward_at_position(model: nn.Module, cache: SpeculativeCache, ids: torch.Tensor,
+                        logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+    """Logits (the last `logits_to_keep` rows, or the rows a tensor of indices names; 0: all, as verification needs)
+    of one forward of `ids` (1, width) written at the cache's position, which then moves past them."""
+    width = ids.shape[1]
+    logits = adapter.model_forward(model, ids, cache.positions(width), cache.attention_mask(width), cache,
+                                   logits_to_keep)
+    cache.advance(width)
+    return logits[0]
+
+
+# Batch-1 decoding on a CPU is matrix-vector products over the weights. MKL's, which inductor calls by default,
+# stream weights at about a third of the memory bandwidth; inductor's own C++ GEMM template (autotuned against
+# MKL; it needs the weights frozen into the graph, and prepacks them) does far better: see BENCHMARKS.md. These are
+# inductor config values patched while a step compiles: passed as torch.compile's `options` they do not take effect.
+CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                       # Autotuning prints every GEMM's candidates to stderr; TORCH_LOGS still shows them on request.
+                       "autotune_num_choices_displayed": 0}
+
+
+@dataclass(frozen=True)
+class CompileSettings:
+    backend: str = "inductor"
+    # None: the device's best: "regional" on CUDA (CUDA graphs), "frozen" on a CPU with inductor. See the module doc.
+    mode: str | None = None
+
+    def resolved(self, device: torch.device) -> str:
+        if self.mode is not None:
+            return self.mode
+        return "frozen" if device.type == "cpu" and self.backend == "inductor" else "regional"
+
+
+class Step:
+    """One forward kind, eager or compiled; the first call's time (compiling, capturing) is its setup time.
+
+    With `graph_pool` (CUDA), the first call captures the forward as a CUDA graph and every call
+    replays it: the returned logits are a static buffer, valid until the next step runs.
+    """
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], cache: SpeculativeCache, compiled: bool,
+                 inductor_config: dict | None = None, graph_pool: tuple | None = None, tree_graphs: bool = False,
+                 prepare: Callable[[], None] | None = None):
+        self.fn, self.cache = fn, cache
+        self.device = cache.position.device
+        self.inductor_config = inductor_config or {}
+        self.graph_pool, self.graph = graph_pool, None
+        # torch.compile's own CUDA graphs (cudagraph trees): each step's outputs are consumed before the next step.
+        self.tree_graphs = tree_graphs
+        self.prepare = prepare  # work of the first call that belongs to its setup time (compiling the layer kinds)
+        self.setup_time_s: float | None = None if compiled else 0.0
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.graph is not None:
+            self.ids.copy_(ids)
+            self.graph.replay()
+            return self.logits
+        if self.tree_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        if self.setup_time_s is not None:
+            return self.fn(ids)
+        synchronize(self.device)
+        start = time.perf_counter()
+        with torch._inductor.config.patch(self.inductor_config):
+            if self.prepare is not None:
+                self.prepare()
+            out = self._capture(ids) if self.graph_pool is not None else self.fn(ids)
+        synchronize(self.device)
+        self.setup_time_s = time.perf_counter() - start
+        return out
+
+    def _capture(self, ids: torch.Tensor) -> torch.Tensor:
+        """Warm up on a side stream (compiling, autotuning), capture one call as a CUDA graph, replay it for this call.
+        The warm-ups write stale slots at the position and are rolled back; capturing runs nothing."""
+        position = self.cache.position.clone()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.fn(ids)
+                self.cache.position.copy_(position)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.ids, graph = ids.clone(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            self.logits = self.fn(self.ids)
+        self.graph = graph
+        graph.replay()
+        return self.logits
+
+
+def _run_layer(layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids, kv, keyword: str
+               ) -> torch.Tensor:
+    return adapter.run_decoder_layer(layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
+
+
+def _own_code(fn: Callable) -> Callable:
+    """`fn` with a code object of its own.
+
+    Dynamo keeps compiled graphs per code object and fails a fullgraph compile once one code
+    object has `recompile_limit` graphs: each compiled function here gets its own code, so each
+    holds one graph, however many skip sets, layer kinds and models a process compiles.
+    """
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+class LayerKind(NamedTuple):
+    """What a layer's compiled code depends on besides its width: the layer's class, its attention kind (full or
+    sliding) and which sublayers the draft skips (a draft layer is a copy of the model's, of the same class)."""
+
+    cls: type
+    attention: str
+    skip_attn: bool
+    skip_mlp: bool
+
+
+class CompiledLayers:
+    """One compiled function per (layer kind, width), shared by every layer of a model and every skip set.
+
+    A layer is called with its own `PositionalLayer` as its cache, which ignores the layer index:
+    so no compiled code depends on which layer it runs, and dynamo does not specialise per layer.
+    """
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.functions: dict[tuple[LayerKind, int], Callable] = {}
+        self.warmed = False  # every one-token kind compiled (Engine._warm_layer_kinds)
+
+    def __call__(self, kind: LayerKind, layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings,
+                 position_ids, kv, keyword: str):
+        key = (kind, hidden.shape[1])
+        if key not in self.functions:
+            self.functions[key] = torch.compile(_own_code(_run_layer), backend=self.backend, fullgraph=True,
+                                                dynamic=False)
+        return self.functions[key](layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
+
+
+class RegionalLayer(nn.Module):
+    """A decoder layer (or its draft copy) run by its kind's compiled function, with its own cache layer."""
+
+    def __init__(self, layer: nn.Module, kind: LayerKind, kv, compiled: CompiledLayers, keyword: str):
+        super().__init__()
+        self.inner, self.kind, self.kv, self.compiled, self.keyword = layer, kind, kv, compiled, keyword
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, position_ids=None, **kwargs):
+        return self.compiled(self.kind, self.inner, hidden_states, attention_mask, position_embeddings, position_ids,
+                             self.kv, self.keyword)
+
+
+def regional_view(model: nn.Module, skip: SkipSet | None, cache: SpeculativeCache, compiled: CompiledLayers
+                  ) -> nn.Module:
+    """The full model (`skip` None) or a draft path, every layer run through `compiled`."""
+    skip = skip or SkipSet()
+    layers = draft_layers(model, skip) if skip.size else decoder_layers(model)
+    keyword = adapter.cache_keyword(decoder_layers(model)[0])
+    return model_with_layers(model, nn.ModuleList(
+        layer if isinstance(layer, SkippedLayer) else
+        RegionalLayer(layer, LayerKind(type(layer), cache.layer_types[i], i in skip.attn, i in skip.mlp),
+                      cache.layers[i], compiled, keyword)
+        for i, layer in enumerate(layers)))
+
+
+class Prefill:
+    """The prompt's forward, returning the logits (1, vocab) that predict the first new token.
+
+    Eager (`steps` None): one forward of the whole prompt. Compiled: full-model steps at PREFILL_WIDTHS, each
+    chunk padded after its tokens to the narrowest width that holds it; the step keeps only the row of the chunk's
+    last real token (`row`, a device tensor its graph reads), and the position moves back over the padding, whose
+    slots become stale. Causal attention keeps the padding out of the real tokens' logits.
+    """
+
+    def __init__(self, model: nn.Module, cache: SpeculativeCache, steps: dict[int, Step] | None = None,
+                 row: torch.Tensor | None = None):
+        self.model, self.cache, self.steps, self.row = model, cache, steps, row
+
+    def __call__(self, prompt: torch.Tensor) -> torch.Tensor:
+        if self.steps is None:
+            return forward_at_position(self.model, self.cache, prompt, logits_to_keep=1)
+        self._set_up(prompt)
+        widest = PREFILL_WIDTHS[-1]
+        for start in range(0, prompt.shape[1], widest):
+            chunk = prompt[:, start : start + widest]
+            real = chunk.shape[1]
+            width = next(w for w in PREFILL_WIDTHS if w >= real)
+            self.row.fill_(real - 1)  # a scalar written on the device: no host sync
+            logits = self.steps[width](torch.cat([chunk, chunk[:, -1:].expand(1, width - real)], dim=1))
+            self.cache.advance(real - width)
+        return logits
+
+    def _set_up(self, prompt: torch.Tensor) -> None:
+        """Every width's first call (compiling; capturing on CUDA) at once, in the first prefill's setup time, so that
+        no later prompt length sets anything up. They write stale slots at the position, which is then restored."""
+        position = self.cache.position.clone()
+        for width, step in self.steps.items():
+            if step.setup_time_s is None:
+                self.row.fill_(0)
+                step(prompt[:, :1].expand(1, width))
+                self.cache.position.copy_(position)
+
+
+class Steps(NamedTuple):
+    """What a call decodes with: the cache, the draft step (None: plain decoding), the verify step, the plain
+    step (the full model on one token: the verify step where it takes any width) and the prefill."""
+
+    cache: SpeculativeCache
+    draft: Step | None
+    verify: Step
+    plain: Step
+    prefill: Prefill
+
+    def not_set_up(self) -> list[Step]:
+        """The steps whose first call (compiling, capturing) is still to come."""
+        steps = [self.draft, self.verify, self.plain, *(self.prefill.steps or {}).values()]
+        return [step for step in steps if step is not None and step.setup_time_s is None]
+
+
+class Engine:
+    """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead.
+    What drafting learns across calls is not kept here but in the caller's `controller.DraftMemory`."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.cache: SpeculativeCache | None = None
+        self.verify_steps: dict[tuple, Step] = {}
+        self.draft_steps: collections.OrderedDict[tuple, Step] = collections.OrderedDict()
+        self.prefill_steps: dict[tuple[int, CompileSettings], Step] = {}
+        self.prefill_row: torch.Tensor | None = None  # the row a compiled prefill step keeps (Prefill)
+        self.layers: dict[str, CompiledLayers] = {}  # by backend
+        self.graph_pool = None
+        self._kept_skip_sets = DRAFT_STEPS_KEPT
+
+    @property
+    def kept_skip_sets(self) -> int:
+        """How many skip sets keep their compiled draft steps (and, on CUDA, their captured graphs), least recently
+        used first out: the bound on what the engine holds beyond the model and its cache. Settable."""
+        return self._kept_skip_sets
+
+    @kept_skip_sets.setter
+    def kept_skip_sets(self, count: int) -> None:
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"kept_skip_sets must be a whole number >= 1, got {count!r}")
+        self._kept_skip_sets = count
+        self._evict()
+
+    @property
+    def steps(self) -> dict[tuple, Step]:
+        """Every step kept: ("verify", width, settings) and ("draft", skip set, settings)."""
+        return {**{("verify", *key): step for key, step in self.verify_steps.items()},
+                **{("draft", *key): step for key, step in self.draft_steps.items()}}
+
+    def prepare(self, length: int, skip: SkipSet | None, settings: CompileSettings | None, verify_width: int
+                ) -> Steps:
+        """The cache (at least `length` slots) and the steps writing it (`steps_for`)."""
+        return self.steps_for(self.cache_for(length, settings), skip, settings, verify_width)
+
+    def cache_for(self, length: int, settings: CompileSettings | None) -> SpeculativeCache:
+        """A cache of at least `length` slots: a fresh one of exactly that size for eager steps; for compiled steps
+        the engine's own, whose buffers their graphs read (replaced, and the steps with it, when too small)."""
+        if settings is None:
+            return SpeculativeCache(self.model.config, length, self.model.device, self.model.dtype)
+        self._fit_cache(length)
+        return self.cache
+
+    def steps_for(self, cache: SpeculativeCache, skip: SkipSet | None, settings: CompileSettings | None,
+                  verify_width: int) -> Steps:
+        """The steps writing `cache`, as `cache_for` gave it: the draft step (None without a skip set), the verify step
+        (compiled for `verify_width` tokens; eager steps take any width) and the plain step. Compiled steps compile on
+        their first call, so a plain step that is never called costs nothing. The preparation is split from the
+        cache's so that a caller can prefill the cache before it knows which skip set to draft with (choice.py)."""
+        if settings is None:
+            draft = Step(_step(draft_model(self.model, skip), cache), cache, compiled=False) if skip else None
+            full = Step(_step(self.model, cache), cache, compiled=False)
+            return Steps(cache, draft, full, full, Prefill(self.model, cache))
+        if cache is not self.cache:
+            raise ValueError("compiled steps write the engine's own cache: get it from cache_for")
+        for width in {verify_width, 1}:
+            if (width, settings) not in self.verify_steps:
+                self.verify_steps[width, settings] = self._compiled_step(None, settings)
+        return Steps(cache, self._draft_step(skip, settings) if skip else None,
+                     self.verify_steps[verify_width, settings], self.verify_steps[1, settings],
+                     self._prefill(settings))
+
+    def _prefill(self, settings: CompileSettings) -> Prefill:
+        """Compiled prefill steps where layers compile per width (regional: one compile per width, then a CUDA graph
+        each on CUDA); the eager prefill for whole-step modes, where each width would be a whole-model compile."""
+        if settings.resolved(self.model.device) != "regional":
+            return Prefill(self.model, self.cache)
+        compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
+        for width in PREFILL_WIDTHS:
+            if (width, settings) not in self.prefill_steps:
+                view = regional_view(self.model, None, self.cache, compiled)
+                fn = functools.partial(forward_at_position, view, self.cache, logits_to_keep=self.prefill_row)
+                self.prefill_steps[width, settings] = Step(fn, self.cache, compiled=True, graph_pool=self.graph_pool)
+        return Prefill(self.model, self.cache, {w: self.prefill_steps[w, settings] for w in PREFILL_WIDTHS},
+                       self.prefill_row)
+
+    def _fit_cache(self, length: int) -> None:
+        model, device = self.model, self.model.device
+        if self.cache is None or not self.cache.matches(length, model.dtype, device):
+            for skip, _ in self.draft_steps:
+                forget_draft(model, skip)
+            # The steps close over the old cache: freed first, so that two caches are never held at once.
+            self.verify_steps.clear()
+            self.draft_steps.clear()
+            self.prefill_steps.clear()
+            self.layers.clear()
+            self.cache = None
+            # Compiled graphs are specialised to the cache's shape: a capacity in blocks serves many lengths.
+            self.cache = SpeculativeCache(model.config, -(-length // CACHE_BLOCK) * CACHE_BLOCK, device, model.dtype)
+            self.graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+            self.prefill_row = torch.zeros(1, dtype=torch.long, device=device)
+            if device.type == "cuda":
+                torch._dynamo.mark_static_address(self.prefill_row)  # read in place by the prefill's CUDA graphs
+
+    def _draft_step(self, skip: SkipSet, settings: CompileSettings) -> Step:
+        key = (skip, settings)
+        if key in self.draft_steps:
+            self.draft_steps.move_to_end(key)
+            return self.draft_steps[key]
+        self.draft_steps[key] = step = self._compiled_step(skip, settings)
+        regional = settings.resolved(self.model.device) == "regional"
+        if regional and not self.layers[settings.backend].warmed:
+            # In the first call's timed setup: the first skip set's setup time counts every kind's compile.
+            step.prepare = lambda: self._warm_layer_kinds(settings)
+        self._evict()
+        return step
+
+    def _evict(self) -> None:
+        while len(self.draft_steps) > self._kept_skip_sets:
+            (old_skip, _), _ = self.draft_steps.popitem(last=False)
+            forget_draft(self.model, old_skip)
+
+    def _compiled_step(self, skip: SkipSet | None, settings: CompileSettings) -> Step:
+        mode, cache = settings.resolved(self.model.device), self.cache
+        if mode == "regional":
+            compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
+            return Step(_step(regional_view(self.model, skip, cache, compiled), cache), cache, compiled=True,
+                        graph_pool=self.graph_pool)
+        view = draft_model(self.model, skip) if skip else self.model
+        fn = torch.compile(_own_code(_step(view, cache)), backend=settings.backend,
+                           mode=None if mode == "frozen" else mode, fullgraph=True, dynamic=False)
+        return Step(fn, cache, compiled=True, inductor_config=CPU_INDUCTOR_CONFIG if mode == "frozen" else None,
+                    tree_graphs=self.model.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune"))
+
+    def _warm_layer_kinds(self, settings: CompileSettings) -> None:
+        """Compile every one-token layer kind now, with the first skip set: no later set compiles anything.
+        Runs one forward of each kind through every layer (a family may vary its layers in ways the kind does not
+        name, as SmolLM3's layers without rotary embeddings: dynamo compiles each variant now, not in a later trial)
+        at the position (stale slots) and rolls the position back."""
+        compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
+        compiled.warmed = True
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
+        position = self.cache.position.clone()
+        every = tuple(range(len(decoder_layers(self.model))))
+        kinds = (SkipSet(attn=every), SkipSet(mlp=every), SkipSet(attn=every, mlp=every))
+        with torch.inference_mode():
+            for skip in (*kinds, None):
+                forward_at_position(regional_view(self.model, skip, self.cache, compiled), self.cache, ids)
+                self.cache.position.copy_(position)
+            for skip in kinds:
+                forget_draft(self.model, skip)
+
+
+def _step(model: nn.Module, cache: SpeculativeCache) -> Callable[[torch.Tensor], torch.Tensor]:
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        return forward_at_position(model, cache, ids)
+
+    return step
+
+
+def engine_for(model: nn.Module) -> Engine:
+    """The model's engine, made on first use and kept on the model (it lives and dies with it)."""
+    engine = model.__dict__.get("_skipsearch_engine")
+    if engine is None:
+        adapter.check_touchpoints(model)
+        engine = Engine(model)
+        object.__setattr__(model, "_skipsearch_engine", engine)
+    return engine

@@ -1,0 +1,191 @@
+"""Skip attention and feed-forward sublayers of a Hugging Face causal LM while drafting.
+
+Nothing of transformers' modeling code is copied, and no family's layer is rewritten: the draft
+path runs each family's own decoder layer, as a shallow copy whose skipped sublayer is a module
+that returns zeros in the structure the real one returns (`ZeroAttention`, `ZeroFeedForward`).
+So a skipped sublayer adds nothing to the residual stream whatever the layer does around it
+(norms before or after it, fused projections, a routed mixture of experts), a skipped attention
+reads and writes no KV cache, and skipping costs a `zeros_like`. For the tested layer classes
+(`adapter.sublayer_norms`) the norms that touch only a skipped sublayer become identities too:
+one before it only fed it, and one after it is checked to map zeros to zeros when the draft path
+is built (refused otherwise: a norm with a bias would add it to the residual stream); a layer with
+both sublayers skipped is then the identity (`SkippedLayer`). An untested class keeps every norm,
+which is correct, only not free.
+
+The draft layers are built once per skip set. `draft_model` gives a view of the model that shares
+every parameter and runs the draft path, so nothing is swapped per round; `draft_mode` puts the
+draft layers in the decoder for callers that run `model(...)` directly (one attribute set,
+restored on exit). The original model is never changed outside `draft_mode`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from transformers import PreTrainedModel
+
+from . import adapter
+from .adapter import decoder_layers  # re-exported: callers of the draft path import it from here
+from .kvcache import check_layer_types
+from .skipset import SkipSet
+
+
+def supported_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of `model` where it is a decoder the draft path and the cache can run: layers with a
+    separable attention and feed-forward block, attention of kinds the cache holds. A one-line ValueError naming the
+    family and why for any other."""
+    layers = decoder_layers(model)
+    check_layer_types(model.config.get_text_config(decoder=True))
+    return layers
+
+
+class ZeroAttention(nn.Module):
+    """A skipped attention: returns zeros and no weights, as an attention returns (output, weights); touches no
+    KV cache."""
+
+    def forward(self, *args, **kwargs) -> tuple[torch.Tensor, None]:
+        return adapter.skipped_attention_output(args[0] if args else kwargs["hidden_states"])
+
+
+class ZeroFeedForward(nn.Module):
+    """A skipped feed-forward block: returns zeros, with `extras` more items where the block itself returns more."""
+
+    def __init__(self, extras: int):
+        super().__init__()
+        self.extras = extras
+
+    def forward(self, *args, **kwargs):
+        return adapter.skipped_feed_forward_output(args[0] if args else kwargs["hidden_states"], self.extras)
+
+
+class SkippedLayer(nn.Module):
+    """A decoder layer with both sublayers skipped: the residual stream passes through."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
+
+
+_FEED_FORWARD_EXTRAS: dict[type, int] = {}  # by block class: what its forward returns besides its output
+
+
+def _feed_forward_extras(block: nn.Module, hidden_size: int) -> int:
+    if type(block) not in _FEED_FORWARD_EXTRAS:
+        _FEED_FORWARD_EXTRAS[type(block)] = adapter.feed_forward_extras(block, hidden_size)
+    return _FEED_FORWARD_EXTRAS[type(block)]
+
+
+def _maps_zeros_to_zeros(norm: nn.Module, hidden_size: int) -> bool:
+    parameter = next(norm.parameters(), None)
+    zeros = torch.zeros(1, 1, hidden_size, dtype=getattr(parameter, "dtype", None),
+                        device=getattr(parameter, "device", None))
+    with torch.no_grad():
+        return not norm.forward(zeros).any()
+
+
+def _draft_layer(layer: nn.Module, skip_attn: bool, skip_mlp: bool, hidden_size: int) -> nn.Module:
+    """`layer` as the draft runs it: itself where nothing is skipped; else a shallow copy (same parameters) whose
+    skipped sublayers return zeros and whose norms that touch only them are identities; the identity where both are
+    skipped and the layer's norms are known. ValueError where a norm after a skipped sublayer would add to the
+    residual stream what the sublayer did not."""
+    if not (skip_attn or skip_mlp):
+        return layer
+    norms = adapter.sublayer_norms(layer)
+    swaps: dict[str, nn.Module] = {}
+    for part, skipped in (("attn", skip_attn), ("mlp", skip_mlp)):
+        around = getattr(norms, part) if skipped and norms is not None else adapter.SublayerNorms()
+        for name in around.after:
+            if not _maps_zeros_to_zeros(getattr(layer, name), hidden_size):
+                raise ValueError(f"{type(layer).__name__}.{name} maps zeros to non-zeros (a bias?): a skipped {part} "
+                                 "would still add that to the residual stream, so it cannot be skipped")
+        swaps.update({name: nn.Identity() for name in (*around.before, *around.after)})
+    if skip_attn and skip_mlp and norms is not None:
+        return SkippedLayer()
+    if skip_attn:
+        swaps[adapter.ATTENTION] = ZeroAttention()
+    if skip_mlp:
+        swaps[adapter.FEED_FORWARD] = ZeroFeedForward(
+            _feed_forward_extras(getattr(layer, adapter.FEED_FORWARD), hidden_size))
+    return _with_modules(layer, swaps)
+
+
+def _draft_cache(model: nn.Module) -> dict:
+    """Per-model memo of draft paths, keyed by skip set (kept on the model, so it lives and dies with it)."""
+    memo = model.__dict__.get("_skipsearch_drafts")
+    if memo is None:
+        memo = {}
+        object.__setattr__(model, "_skipsearch_drafts", memo)
+    return memo
+
+
+def draft_layers(model: nn.Module, skip: SkipSet) -> nn.ModuleList:
+    """The decoder layers of the draft path for `skip`, built once per skip set and model."""
+    memo = _draft_cache(model)
+    if ("layers", skip) not in memo:
+        layers = supported_layers(model)
+        skip.check_fits(len(layers))
+        hidden_size = model.config.get_text_config(decoder=True).hidden_size
+        memo[("layers", skip)] = nn.ModuleList(_draft_layer(layer, i in skip.attn, i in skip.mlp, hidden_size)
+                                               for i, layer in enumerate(layers))
+    return memo[("layers", skip)]
+
+
+def _with_modules(parent: nn.Module, children: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of `parent` whose submodules named in `children` are those; parameters and hooks stay shared."""
+    view = copy.copy(parent)
+    view._modules = {**parent._modules, **children}
+    return view
+
+
+def model_with_layers(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
+    """A view of `model` whose decoder runs `layers`: same parameters, the model's own forward."""
+    decoder = _with_modules(model.get_decoder(), {"layers": layers})
+    return _with_modules(model, {adapter.decoder_attribute(model): decoder})
+
+
+def draft_model(model: nn.Module, skip: SkipSet) -> nn.Module:
+    """A view of `model` that drafts with `skip` skipped: same parameters, built once per skip set."""
+    memo = _draft_cache(model)
+    if ("model", skip) not in memo:
+        memo[("model", skip)] = model_with_layers(model, draft_layers(model, skip))
+    return memo[("model", skip)]
+
+
+def forget_draft(model: nn.Module, skip: SkipSet) -> None:
+    """Drop what `draft_layers` and `draft_model` keep for `skip`, so that a long study's memory stays flat."""
+    memo = _draft_cache(model)
+    memo.pop(("layers", skip), None)
+    memo.pop(("model", skip), None)
+
+
+@contextlib.contextmanager
+def draft_mode(model: nn.Module, skip: SkipSet) -> Iterator[None]:
+    """Run `model` itself with the sublayers in `skip` skipped; restores the decoder's layers on exit, also on error."""
+    layers = draft_layers(model, skip)
+    decoder = model.get_decoder()
+    original = decoder.layers
+    decoder.layers = layers
+    try:
+        yield
+    finally:
+        decoder.layers = original
+
+
+def check_model(model: Any, what: str = "model") -> None:
+    """A causal LM of transformers whose decoder layers the draft path can run (TypeError or ValueError otherwise)."""
+    if isinstance(model, PreTrainedModel):
+        # A ValueError naming the family for a decoder without separable sublayers (attention kinds the cache
+        # cannot hold are refused by the cache, before any decoding: checked here, it would cost every call)
+        decoder_layers(model)
+        return
+    hint = ""
+    if hasattr(model, "model") and hasattr(model, "tokenizer"):
+        hint = ": pass its .model (load_model returns the model with its tokenizer)"
+    elif isinstance(model, nn.Module):
+        hint = ": a transformers causal LM (AutoModelForCausalLM) is needed"
+    raise TypeError(f"{what} must be a transformers causal LM, got {type(model).__name__}{hint}")

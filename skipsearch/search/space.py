@@ -1,0 +1,103 @@
+"""The search space: which sublayers a study may skip, and how a trial's parameters map to a skip set.
+
+Every sublayer that may be skipped gets one parameter u in [0, 1], and is skipped when
+u < `skip_prior`. A sampler drawing u uniformly therefore skips about `skip_prior` of the
+sublayers (15% by default) instead of half of them, which small and mid-size models never
+accept. `skip_prior=0.5` is the plain 2L-switch space of Draft & Verify.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import optuna
+
+from ..decode.skipset import SkipSet
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    num_layers: int
+    keep_first_last: bool = True
+    max_skip_fraction: float = 0.5
+    skip_prior: float = 0.15
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_skip_fraction <= 1.0:
+            raise ValueError(f"max_skip_fraction must be in [0, 1], got {self.max_skip_fraction}")
+        if not 0.0 < self.skip_prior < 1.0:
+            raise ValueError(f"skip_prior must be in (0, 1), got {self.skip_prior}")
+        if self.keep_first_last and self.num_layers < 3:
+            raise ValueError("keep_first_last needs a model with at least 3 layers")
+
+    def sublayers(self) -> list[tuple[str, int]]:
+        first = 1 if self.keep_first_last else 0
+        last = self.num_layers - 1 if self.keep_first_last else self.num_layers
+        return [(kind, i) for i in range(first, last) for kind in ("attn", "mlp")]
+
+    @staticmethod
+    def param_name(kind: str, layer: int) -> str:
+        return f"{kind}_{layer:03d}"
+
+    @property
+    def max_skipped(self) -> int:
+        return math.floor(self.max_skip_fraction * 2 * self.num_layers)
+
+    @property
+    def size(self) -> int:
+        """How many distinct skip sets the space holds (the empty set included)."""
+        n = len(self.sublayers())
+        return sum(math.comb(n, k) for k in range(min(n, self.max_skipped) + 1))
+
+    def random_unevaluated(self, evaluated: set, rng: random.Random, draws: int = 1000) -> SkipSet | None:
+        """A skip set drawn like a uniform sampler would (the prior included) whose key is not in `evaluated`."""
+        for _ in range(draws):
+            skip = self.skip_set({sublayer: rng.random() for sublayer in self.sublayers()})
+            if (skip.attn, skip.mlp) not in evaluated:
+                return skip
+        return None
+
+    def suggest(self, trial: optuna.Trial) -> SkipSet:
+        draws = {(kind, i): trial.suggest_float(self.param_name(kind, i), 0.0, 1.0) for kind, i in self.sublayers()}
+        return self.skip_set(draws)
+
+    def skip_set(self, draws: dict[tuple[str, int], float]) -> SkipSet:
+        # Over the cap, keep the sublayers whose draws are furthest below the prior.
+        chosen = sorted((u, kind, i) for (kind, i), u in draws.items() if u < self.skip_prior)[: self.max_skipped]
+        return SkipSet.of(
+            [i for _, kind, i in chosen if kind == "attn"], [i for _, kind, i in chosen if kind == "mlp"], self.num_layers
+        )
+
+    def from_params(self, params: dict[str, float]) -> SkipSet:
+        return self.skip_set({(kind, i): params[self.param_name(kind, i)] for kind, i in self.sublayers()})
+
+    def params_for(self, skip: SkipSet) -> dict[str, float]:
+        """Parameters that make `suggest` return `skip` (for enqueued warm starts)."""
+        skipped = {("attn", i) for i in skip.attn} | {("mlp", i) for i in skip.mlp}
+        return {self.param_name(kind, i): 0.0 if (kind, i) in skipped else 1.0 for kind, i in self.sublayers()}
+
+    def warm_starts(self) -> list[SkipSet]:
+        """No skip, then structured sets that tend to be cheap to draft and often accepted."""
+        allowed = set(self.sublayers())
+        n, half = self.num_layers, self.num_layers // 2
+
+        def keep(kind: str, ids: Sequence[int]) -> list[int]:
+            return [i for i in ids if (kind, i) in allowed]
+
+        upper_attn = keep("attn", range(half, n, 2))
+        # From sparse to dense: small models accept only a few skipped sublayers, large ones many.
+        candidates = [
+            SkipSet(),
+            SkipSet.of(keep("attn", range(n - 3, n - 1)), (), n),
+            SkipSet.of(keep("attn", range(half, n, 4)), (), n),
+            SkipSet.of(upper_attn, (), n),
+            SkipSet.of(upper_attn, keep("mlp", range(half + 1, n, 4)), n),
+        ]
+        unique = []
+        for skip in candidates:
+            if skip not in unique and skip.size <= self.max_skipped:
+                unique.append(skip)
+        return unique

@@ -1,0 +1,449 @@
+"""The Optuna study: propose skip sets, score them by real self-speculative decoding, confirm the best.
+
+`run_study` opens (or resumes) a study, labels it with what it measures and queues the warm starts; a
+`TrialRunner` is Optuna's objective, one skip set per trial; worker.py runs the trials until a stopping rule
+calls `study.stop()`; `confirm_candidates` measures the best sets again, for export.py to decide by.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+
+import optuna
+import torch
+from optuna.trial import TrialState
+
+from ..constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them without importing optuna
+from ..costs.profiler import contexts_for, device_name, profile_costs, study_compile_mode
+from ..decode.config import MODEL_SHAPE, ModelInfo
+from ..decode.cost_profile import CostProfile
+from ..decode.policy import DraftPolicy
+from ..decode.skipset import SkipSet
+from ..io.errors import ResourceExhausted, exhausted_resource, resource_error
+from . import records
+from .evaluation import Evaluation, Evaluator
+from .ranking import best_candidates, score, screened_score
+from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord, distinct_trials, finished_trials,
+                      read_confirmation, read_label)
+from .space import SearchSpace
+from .storage import Heartbeat, make_storage, redact_url, storage_place, worker_tag
+from .worker import Interrupted, StopRequest, SurplusTrial, ends_the_study, stop_on_signals, work
+
+Value = float | tuple[float, float]  # a trial's value: one objective, or (speedup, acceptance rate) for pareto
+PLAIN_DECODING = ("skips nothing: plain decoding, whose speedup is 1 and acceptance counts as 1 by definition; "
+                  "not decoded")
+# The fewest new tokens under which a study measures a draft: the prefill gives the first token, and a round needs
+# room for a draft plus the full model's own token (decoding.py's `_round`). With fewer, nothing is ever drafted and
+# a "speedup" is timing noise around 1. Three measure one round; a figure worth ranking by takes many rounds per
+# prompt (the command's default is 32).
+MIN_STUDY_NEW_TOKENS = 3
+
+
+def check_measurable(max_new_tokens: int, max_draft_tokens: int | None = None,
+                     names: tuple[str, str] = ("max_new_tokens", "max_draft_tokens")) -> None:
+    """A ValueError for study settings under which no token is ever drafted (`names`: the two settings as the
+    caller's user knows them, e.g. the command's flags); `max_draft_tokens` None: not checked."""
+    if max_new_tokens < MIN_STUDY_NEW_TOKENS:
+        raise ValueError(f"{names[0]} {max_new_tokens} leaves no room for a draft (the prefill gives the first token, "
+                         f"a round needs one for a draft and one for the full model's): a study needs {names[0]} >= "
+                         f"{MIN_STUDY_NEW_TOKENS} to measure a draft, and many rounds for a meaningful speedup")
+    if max_draft_tokens == 0:
+        raise ValueError(f"{names[1]} 0 drafts nothing, and a study measures drafting: give {names[1]} >= 1")
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    study_name: str
+    storage: str | optuna.storages.BaseStorage
+    objective: str = "speed_x_acceptance"
+    sampler: str = "tpe"
+    seed: int = 0
+    n_trials: int = 20  # distinct skip sets to evaluate
+    timeout: float | None = None
+    min_match: float = 0.5
+    dataset: str | list[str] = "builtin"  # a list: several datasets, each prompt's named in run_study's call
+    num_prompts: int = 4
+    max_new_tokens: int = 32
+    show_progress_bar: bool = True
+    max_failures: int = 5
+    warm_starts: bool = True
+    pruning: bool = True
+    # (name, skip set) enqueued before the structured warm starts: --warm-start files, published sets.
+    first_trials: tuple[tuple[str, SkipSet], ...] = ()
+    heartbeat: Heartbeat | None = field(default_factory=Heartbeat)
+    repeats: int = 1  # paired runs per prompt in a trial
+    confirm_top: int = 3  # best distinct candidates re-measured before export
+    confirm_repeats: int = 2  # paired runs per prompt when confirming
+    # A sampler stuck on evaluated sets gets a random unevaluated one queued after this many repeats in a row;
+    # when none can be drawn, the space counts as exhausted.
+    explore_after_repeats: int = 10
+    # Compiled (regional) draft and verify steps, as `generate --compile` runs them on CUDA; None: on CUDA only,
+    # where eager trials would time the host's Python rather than the GPU.
+    compile: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_measurable(self.max_new_tokens)
+
+    def __repr__(self) -> str:  # the storage URL redacted: a repr lands in logs and tracebacks
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        if isinstance(self.storage, str):
+            shown["storage"] = redact_url(self.storage)
+        return f"StudySettings({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
+
+
+def make_sampler(name: str, seed: int | None, multi_objective: bool) -> optuna.samplers.BaseSampler:
+    if name not in SAMPLERS:
+        raise ValueError(f"unknown sampler {name!r}: choose one of {', '.join(SAMPLERS)}")
+    if name == "cmaes" and multi_objective:
+        raise ValueError("the cmaes sampler handles one objective: use tpe, gp, nsga2 or random with --objective pareto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if name == "tpe":
+            # constant_liar keeps parallel workers from proposing the same point.
+            return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True, n_startup_trials=8)
+        if name == "gp":
+            return optuna.samplers.GPSampler(seed=seed, n_startup_trials=8)
+        if name == "cmaes":
+            return optuna.samplers.CmaEsSampler(seed=seed, n_startup_trials=8)
+        if name == "nsga2":
+            return optuna.samplers.NSGAIISampler(seed=seed)
+        return optuna.samplers.RandomSampler(seed=seed)
+
+
+def open_study(
+    study_name: str, storage: optuna.storages.BaseStorage, objective: str,
+    sampler: optuna.samplers.BaseSampler | None = None, pruner: optuna.pruners.BasePruner | None = None,
+) -> optuna.Study:
+    """Create the study or load it to resume; an existing study must have been made for this objective."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown objective {objective!r}: choose one of {', '.join(OBJECTIVES)}")
+    directions = ["maximize", "maximize"] if objective == "pareto" else ["maximize"]
+    try:
+        return optuna.create_study(
+            study_name=study_name, storage=storage, sampler=sampler, pruner=pruner, directions=directions,
+            load_if_exists=True,
+        )
+    except ValueError as error:  # e.g. an existing study with other directions
+        raise ValueError(f"study {study_name!r} cannot be resumed with --objective {objective}: {error}") from None
+
+
+@dataclass
+class TrialRunner:
+    """Optuna's objective: each trial evaluates the skip set its parameters propose.
+
+    A set the study already evaluated is answered from its first trial, without decoding; the empty set is plain
+    decoding, whose value is known; a set below the pre-screen's `min_match` gets an estimate; any other set is
+    decoded paired with plain decoding, and the pruner may stop it early.
+    """
+
+    space: SearchSpace
+    evaluator: Evaluator
+    objective: str
+    min_match: float
+    n_trials: int | None = None  # the budget a trial checks when it starts (workers race for the last trials)
+    # Optuna logs a failed trial's exception and keeps it to itself: the stopping rules read it here.
+    last_error: Exception | None = field(default=None, repr=False)
+
+    def __call__(self, trial: optuna.Trial) -> Value:
+        self.last_error = None
+        try:
+            return self._run(trial)
+        except Exception as error:
+            self.last_error = error
+            if ends_the_study(error):
+                # Optuna would log the trial's traceback as a warning; the study ends on this error, in one line.
+                optuna.logging.set_verbosity(optuna.logging.ERROR)
+            raise
+
+    def _run(self, trial: optuna.Trial) -> Value:
+        skip = self.space.suggest(trial)
+        # Journal recovery reads the worker; set once the trial's point is whole, so a retry re-runs the same point.
+        records.write(trial, TrialRecord(worker=worker_tag(), skip=skip))
+        first = _first_trial_of(trial.study, skip)
+        if first is not None:
+            return self._repeat(trial, first)
+        self._claim_budget(trial)
+        records.write(trial, TrialRecord(skipped=skip.size, skipped_fraction=skip.skipped_fraction(self.space.num_layers)))
+        if not skip.size:
+            return self._plain_decoding(trial)
+        return self._measure(trial, skip)
+
+    def _repeat(self, trial: optuna.Trial, first: TrialRecord) -> Value:
+        """Decoding the same set again would only add noise: the sampler gets the value it already had."""
+        records.write(trial, replace(first.measurement(), repeat_of=first.number))
+        return first.values if len(first.values) > 1 else first.values[0]
+
+    def _claim_budget(self, trial: optuna.Trial) -> None:
+        """Two workers may start a trial at once when one is left; the lower number wins."""
+        if self.n_trials is None:
+            return
+        ahead = [t for t in trial.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                 if t.number < trial.number]
+        if len(distinct_trials(trial.study)) + len(ahead) >= self.n_trials:
+            records.write(trial, TrialRecord(fail_reason=f"not run: the study already had {self.n_trials} trials"))
+            raise SurplusTrial(f"the study already had {self.n_trials} finished or running trials")
+
+    def _plain_decoding(self, trial: optuna.Trial) -> Value:
+        evaluation = self.evaluator.plain_decoding(report=self._reporter(trial))
+        records.write(trial, replace(_record_of(evaluation), plain_decoding=PLAIN_DECODING))
+        return evaluation.score(self.objective)
+
+    def _measure(self, trial: optuna.Trial, skip: SkipSet) -> Value:
+        """Pre-screen `skip`, then decode it paired with plain decoding."""
+        try:
+            if self.min_match > 0:
+                match = self.evaluator.match_rate(skip)
+                records.write(trial, TrialRecord(match=match))
+                if match < self.min_match:
+                    records.write(trial, TrialRecord(screened_out=f"teacher-forced match {match:.2f} < {self.min_match}"))
+                    return screened_score(match, self.objective)
+            evaluation = self.evaluator.evaluate(skip, report=self._reporter(trial), objective=self.objective)
+        except Exception as error:
+            # Optuna marks the trial failed and the study goes on; keep the reason on the trial.
+            records.write(trial, TrialRecord(fail_reason=f"{type(error).__name__}: {error}"))
+            raise
+        finally:
+            _free_memory(self.evaluator.model)
+        stopped_early = None
+        if evaluation.prompts < len(self.evaluator.prompts):
+            # Optuna's advice for the Wilcoxon pruner: return the estimate so far instead of raising TrialPruned,
+            # so that the sampler learns from the trial.
+            stopped_early = f"worse than the best trial after {evaluation.prompts} prompts"
+        records.write(trial, replace(_record_of(evaluation), stopped_early=stopped_early))
+        return evaluation.score(self.objective)
+
+    def _reporter(self, trial: optuna.Trial) -> Callable[[int, float], bool]:
+        """What the evaluator calls after each prompt with that prompt's value: whether to stop (the pruner's call)."""
+
+        def report(step: int, value: float) -> bool:
+            if self.objective == "pareto":
+                return False  # Optuna prunes single-objective studies only
+            trial.report(value, step)  # the step is the prompt's index: the pruner pairs prompts across trials
+            return trial.should_prune()
+
+        return report
+
+
+def _first_trial_of(study: optuna.Study, skip: SkipSet) -> TrialRecord | None:
+    """The completed trial that first evaluated `skip`, if any."""
+    first = next((t for t in distinct_trials(study) if t.skip == skip), None)
+    return first if first is not None and first.state == TrialState.COMPLETE else None
+
+
+def _record_of(evaluation: Evaluation) -> TrialRecord:
+    return TrialRecord(skipped=evaluation.skip.size, skipped_fraction=evaluation.skipped_fraction,
+                       figures=evaluation.figures(), datasets=evaluation.dataset_figures())
+
+
+def _free_memory(model: torch.nn.Module) -> None:
+    gc.collect()
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_study(
+    model: torch.nn.Module, model_info: ModelInfo, dtype: str, prompts: list[list[int]], settings: StudySettings,
+    space: SearchSpace, policy: DraftPolicy, eos_token_id: int | list[int] | None,
+    profile: CostProfile | None = None, clock: Callable[[], float] = time.perf_counter,
+    stop: StopRequest | None = None,
+    prompt_datasets: list[str] | None = None,
+) -> optuna.Study:
+    """Run (or resume) the study until it has evaluated `settings.n_trials` distinct skip sets (or until
+    timeout, a stop signal or an exhausted space), then confirm its best candidates (see `confirm_candidates`).
+    `prompt_datasets`: the dataset of each prompt, in a study of several (`settings.dataset` their list).
+
+    Ctrl-C or SIGTERM finishes the running trial or confirmation, then returns; a second one abandons it (worker.py's
+    `stop_on_signals`). Either way the study keeps what finished for the export. Pass `stop` to learn whether a
+    signal stopped the run (its `signal_name`) and what that left (`outcome`)."""
+    check_measurable(settings.max_new_tokens, policy.max_draft_tokens)
+    study, storage = _open(settings)
+    label = StudyLabel(
+        model=model_info, objective=settings.objective, sampler=settings.sampler, dataset=settings.dataset,
+        num_prompts=settings.num_prompts, max_new_tokens=settings.max_new_tokens, seed=settings.seed,
+        device=str(model.device), device_name=device_name(model.device), dtype=dtype, draft=policy, space=space)
+    existing = read_label(study)
+    if existing is None:
+        # Labelled at once, before any slow work: a worker started beside this one checks its settings against it.
+        records.write_label(study, label)
+    if settings.objective == "modeled":
+        # The study keeps its profile, so a resumed study scores with the same costs.
+        if existing is not None and existing.cost_profile is not None and profile is None:
+            profile = existing.cost_profile
+        elif profile is None:
+            profile = profile_costs(model, contexts=contexts_for(model, prompts, settings.max_new_tokens),
+                                    show_progress=settings.show_progress_bar,
+                                    compile_mode=study_compile_mode(model.device))
+        profile.check_model(model)
+        label = replace(label, cost_profile=profile)
+    if existing is not None:
+        _check_resumable(settings.study_name, existing, label)
+    if label.cost_profile is not None and (existing is None or existing.cost_profile is None):
+        records.write_label(study, label)  # now with the cost profile
+    _enqueue_first_trials(study, settings, space, new=existing is None)
+    evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
+                          eos_token_id=eos_token_id, profile=profile, repeats=settings.repeats,
+                          timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar,
+                          compile=settings.compile if settings.compile is not None else model.device.type == "cuda",
+                          datasets=prompt_datasets)
+    _search(study, storage, evaluator, settings, space, stop if stop is not None else StopRequest())
+    return study
+
+
+def _open(settings: StudySettings) -> tuple[optuna.Study, optuna.storages.BaseStorage]:
+    """The study and its storage, with the settings' sampler and pruner."""
+    multi = settings.objective == "pareto"
+    # Paired per-prompt comparisons with the best trial: drift moves both sides of a pair alike.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        pruner = (optuna.pruners.WilcoxonPruner(p_threshold=0.1, n_startup_steps=2) if settings.pruning and not multi
+                  else optuna.pruners.NopPruner())
+    storage = settings.storage
+    if isinstance(storage, str):
+        storage = make_storage(storage, settings.heartbeat)
+    study = open_study(settings.study_name, storage, settings.objective,
+                       sampler=make_sampler(settings.sampler, settings.seed, multi), pruner=pruner)
+    return study, storage
+
+
+def _enqueue_first_trials(study: optuna.Study, settings: StudySettings, space: SearchSpace, new: bool) -> None:
+    """Files and published sets first (also on resume), then, in a new study, the structured warm starts; only as
+    many as the budget, since a queued warm start is a trial too."""
+    for name, skip in settings.first_trials:
+        records.enqueue(study, space.params_for(skip), TrialRecord(warm_start=name), skip_if_exists=True)
+    if new and settings.warm_starts:
+        for skip in space.warm_starts()[: max(0, settings.n_trials - len(settings.first_trials))]:
+            records.enqueue(study, space.params_for(skip), TrialRecord(warm_start=True), skip_if_exists=True)
+
+
+def _search(study: optuna.Study, storage: optuna.storages.BaseStorage, evaluator: Evaluator,
+            settings: StudySettings, space: SearchSpace, stop: StopRequest) -> None:
+    """The trials this worker still owes the study, then the confirmation (unless a stop signal stopped the trials).
+    The stop signals are handled throughout, so that what finished is kept whenever one comes."""
+    with stop_on_signals(stop):
+        try:
+            if len(distinct_trials(study)) < settings.n_trials:
+                # The first forwards, before any trial: a model whose logits are not finite ends the study here
+                # (decoding.py's `check_finite`) instead of in one failed trial after another.
+                evaluator.reference_tokens()
+                runner = TrialRunner(space, evaluator, settings.objective, settings.min_match, settings.n_trials)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    work(study, storage, runner, settings, space, stop)
+            if stop.interrupts:
+                stop.outcome = "during the trials, before the confirmation: the export keeps the last one, if any"
+                print(f"not confirming after {stop.signal_name}: the export keeps the last confirmation, if any")
+            elif _confirmation_is_stale(study, settings.confirm_top):
+                stop.running = "skip set being confirmed"
+                confirmation = confirm_candidates(study, evaluator, settings.objective, settings.confirm_top,
+                                                  settings.confirm_repeats, settings.show_progress_bar, stop)
+                if stop.interrupts:
+                    stop.outcome = (f"during the confirmation, after {len(confirmation.candidates)} of "
+                                    f"{confirmation.wanted} skip sets were confirmed")
+        except Interrupted:  # a second signal between the steps: nothing was running to abandon
+            pass
+        except Exception as error:
+            exhausted = _out_of_resource(error, settings, evaluator)
+            if exhausted is None:
+                raise
+            raise exhausted from None
+    if stop.interrupts and not stop.outcome:  # between the steps, or after the last
+        stop.outcome = "as the study finished: the export keeps what it had"
+
+
+def _out_of_resource(error: Exception, settings: StudySettings, evaluator: Evaluator) -> ResourceExhausted | None:
+    """`error` as the one line that ends a study which ran out of disk space, a file-size limit or memory (None for
+    other errors): what ran out, where (the study's file, or the device), and that the finished trials are kept."""
+    found = exhausted_resource(error)
+    if found is None:
+        return None
+    memory = found[0] == "memory"
+    doing = f"decoding on {evaluator.model.device}" if memory else f"writing {storage_place(settings.storage)}"
+    return resource_error(error, doing, "the trials that finished are kept: free some and run the same command again")
+
+
+# What a trial measures: a resumed study must measure its new trials as it did the old. (Label field, its flag.)
+_MEASUREMENT_SETTINGS = (("model", "model"), ("objective", "--objective"), ("space", "search space"),
+                         ("dataset", "--dataset"), ("num_prompts", "--num-prompts"),
+                         ("seed", "--seed (it picks the prompts)"), ("max_new_tokens", "--max-new-tokens"),
+                         ("draft", "drafting settings"), ("dtype", "--dtype"))
+
+
+def _check_resumable(name: str, existing: StudyLabel, wanted: StudyLabel) -> None:
+    have_all, want_all = existing.attrs(), wanted.attrs()  # as stored, which is how the message shows them
+    for key, flag in _MEASUREMENT_SETTINGS:
+        have, want = have_all.get(key), want_all[key]
+        if key == "model":
+            have, want = ({k: model[k] for k in MODEL_SHAPE} for model in (have, want))
+        if have != want:
+            raise ValueError(f"study {name!r} was made with another {flag} ({have}); use a new --study-name for {want}")
+
+
+def confirmation_candidates(study: optuna.Study, top: int) -> list[TrialRecord]:
+    """The `top` distinct completed trials that skip something and were decoded, best first, and in a study of
+    several datasets each dataset's `top` best too (ranking.py)."""
+    return best_candidates(study, top)
+
+
+def _confirmation_is_stale(study: optuna.Study, top: int) -> bool:
+    confirmation = read_confirmation(study)
+    wanted = [t.number for t in confirmation_candidates(study, top)]
+    return confirmation is None or not confirmation.complete or [c.trial for c in confirmation.candidates] != wanted
+
+
+def confirm_candidates(study: optuna.Study, evaluator: Evaluator, objective: str, top: int, repeats: int,
+                       show_progress: bool = True, stop: StopRequest | None = None) -> Confirmation:
+    """Re-measure the best distinct candidates against plain decoding with more paired runs, and store the
+    figures on the study: the export reads them, so the verdict, best.json, the plots and the notebook
+    all quote the same confirmed numbers.
+
+    With `stop` (handled by `stop_on_signals`), a first stop signal ends the confirmation after the candidate being
+    measured and a second abandons that one: the candidates confirmed by then are stored, marked incomplete, and the
+    export decides by them. With none confirmed nothing is stored: the export keeps the last confirmation, if any."""
+    from tqdm.auto import tqdm
+
+    candidates, confirmed = confirmation_candidates(study, top), []
+    try:
+        for trial in tqdm(candidates, desc="confirming the best skip sets", unit="set", disable=not show_progress,
+                          dynamic_ncols=True):
+            if stop is not None and stop.interrupts:
+                break
+            confirmed.append(_confirm(trial, evaluator, objective, repeats))
+    except Interrupted:
+        pass  # the candidate being measured is abandoned; those before it stand
+    confirmation = Confirmation(tuple(confirmed), top=top, repeats=repeats if evaluator.timed else 1,
+                                prompts=len(evaluator.prompts), distinct_trials=len(distinct_trials(study)),
+                                wanted=len(candidates))
+    if confirmed or confirmation.complete:
+        records.write_confirmation(study, confirmation)
+    return confirmation
+
+
+def _confirm(trial: TrialRecord, evaluator: Evaluator, objective: str, repeats: int) -> ConfirmedCandidate:
+    evaluation = evaluator.evaluate(trial.skip, objective=objective, repeats=repeats)
+    figures = evaluation.figures()
+    return ConfirmedCandidate(trial=trial.number, skip=trial.skip, score=score(figures, objective),
+                              skipped=trial.skip.size, skipped_fraction=evaluation.skipped_fraction, figures=figures,
+                              datasets=evaluation.dataset_figures())
+
+
+def study_summary(study: optuna.Study) -> str:
+    """What the study evaluated, in the units `--n-trials` counts."""
+    distinct = distinct_trials(study)
+    warm = [t.number for t in distinct if t.warm_start]
+    plain = [t.number for t in distinct if t.plain_decoding is not None]
+    screened = sum(t.screened_out is not None for t in distinct)
+    early = sum(t.stopped_early is not None for t in distinct)
+    repeats = sum(t.repeat_of is not None for t in finished_trials(study))
+    failed = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
+    parts = [f"{len(distinct)} distinct skip sets evaluated",
+             f"warm starts: trials {', '.join(map(str, warm))}" if warm else "no warm starts",
+             *[f"trial {n}, the empty set, is plain decoding: scored 1 by definition, not decoded" for n in plain],
+             f"{screened} stopped by the pre-screen", f"{early} stopped early by the pruner",
+             f"{repeats} repeated proposals answered from earlier trials without decoding"]
+    if failed:
+        parts.append(f"{failed} failed")
+    return "; ".join(parts)
