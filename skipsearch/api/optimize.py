@@ -21,9 +21,10 @@ from ..report.projections import decode_stats, load_projections, projection_line
 from ..search.published import matching_skip_sets
 from ..search.ranking import ranked
 from ..search.records import made_by_skipsearch
+from ..search.settings import StudySettings, check_measurable
 from ..search.space import SearchSpace
 from ..search.storage import Heartbeat, existing_study, make_storage, redact_url
-from ..search.study import StudySettings, check_measurable, make_sampler, run_study, study_summary
+from ..search.study import make_sampler, run_study, study_summary
 from ..search.warmstart import NamedSkipSet, outside_space, read_warm_starts
 from ..search.worker import StopRequest
 from .options import DraftOptions, ModelOptions, StudyOptions, encoded_prompts, not_made_by_skipsearch

@@ -11,7 +11,7 @@ import gc
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import optuna
 import torch
@@ -29,70 +29,14 @@ from .evaluation import Evaluation, Evaluator
 from .ranking import best_candidates, score, screened_score
 from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord, distinct_trials, finished_trials,
                       read_confirmation, read_label)
+from .settings import StudySettings, check_measurable
 from .space import SearchSpace
-from .storage import Heartbeat, make_storage, redact_url, storage_place, worker_tag
+from .storage import make_storage, storage_place, worker_tag
 from .worker import Interrupted, StopRequest, SurplusTrial, ends_the_study, stop_on_signals, work
 
 Value = float | tuple[float, float]  # a trial's value: one objective, or (speedup, acceptance rate) for pareto
 PLAIN_DECODING = ("skips nothing: plain decoding, whose speedup is 1 and acceptance counts as 1 by definition; "
                   "not decoded")
-# The fewest new tokens under which a study measures a draft: the prefill gives the first token, and a round needs
-# room for a draft plus the full model's own token (decoding.py's `_round`). With fewer, nothing is ever drafted and
-# a "speedup" is timing noise around 1. Three measure one round; a figure worth ranking by takes many rounds per
-# prompt (the command's default is 32).
-MIN_STUDY_NEW_TOKENS = 3
-
-
-def check_measurable(max_new_tokens: int, max_draft_tokens: int | None = None,
-                     names: tuple[str, str] = ("max_new_tokens", "max_draft_tokens")) -> None:
-    """A ValueError for study settings under which no token is ever drafted (`names`: the two settings as the
-    caller's user knows them, e.g. the command's flags); `max_draft_tokens` None: not checked."""
-    if max_new_tokens < MIN_STUDY_NEW_TOKENS:
-        raise ValueError(f"{names[0]} {max_new_tokens} leaves no room for a draft (the prefill gives the first token, "
-                         f"a round needs one for a draft and one for the full model's): a study needs {names[0]} >= "
-                         f"{MIN_STUDY_NEW_TOKENS} to measure a draft, and many rounds for a meaningful speedup")
-    if max_draft_tokens == 0:
-        raise ValueError(f"{names[1]} 0 drafts nothing, and a study measures drafting: give {names[1]} >= 1")
-
-
-@dataclass(frozen=True)
-class StudySettings:
-    study_name: str
-    storage: str | optuna.storages.BaseStorage
-    objective: str = "speed_x_acceptance"
-    sampler: str = "tpe"
-    seed: int = 0
-    n_trials: int = 20  # distinct skip sets to evaluate
-    timeout: float | None = None
-    min_match: float = 0.5
-    dataset: str | list[str] = "builtin"  # a list: several datasets, each prompt's named in run_study's call
-    num_prompts: int = 4
-    max_new_tokens: int = 32
-    show_progress_bar: bool = True
-    max_failures: int = 5
-    warm_starts: bool = True
-    pruning: bool = True
-    # (name, skip set) enqueued before the structured warm starts: --warm-start files, published sets.
-    first_trials: tuple[tuple[str, SkipSet], ...] = ()
-    heartbeat: Heartbeat | None = field(default_factory=Heartbeat)
-    repeats: int = 1  # paired runs per prompt in a trial
-    confirm_top: int = 3  # best distinct candidates re-measured before export
-    confirm_repeats: int = 2  # paired runs per prompt when confirming
-    # A sampler stuck on evaluated sets gets a random unevaluated one queued after this many repeats in a row;
-    # when none can be drawn, the space counts as exhausted.
-    explore_after_repeats: int = 10
-    # Compiled (regional) draft and verify steps, as `generate --compile` runs them on CUDA; None: on CUDA only,
-    # where eager trials would time the host's Python rather than the GPU.
-    compile: bool | None = None
-
-    def __post_init__(self) -> None:
-        check_measurable(self.max_new_tokens)
-
-    def __repr__(self) -> str:  # the storage URL redacted: a repr lands in logs and tracebacks
-        shown = {f.name: getattr(self, f.name) for f in fields(self)}
-        if isinstance(self.storage, str):
-            shown["storage"] = redact_url(self.storage)
-        return f"StudySettings({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
 
 
 def make_sampler(name: str, seed: int | None, multi_objective: bool) -> optuna.samplers.BaseSampler:
@@ -327,7 +271,7 @@ def _search(study: optuna.Study, storage: optuna.storages.BaseStorage, evaluator
         try:
             if len(distinct_trials(study)) < settings.n_trials:
                 # The first forwards, before any trial: a model whose logits are not finite ends the study here
-                # (decoding.py's `check_finite`) instead of in one failed trial after another.
+                # (loop.py's `check_finite`) instead of in one failed trial after another.
                 evaluator.reference_tokens()
                 runner = TrialRunner(space, evaluator, settings.objective, settings.min_match, settings.n_trials)
                 with warnings.catch_warnings():

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -24,13 +24,21 @@ from optuna.trial import FrozenTrial, TrialState
 from ..io.errors import NonFiniteLogits, exhausted_resource
 from .ranking import quoted_speedup, ranked
 from .records import TrialRecord, distinct_trials, enqueue, read_trials, study_label
+from .settings import StudySettings
 from .space import SearchSpace
 from .storage import Heartbeat, explain_stale_trials, heartbeat_enabled, recover_dead_workers_trials
 
-if TYPE_CHECKING:
-    from .study import StudySettings, TrialRunner
 
 Callback = Callable[[optuna.Study, FrozenTrial], None]
+
+
+class TrialRunner(Protocol):
+    """What a worker runs each trial with (study.py's `TrialRunner`): Optuna's objective, keeping the trial's error,
+    which Optuna logs and keeps to itself, for the stopping rules."""
+
+    last_error: Exception | None
+
+    def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]: ...
 
 
 class SurplusTrial(Exception):
