@@ -2,7 +2,7 @@
 a CPU with the default model's real weights, since acceptance depends on the weights and the counts on nothing else.
 
 Where a read stalls the device (CUDA), a round cannot stop at its first unsure draft without reading the draft's
-confidence back; skipsearch runs that path on a CPU too when told reads stall (`decoding.host_reads_stall`). Per
+confidence back; skipsearch runs that path on a CPU too when told reads stall (`loop.host_reads_stall`). Per
 skip set, greedy decoding of held-out prompts through the CPU's path (a host read per draft, cut at an unsure
 one) and through CUDA's path, with the counts of each: rounds, draft forwards, accepted drafts.
 
@@ -22,7 +22,7 @@ import argparse
 import torch
 
 from skipsearch import load_model
-from skipsearch.decode import loop as decoding, economics
+from skipsearch.decode import economics, loop as decoding
 from skipsearch.decode.economics import weight_fraction
 from skipsearch.decode.loop import generate
 from skipsearch.decode.policy import DraftPolicy

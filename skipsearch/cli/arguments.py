@@ -186,7 +186,14 @@ def add_compile_flag(parser: argparse.ArgumentParser,
                         help=f"torch.compile the draft and verify steps (CUDA graphs on CUDA; {on_cpu}); {when}")
 
 
-Commands = argparse._SubParsersAction
+def add_projection_flag(group: argparse._ActionsContainer, whose: str, stored: str = "") -> None:
+    group.add_argument("--project-with", type=Path, action="append", metavar="PROFILE",
+                       help=f"also print {whose} speedup PREDICTED with this cost profile, e.g. a GPU's "
+                            f"(repeatable; a prediction, not a measurement{stored})")
 
 
-Formatter = type[argparse.HelpFormatter]
+def add_number_flags(group: argparse._ActionsContainer,
+                     flags: list[tuple[str, Callable[[str], float], float | None, str]]) -> None:
+    """Flags that take one number each: (the flag, its type, its default, its help)."""
+    for flag, kind, default, text in flags:
+        group.add_argument(flag, type=kind, default=default, help=text)

@@ -8,12 +8,18 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .arguments import (Commands, Formatter, add_compile_flag, add_draft_flags, add_model_flags, layer_ids,
-                        positive_int, seed_value, settings_of, temperature_value, unit_float, utf8_text,
-                        warn_of_deprecated_flags)
+from .arguments import (add_compile_flag, add_draft_flags, add_model_flags, layer_ids, positive_int, seed_value,
+                        settings_of, temperature_value, unit_float, utf8_text, warn_of_deprecated_flags)
 
 if TYPE_CHECKING:
     from ..api.generate import Generation
+
+
+HELP = "decode one prompt with self-speculative decoding"
+DESCRIPTION = ("Decode one prompt with self-speculative decoding (greedy output equals plain greedy decoding). "
+               "The skip set comes from --config or --skip-attn/--skip-mlp; with neither, nothing is skipped and "
+               "the prompt is decoded plainly. With several skip sets, the one whose drafts agree best with the "
+               "full model over the prompt's last tokens is chosen, or plain decoding when none pays.")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -49,14 +55,7 @@ def _print_generation(args: argparse.Namespace, generation: Generation) -> None:
             print(f"[{s.guard.reason()}; --no-guard drafts regardless]", file=sys.stderr)
 
 
-def add_generate(commands: Commands, formatter: Formatter) -> argparse.ArgumentParser:
-    gen = commands.add_parser(
-        "generate", help="decode one prompt with self-speculative decoding", formatter_class=formatter,
-        description="Decode one prompt with self-speculative decoding (greedy output equals plain greedy decoding). "
-                    "The skip set comes from --config or --skip-attn/--skip-mlp; with neither, nothing is skipped and "
-                    "the prompt is decoded plainly. With several skip sets, the one whose drafts agree best with the "
-                    "full model over the prompt's last tokens is chosen, or plain decoding when none pays.",
-    )
+def add_generate_flags(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--prompt", required=True, type=utf8_text, help="the user message")
     gen.add_argument("--raw", action="store_true", help="tokenize the prompt as is, without the chat template")
     gen.add_argument("--config", action="append", metavar="FILE",
@@ -79,4 +78,3 @@ def add_generate(commands: Commands, formatter: Formatter) -> argparse.ArgumentP
     add_draft_flags(gen)
     add_model_flags(gen)
     add_compile_flag(gen)
-    return gen

@@ -7,10 +7,16 @@ import sys
 from pathlib import Path
 
 from ..constants import OBJECTIVES, SAMPLERS
-from .arguments import (Commands, Formatter, add_draft_flags, add_model_flags, add_prompt_flags, add_study_flags,
-                        non_negative_int, positive_float, positive_int, seed_value, settings_of, unit_float,
-                        warn_of_deprecated_flags)
+from .arguments import (add_draft_flags, add_model_flags, add_number_flags, add_projection_flag, add_prompt_flags,
+                        add_study_flags, non_negative_int, positive_float, positive_int, seed_value, settings_of,
+                        unit_float, warn_of_deprecated_flags)
 from .process import INTERRUPTED
+
+
+HELP = "search for the skip set that decodes fastest"
+DESCRIPTION = ("Run (or resume) an Optuna study over attention/MLP skip sets, each measured paired with plain "
+               "decoding; re-measure the best few, export the one confirmed faster (else plain decoding) as "
+               "JSON and plot the study. Re-running the same command resumes the study up to --n-trials.")
 
 
 def cmd_optimize(args: argparse.Namespace) -> int:
@@ -26,13 +32,7 @@ def cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_optimize(commands: Commands, formatter: Formatter) -> argparse.ArgumentParser:
-    opt = commands.add_parser(
-        "optimize", help="search for the skip set that decodes fastest", formatter_class=formatter,
-        description="Run (or resume) an Optuna study over attention/MLP skip sets, each measured paired with plain "
-                    "decoding; re-measure the best few, export the one confirmed faster (else plain decoding) as "
-                    "JSON and plot the study. Re-running the same command resumes the study up to --n-trials.",
-    )
+def add_optimize_flags(opt: argparse.ArgumentParser) -> None:
     add_prompt_flags(opt, num_prompts=4, max_new_tokens=32, several_datasets=True)
     add_search_flags(opt.add_argument_group("search"))
     add_worker_flags(opt.add_argument_group("workers and crash recovery (SQLite / PostgreSQL storages)"))
@@ -45,7 +45,6 @@ def add_optimize(commands: Commands, formatter: Formatter) -> argparse.ArgumentP
     opt.add_argument("--compile", action="store_true",
                      help="compiled draft and verify steps on a CPU too (always on CUDA, as CUDA graphs): each layer "
                           "kind compiles once for the whole study, a new skip set compiles nothing")
-    return opt
 
 
 def add_search_flags(search: argparse._ArgumentGroup) -> None:
@@ -55,9 +54,7 @@ def add_search_flags(search: argparse._ArgumentGroup) -> None:
     search.add_argument("--cost-profile", type=Path, default=None,
                         help="with --objective modeled: a profile from `python -m skipsearch profile`, e.g. of a "
                              "GPU (default: profile this device when the study starts)")
-    search.add_argument("--project-with", type=Path, action="append", metavar="PROFILE",
-                        help="also print the best sets' speedup PREDICTED with this cost profile, e.g. a GPU's "
-                             "(repeatable; a prediction, not a measurement)")
+    add_projection_flag(search, "the best sets'")
     search.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="Optuna sampler")
     search.add_argument("--n-trials", type=positive_int, default=20,
                         help="distinct skip sets the study should evaluate (a re-run resumes up to this; repeated "
@@ -90,10 +87,9 @@ def add_search_flags(search: argparse._ArgumentGroup) -> None:
 
 
 def add_worker_flags(workers: argparse._ArgumentGroup) -> None:
-    workers.add_argument("--heartbeat-interval", type=positive_int, default=60,
-                         help="seconds between a running trial's heartbeats")
-    workers.add_argument("--heartbeat-grace", type=positive_int, default=180,
-                         help="seconds without a heartbeat after which a trial's worker is taken for dead, "
-                              "its trial failed and retried")
-    workers.add_argument("--max-retries", type=non_negative_int, default=2,
-                         help="times a dead worker's trial is retried")
+    add_number_flags(workers, [
+        ("--heartbeat-interval", positive_int, 60, "seconds between a running trial's heartbeats"),
+        ("--heartbeat-grace", positive_int, 180,
+         "seconds without a heartbeat after which a trial's worker is taken for dead, its trial failed and retried"),
+        ("--max-retries", non_negative_int, 2, "times a dead worker's trial is retried"),
+    ])

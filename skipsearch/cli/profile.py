@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .arguments import Commands, Formatter, add_model_flags, add_studies_dir, context_lengths, positive_int, settings_of
+from .arguments import add_model_flags, add_studies_dir, context_lengths, positive_int, settings_of
+
+
+HELP = "measure the cost model of this device and save it as JSON"
+DESCRIPTION = ("Time attention, MLP, the rest of a forward and verification of 1..9 tokens at several "
+               "context lengths on this device and dtype, and what decoding pays besides forwards; "
+               "`optimize --objective modeled --cost-profile`, `bench` and `--project-with` read the file.")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -18,13 +24,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_profile(commands: Commands, formatter: Formatter) -> argparse.ArgumentParser:
-    prof = commands.add_parser(
-        "profile", help="measure the cost model of this device and save it as JSON", formatter_class=formatter,
-        description="Time attention, MLP, the rest of a forward and verification of 1..9 tokens at several "
-                    "context lengths on this device and dtype, and what decoding pays besides forwards; "
-                    "`optimize --objective modeled --cost-profile`, `bench` and `--project-with` read the file.",
-    )
+def add_profile_flags(prof: argparse.ArgumentParser) -> None:
     prof.add_argument("--output", type=Path, default=None,
                       help="profile JSON to write (default: <studies-dir>/cost-profile.json)")
     add_studies_dir(prof)
@@ -41,4 +41,3 @@ def add_profile(commands: Commands, formatter: Formatter) -> argparse.ArgumentPa
                       help="time the compiled steps studies run (regional) on a CPU too; on CUDA they are always timed, "
                            "as CUDA graphs")
     add_model_flags(prof)
-    return prof

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .arguments import Commands, Formatter, add_study_flags, non_negative_int, settings_of
+from .arguments import add_study_flags, non_negative_int, settings_of
+
+
+EXPORT_HELP = "write a trial's skip config as JSON"
+EXPORT_DESCRIPTION = ("Write the study's decision as a skip-config JSON: the skip set its confirmation "
+                      "found faster than plain decoding, else plain decoding; or trial N with "
+                      "--trial N.")
+PLOT_HELP = "write the study's plots as PNG files"
+PLOT_DESCRIPTION = ("Write optimization history, parameter importances, skip map, "
+                    "speedup vs skipped fraction (and the Pareto front) as PNG files.")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -27,11 +36,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_export(commands: Commands, formatter: Formatter) -> argparse.ArgumentParser:
-    exp = commands.add_parser("export", help="write a trial's skip config as JSON", formatter_class=formatter,
-                              description="Write the study's decision as a skip-config JSON: the skip set its confirmation "
-                                          "found faster than plain decoding, else plain decoding; or trial N with "
-                                          "--trial N.")
+def add_export_flags(exp: argparse.ArgumentParser) -> None:
     exp.add_argument("--trial", type=non_negative_int, default=None, help="trial number (default: the study's confirmed decision)")
     exp.add_argument("--format", choices=("skipsearch", "dv"), default="skipsearch",
                      help="skipsearch: the skip-config JSON; dv: Draft & Verify / SWIFT's skip_layers.json format "
@@ -39,13 +44,8 @@ def add_export(commands: Commands, formatter: Formatter) -> argparse.ArgumentPar
     exp.add_argument("--output", type=Path, default=None,
                      help="(default: <studies-dir>/<study-name>/best.json, or skip_layers.json with --format dv)")
     add_study_flags(exp)
-    return exp
 
 
-def add_plot(commands: Commands, formatter: Formatter) -> argparse.ArgumentParser:
-    plot = commands.add_parser("plot", help="write the study's plots as PNG files", formatter_class=formatter,
-                               description="Write optimization history, parameter importances, skip map, "
-                                           "speedup vs skipped fraction (and the Pareto front) as PNG files.")
+def add_plot_flags(plot: argparse.ArgumentParser) -> None:
     plot.add_argument("--output", type=Path, default=None, help="(default: <studies-dir>/<study-name>/plots)")
     add_study_flags(plot)
-    return plot
