@@ -11,5 +11,5 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 OBJECTIVES = ("speed_x_acceptance", "speedup", "pareto", "modeled")
 SAMPLERS = ("tpe", "gp", "cmaes", "random", "nsga2")
 # Below this, sampling is greedy decoding in effect (a logit gap of 0.01 weighs exp(-100)), and float32 logits
-# divided by the temperature overflow (at 1e-38 for logits of 80): decoding.Sampling refuses it.
+# divided by the temperature overflow (at 1e-38 for logits of 80): sampling.Sampling refuses it.
 MIN_TEMPERATURE = 1e-4

@@ -102,7 +102,7 @@ def test_a_draft_and_verify_file_is_named_as_such():
 
 
 def test_configs_models_and_plots_do_not_import_the_decode_loop():
-    """They read the draft policy from policy.py and write files through files.py, not through decoding.py."""
+    """They read the draft policy from policy.py and write files through files.py, not through the decode loop."""
     import os
     import subprocess
     import sys

@@ -94,7 +94,7 @@ def _batch_message(rows: int) -> str:
 
 def check_generate_args(model: nn.Module, prompt_tokens: int, skip: Any, max_new_tokens: Any, policy: Any,
                         sampling: Any, cost_profile: Any = None) -> None:
-    """The options of `decoding.generate`: their types, skip sets that fit the model, a cost profile made for its
+    """The options of `loop.generate`: their types, skip sets that fit the model, a cost profile made for its
     kind, and a prompt plus `max_new_tokens` plus drafts within the model's context (bounded before the cache is
     allocated)."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:

@@ -165,7 +165,7 @@ class DraftController:
         """For a cut inside the round where a draft's confidence is free to read: (the acceptance estimate, the price
         of a draft in plain steps, a draft's typical confidence so far or None). A draft's chance of acceptance is the
         estimate scaled by its confidence over the typical one (at most 1); the next token is drafted only while its
-        chance of being accepted with every draft before it is above its price (`decoding.draft_round`). None:
+        chance of being accepted with every draft before it is above its price (`rounds.draft_round`). None:
         drafting runs the planned length (fixed-length policies, plain decoding)."""
         if not self.policy.adaptive or self.skip is None:
             return None

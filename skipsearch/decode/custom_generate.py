@@ -1,7 +1,7 @@
 """Self-speculative decoding inside transformers' own `model.generate(..., custom_generate=...)`.
 
 transformers prepares the inputs, logits processors and stopping criteria and calls the callable
-as its decoding method; the callable runs `decoding.generate` with `DecodeHooks` made from them:
+as its decoding method; the callable runs `loop.generate` with `DecodeHooks` made from them:
 - each row of every forward (prefill, draft, verify) is processed with that position's own prefix,
   so history-dependent processors (repetition penalty, no-repeat n-grams, min length) see exactly
   what plain decoding shows them;
