@@ -257,3 +257,13 @@ def test_optimize(tiny_model_dir, tmp_path):  # stage "study"
     # The stage reads the unindented summary: the trials evaluated and the verdict.
     assert re.search(r"^study gpu30 in sqlite:///.*: 2 distinct skip sets evaluated", out, re.M)
     assert f"exported {tmp_path / 'gpu30' / 'best.json'}" in out and (tmp_path / "gpu30" / "best.json").is_file()
+
+
+def test_before_after():  # not a stage: an engine change against the revision before it, on the CPU
+    out = run_script("benchmarks/before_after.py", "--before", "HEAD", "--device", "cpu", "--skip-sets", "a1",
+                     "--num-prompts", 1, "--max-new-tokens", 4, "--repeats", 2)
+    rows = re.findall(r"^(plain|a1) eager +([\d.]+) +([\d.]+) +([\d.]+)x \(([\d.]+)-([\d.]+)\) +([\d.]+)$", out, re.M)
+    assert [row[0] for row in rows] == ["plain", "a1"]
+    for _, before, after, ratio, low, high, same in rows:
+        assert float(before) > 0 and float(after) > 0 and float(low) <= float(ratio) <= float(high)
+        assert float(same) == 1.0  # the same revision's code: the same tokens

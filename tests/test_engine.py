@@ -216,7 +216,7 @@ def test_the_compiled_prefill_runs_any_prompt_length_at_its_fixed_widths():
     model.config.max_position_embeddings = 1024  # room for a prompt over the widest width (rotary takes any length)
     skip, policy = SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=3)
     # The longest first: its cache (two blocks) then serves every call, and the steps compiled for it stay.
-    lengths = [PREFILL_WIDTHS[-1] + 3, 1, PREFILL_WIDTHS[0], PREFILL_WIDTHS[0] + 1]
+    lengths = [PREFILL_WIDTHS[-1] + 3, 1, PREFILL_WIDTHS[0], PREFILL_WIDTHS[0] + 1, PREFILL_WIDTHS[1] + 21]
     for n, length in enumerate(lengths):
         prompt = [(7 * i + n) % 90 + 2 for i in range(length)]
         out = generate(model, prompt, skip=skip, max_new_tokens=8, policy=policy, eos_token_id=None, **REGIONAL)
@@ -228,6 +228,19 @@ def test_the_compiled_prefill_runs_any_prompt_length_at_its_fixed_widths():
                    **REGIONAL)
     assert out.tokens == hf_greedy(model, list(range(2, 42)), 8, eos=None) and out.stats.compile_time_s == 0.0
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_a_prompt_is_prefilled_in_full_chunks_and_one_padded_under_the_narrowest_width():
+    from skipsearch.engine import PREFILL_WIDTHS, prefill_chunks
+
+    assert prefill_chunks(109, (16, 64, 256)) == [(64, 64), (16, 16), (16, 16), (13, 16)]
+    assert prefill_chunks(256, (16, 64, 256)) == [(256, 256)] and prefill_chunks(3, (16, 64, 256)) == [(3, 16)]
+    for length in range(1, 3 * PREFILL_WIDTHS[-1]):
+        chunks = prefill_chunks(length)
+        assert sum(real for real, _ in chunks) == length and all(width in PREFILL_WIDTHS for _, width in chunks)
+        assert all(real == width for real, width in chunks[:-1])  # only the last is padded
+        assert chunks[-1][1] - chunks[-1][0] < PREFILL_WIDTHS[0]
+        assert [width for _, width in chunks] == sorted((width for _, width in chunks), reverse=True)
 
 
 def test_the_prefill_writes_no_slot_it_keeps_past_the_prompt():

@@ -1,0 +1,111 @@
+"""The same decoding from two revisions of skipsearch, interleaved in one process (a benchmark script, not a test).
+
+An engine change is judged by what it does to speed on the same machine, in the same minutes: this loads the
+package as it was at `--before` (a git revision, extracted into a temporary folder as `skipsearch_before`) beside
+the working tree's, each with its own copy of the model, and decodes every prompt by every method of both back to
+back in a rotating order (`bench.timed_runs`). For each method it prints both tokens/s and the paired ratio
+after / before (geometric mean of the per-run ratios, 95% interval; above 1 the working tree is faster), and
+whether both revisions' outputs are identical. Only the public API (`generate`, `SkipSet`, `DraftPolicy`,
+`load_model`) of the older revision is called. Methods: plain decoding and each skip set at a fixed draft length,
+guard off, eager steps (and compiled ones with `--compile`).
+
+    python benchmarks/before_after.py --before 5f12c3b --skip-sets "a20;a16,20,24;a20|m18"
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+
+import torch
+
+import skipsearch
+from skipsearch.bench import Decoder, timed_runs
+from skipsearch.data import load_prompts
+from skipsearch.measure import ratio_interval
+from skipsearch.models import encode_prompt
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def package_at(revision: str, folder: Path):
+    """skipsearch as it was at `revision`, imported under the name `skipsearch_before`."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", revision, "skipsearch"],
+                             check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    (folder / "skipsearch").rename(folder / "skipsearch_before")
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("skipsearch_before")
+
+
+def decoders_of(package, label: str, skip_sets: list[str], args: argparse.Namespace) -> dict[str, Decoder]:
+    """Plain decoding and each skip set, through one revision's public `generate`."""
+    loaded = package.load_model(args.model, dtype=args.dtype, device=args.device)
+    model = loaded.model
+    eos, layers = model.generation_config.eos_token_id, model.config.num_hidden_layers
+    policy = package.DraftPolicy(max_draft_tokens=args.max_draft_tokens, adaptive=False, guard=False)
+    methods = {"plain": None} | {spec: parse_skip_set(package, spec, layers) for spec in skip_sets}
+    decoders = {}
+    for compile in [False, True] if args.compile else [False]:
+        for name, skip in methods.items():
+            def decode(prompt, skip=skip, compile=compile):
+                out = package.generate(model, prompt, skip=skip, max_new_tokens=args.max_new_tokens, policy=policy,
+                                       eos_token_id=eos, compile=compile)
+                return out.tokens, out.stats
+            decoders[f"{name} {'compiled' if compile else 'eager'} [{label}]"] = decode
+    return decoders
+
+
+def parse_skip_set(package, spec: str, num_layers: int):
+    """'a16,20|m18' -> attention 16 and 20, MLP 18, as that revision's SkipSet."""
+    attn, mlp = [], []
+    for part in spec.split("|"):
+        ids = [int(i) for i in part[1:].split(",") if i]
+        (attn if part.startswith("a") else mlp).extend(ids)
+    return package.SkipSet.of(attn, mlp, num_layers)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--before", required=True, help="the git revision to compare the working tree with")
+    parser.add_argument("--model", default=None, help="Hugging Face name, folder or .gguf (default: the embedded model)")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--skip-sets", default="a20;a16,20,24;a20|m18", help="';'-separated (default: %(default)s)")
+    parser.add_argument("--max-draft-tokens", type=int, default=4)
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--prompt-offset", type=int, default=8, help="held out from the default study's prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="compiled steps too")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as folder:
+        before = package_at(args.before, Path(folder))
+        skip_sets = args.skip_sets.split(";")
+        decoders = decoders_of(before, "before", skip_sets, args) | decoders_of(skipsearch, "after", skip_sets, args)
+        tokenizer = skipsearch.load_model(args.model, dtype=args.dtype, device="cpu").tokenizer
+        texts = load_prompts(num_prompts=args.prompt_offset + args.num_prompts, seed=0)[args.prompt_offset:]
+        prompts = [encode_prompt(tokenizer, text) for text in texts]
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        print(f"before {args.before}, after the working tree; {len(prompts)} prompts x {args.max_new_tokens} new "
+              f"tokens, {args.repeats} repeats, torch threads {torch.get_num_threads()}, k={args.max_draft_tokens}")
+        runs = timed_runs(decoders, prompts, args.repeats, device, show_progress=True)
+    print(f"{'method':36} {'before tok/s':>12} {'after tok/s':>11} {'after / before (95% interval)':>30} {'identical':>9}")
+    for name in [n[:-len(" [before]")] for n in decoders if n.endswith("[before]")]:
+        old, new = runs[f"{name} [before]"], runs[f"{name} [after]"]
+        ratio = ratio_interval(new.ratios_over(old))
+        same = sum(a == b for a, b in zip(old.outputs, new.outputs)) / len(old.outputs)
+        print(f"{name:36} {sum(old.tokens) / sum(old.seconds):12.1f} {sum(new.tokens) / sum(new.seconds):11.1f} "
+              f"{f'{ratio.estimate:.3f}x ({ratio.low:.3f}-{ratio.high:.3f})':>30} {same:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
