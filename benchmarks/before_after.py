@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 import skipsearch
-from skipsearch.bench import Decoder, timed_runs
-from skipsearch.data import load_prompts
-from skipsearch.measure import ratio_interval
-from skipsearch.models import encode_prompt
+from skipsearch.report.bench import Decoder, timed_runs
+from skipsearch.io.data import load_prompts
+from skipsearch.search.measure import ratio_interval
+from skipsearch.io.models import encode_prompt
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -231,7 +231,7 @@ def test_the_compiled_prefill_runs_any_prompt_length_at_its_fixed_widths():
 
 
 def test_a_prompt_is_prefilled_in_full_chunks_and_one_padded_under_the_narrowest_width():
-    from skipsearch.engine import PREFILL_WIDTHS, prefill_chunks
+    from skipsearch.decode.engine import PREFILL_WIDTHS, prefill_chunks
 
     assert prefill_chunks(109, (16, 64, 256)) == [(64, 64), (16, 16), (16, 16), (13, 16)]
     assert prefill_chunks(256, (16, 64, 256)) == [(256, 256)] and prefill_chunks(3, (16, 64, 256)) == [(3, 16)]
