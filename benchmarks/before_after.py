@@ -26,10 +26,13 @@ from pathlib import Path
 import torch
 
 import skipsearch
+from skipsearch import SkipSet
 from skipsearch.report.bench import Decoder, timed_runs
 from skipsearch.io.data import load_prompts
 from skipsearch.search.measure import ratio_interval
 from skipsearch.io.models import encode_prompt
+
+from decode_speed import parse_skip_sets
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,14 +48,15 @@ def package_at(revision: str, folder: Path):
     return importlib.import_module("skipsearch_before")
 
 
-def decoders_of(package, label: str, skip_sets: list[str], args: argparse.Namespace) -> dict[str, Decoder]:
-    """Plain decoding and each skip set, through one revision's public `generate`."""
+def decoders_of(package, label: str, skip_sets: list[SkipSet], args: argparse.Namespace):
+    """Plain decoding and each skip set through one revision's public `generate`, and the tokenizer it loaded."""
     loaded = package.load_model(args.model, dtype=args.dtype, device=args.device)
-    model = loaded.model
-    eos, layers = model.generation_config.eos_token_id, model.config.num_hidden_layers
+    model, eos = loaded.model, loaded.model.generation_config.eos_token_id
     policy = package.DraftPolicy(max_draft_tokens=args.max_draft_tokens, adaptive=False, guard=False)
-    methods = {"plain": None} | {spec: parse_skip_set(package, spec, layers) for spec in skip_sets}
-    decoders = {}
+    # That revision's own SkipSet: a package's checks may refuse another's type.
+    methods = {"plain": None} | {spec: package.SkipSet.of(skip.attn, skip.mlp, model.config.num_hidden_layers)
+                                 for spec, skip in zip(args.skip_sets.split(";"), skip_sets)}
+    decoders: dict[str, Decoder] = {}
     for compile in [False, True] if args.compile else [False]:
         for name, skip in methods.items():
             def decode(prompt, skip=skip, compile=compile):
@@ -60,16 +64,7 @@ def decoders_of(package, label: str, skip_sets: list[str], args: argparse.Namesp
                                        eos_token_id=eos, compile=compile)
                 return out.tokens, out.stats
             decoders[f"{name} {'compiled' if compile else 'eager'} [{label}]"] = decode
-    return decoders
-
-
-def parse_skip_set(package, spec: str, num_layers: int):
-    """'a16,20|m18' -> attention 16 and 20, MLP 18, as that revision's SkipSet."""
-    attn, mlp = [], []
-    for part in spec.split("|"):
-        ids = [int(i) for i in part[1:].split(",") if i]
-        (attn if part.startswith("a") else mlp).extend(ids)
-    return package.SkipSet.of(attn, mlp, num_layers)
+    return decoders, loaded.tokenizer
 
 
 def main() -> None:
@@ -89,9 +84,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         before = package_at(args.before, Path(folder))
-        skip_sets = args.skip_sets.split(";")
-        decoders = decoders_of(before, "before", skip_sets, args) | decoders_of(skipsearch, "after", skip_sets, args)
-        tokenizer = skipsearch.load_model(args.model, dtype=args.dtype, device="cpu").tokenizer
+        skip_sets = parse_skip_sets(args.skip_sets, num_layers=None)
+        old, _ = decoders_of(before, "before", skip_sets, args)
+        new, tokenizer = decoders_of(skipsearch, "after", skip_sets, args)
+        decoders = old | new
         texts = load_prompts(num_prompts=args.prompt_offset + args.num_prompts, seed=0)[args.prompt_offset:]
         prompts = [encode_prompt(tokenizer, text) for text in texts]
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
