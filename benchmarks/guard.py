@@ -7,7 +7,8 @@ in a rotating order (bench.timed_runs); a speedup is the geometric mean of the p
 decoding (decode time, the prefill excluded), with its 95% interval. Every output is compared with plain decoding's.
 Each method keeps one `DraftMemory` across its calls, as a server keeps one per model. With `--cost-profile`, one more
 row: the default policy priced by that profile, which pads verifications to the cheapest measured width (what padding
-buys, paired against the row without it).
+buys, paired against the row without it). The figures are a server's first calls, where the guard still learns;
+`--learned N` decodes every prompt N times untimed first, for its steady state.
 
     python benchmarks/guard.py --sets "a8;a8,11,18,20,22,28|m24,26,28;a4,8,11,15,18,20,22,24,28" --max-new-tokens 96
 """
@@ -19,6 +20,7 @@ import statistics
 import time
 
 import torch
+from tqdm import tqdm
 
 from skipsearch import load_model
 from skipsearch.decode.controller import DraftController, DraftMemory
@@ -77,6 +79,10 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="compiled steps (on CUDA: CUDA graphs), as deployed")
     parser.add_argument("--policies", default=",".join(str(i) for i in range(len(POLICIES))),
                         help="which of the policies, by index (default: all)")
+    parser.add_argument("--learned", type=int, default=0, metavar="PASSES",
+                        help="untimed passes over the prompts first, so that each method's memory has learned what a "
+                             "long-running server's has (back-offs, plain speed): its steady state, not its first "
+                             "calls (default: %(default)s)")
     parser.add_argument("--cost-profile", default=None,
                         help="a profile of this device (python -m skipsearch profile): adds the default policy priced "
                              "and padded by it")
@@ -96,8 +102,13 @@ def main() -> None:
                 model, args.max_new_tokens, eos, skip, DraftPolicy(), args.compile, profile)
     print(f"{loaded.name_or_path} on {model.device} ({model.dtype}, {'compiled' if args.compile else 'eager'}), "
           f"torch threads {torch.get_num_threads()}, {len(prompts)} held-out prompts "
-          f"x {args.max_new_tokens} new tokens, {args.repeats} repeats, paired against plain decoding")
+          f"x {args.max_new_tokens} new tokens, {args.repeats} repeats after {args.learned} untimed passes, "
+          f"paired against plain decoding")
     print(f"the controller's bookkeeping: {controller_microseconds():.2f} us per round (a plan, a clock read, an update)")
+    for _ in tqdm(range(args.learned), desc="untimed passes (learning)"):
+        for decode in decoders.values():
+            for prompt in prompts:
+                decode(prompt)
     runs = timed_runs(decoders, prompts, args.repeats, model.device, show_progress=True)
     plain = runs["plain"]
     print("| method | tok/s | vs plain (95% interval) | acceptance | drafted / round | guard: plain tokens | identical |")

@@ -1,7 +1,7 @@
 """The compiled prefill against the eager one, paired (a benchmark script, not a test).
 
 Both run the engine's regional steps' cache: the eager prefill is one forward of the whole prompt
-(what every mode did before, and what the whole-step modes still do), the compiled one runs the
+(what a CPU and the whole-step modes run), the compiled one (what CUDA runs) runs the
 prompt at the fixed widths of `engine.PREFILL_WIDTHS`, padded. Each prompt is prefilled by both,
 back to back in alternating order, `--repeats` times; prints each one's milliseconds per prompt and
 per token, and the paired ratio (eager time / compiled time: above 1 the compiled prefill is faster)
@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from skipsearch.decode import engine as engine_module
 from skipsearch.decode.engine import PREFILL_WIDTHS, CompileSettings, Prefill, engine_for, synchronize
 from skipsearch.io.data import load_prompts
 from skipsearch.io.models import encode_prompt
@@ -51,6 +52,8 @@ def main() -> None:
     else:
         prompts = [encode_prompt(tokenizer, p) for p in load_prompts(num_prompts=args.num_prompts, seed=0)]
     engine, settings = engine_for(model), CompileSettings(args.backend, "regional")
+    # The compiled prefill on any device, the CPU included, where the engine itself prefills eagerly (it lost there).
+    engine_module.COMPILED_PREFILL_DEVICES = frozenset({model.device.type})
     cache = engine.cache_for(max(map(len, prompts)) + 1, settings)
     compiled, eager = engine.steps_for(cache, None, settings, 1).prefill, Prefill(model, cache)
     ids = [torch.tensor([p], device=model.device) for p in prompts]

@@ -217,7 +217,8 @@ def test_engine_speed(stage, request):
 
 def test_guard(tiny_model_dir):  # stage "guard"
     out = run_script("benchmarks/guard.py", *SMALL, "--model", tiny_model_dir, "--compile", "--num-prompts", 1,
-                     "--max-new-tokens", 8, "--repeats", 1, "--sets", TINY_SET)
+                     "--max-new-tokens", 8, "--repeats", 1, "--sets", TINY_SET, "--learned", 1)
+    assert "1 repeats after 1 untimed passes" in out
     header, rows = table_after(out, "| method |")
     assert header == ("| method | tok/s | vs plain (95% interval) | acceptance | drafted / round | guard: plain tokens "
                       "| identical |")

@@ -214,3 +214,38 @@ def test_generate_takes_the_guard_switch_and_warns_of_the_old_rules_flags(capsys
     assert "warning: the flags --confidence-threshold, --stop-rule: no longer used" in err
     code, _, err = run(capsys, *common)
     assert code == 0 and seen[-1] == DraftPolicy() and "warning" not in err
+
+
+@pytest.mark.guarded  # the guard on: what it learns is what the file keeps
+def test_generate_keeps_what_the_guard_learned_in_a_memory_file(capsys, tmp_path, tiny_model_dir, monkeypatch):
+    from skipsearch.api import generate as command
+    from skipsearch.decode.controller import DraftMemory
+
+    passed = []
+    real = command.generate
+
+    def spy(*args, **kwargs):
+        passed.append(kwargs["memory"].as_dict())  # as handed to the call, before it learns
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(command, "generate", spy)
+    memory = tmp_path / "memory.json"
+    common = ["generate", "--model", tiny_model_dir, "--prompt", "hello there", "--max-new-tokens", 24, "--json",
+              "--skip-attn", "1,2", "--memory", memory]
+    code, _, _ = run(capsys, *common)
+    assert code == 0 and passed[0] == DraftMemory().as_dict()  # no file yet: an empty memory
+    stored = json.loads(memory.read_text())
+    assert stored["format"] == "skipsearch-draft-memory" and stored["learned_by"].endswith("on cpu (torch.float32)")
+    assert list(stored["backoffs"]) == ["eager attn=[1, 2] mlp=[]"]  # the guard keeps the set's back-off
+    code, _, _ = run(capsys, *common)
+    assert code == 0 and passed[1] == DraftMemory.from_dict(stored).as_dict()  # the second run starts from the first's
+
+    learned = memory.read_text()
+    code, out, err = run(capsys, *common, "--dtype", "float64")  # another model's speeds would misjudge its rounds
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1 and "was learned by" in err
+    memory.write_text(json.dumps({**stored, "plain_s": {"eager": -1.0}}))
+    code, _, err = run(capsys, *common)
+    assert code == 2 and "positive and finite" in err and len(passed) == 2  # refused before decoding
+    memory.write_text(learned)
+    code, _, err = run(capsys, *common[:-1], tmp_path)  # a folder
+    assert code == 2 and "is a folder" in err and memory.read_text() == learned

@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from conftest import tiny_model
 from test_decoding import hf_greedy
+from skipsearch.decode import engine as engine_module
 from skipsearch.decode import loop as decoding
 from skipsearch.decode.controller import DraftController
 from skipsearch.decode.engine import DRAFT_STEPS_KEPT, CompileSettings, engine_for
@@ -205,7 +206,24 @@ def test_models_with_full_and_sliding_layers_get_a_mask_per_layer_type():
         assert out.tokens == hf_greedy(model, prompt, 24, eos=None)
 
 
-def test_the_compiled_prefill_runs_any_prompt_length_at_its_fixed_widths():
+@pytest.fixture
+def compiled_prefill_on_cpu(monkeypatch):
+    """The compiled prefill on the CPU too (by default only CUDA runs it: on a CPU it loses to the eager one)."""
+    monkeypatch.setattr(engine_module, "COMPILED_PREFILL_DEVICES", frozenset({"cuda", "cpu"}))
+
+
+def test_a_cpu_prefills_eagerly_in_the_regional_mode_and_cuda_through_compiled_widths():
+    model = tiny_model("llama", seed=11)
+    engine, settings = engine_for(model), CompileSettings("aot_eager", "regional")
+    steps = engine.steps_for(engine.cache_for(64, settings), None, settings, 1)
+    assert steps.prefill.steps is None and not engine.prefill_steps
+    assert engine_module.COMPILED_PREFILL_DEVICES == {"cuda"}
+    out = generate(model, [5, 9, 14], skip=SkipSet.of([1], [], NUM_LAYERS), max_new_tokens=6, eos_token_id=None,
+                   **REGIONAL)
+    assert out.tokens == hf_greedy(model, [5, 9, 14], 6, eos=None) and not engine.prefill_steps
+
+
+def test_the_compiled_prefill_runs_any_prompt_length_at_its_fixed_widths(compiled_prefill_on_cpu):
     """Prompts of lengths around each width and over the widest (in chunks) decode as HF greedy does; after the
     widths are compiled, a prompt of a new length compiles nothing."""
     from torch._dynamo.utils import counters
@@ -243,13 +261,31 @@ def test_a_prompt_is_prefilled_in_full_chunks_and_one_padded_under_the_narrowest
         assert [width for _, width in chunks] == sorted((width for _, width in chunks), reverse=True)
 
 
-def test_the_prefill_writes_no_slot_it_keeps_past_the_prompt():
+def test_the_prefill_writes_no_slot_it_keeps_past_the_prompt(compiled_prefill_on_cpu):
     """The padding's slots are stale once the prefill returns: the position is the prompt's length."""
     model = tiny_model("llama", seed=11)
     engine = engine_for(model)
     settings = CompileSettings("aot_eager", "regional")
     steps = engine.steps_for(engine.cache_for(64, settings), None, settings, 1)
     steps.cache.seek(0)
+    assert steps.prefill.steps is not None  # compiled, at its widths
     logits = steps.prefill(torch.tensor([[5, 9, 14]]))
     assert int(steps.cache.position) == 3 and logits.shape == (1, model.config.vocab_size)
     torch.testing.assert_close(logits, model(torch.tensor([[5, 9, 14]])).logits[0, -1:])
+
+
+def test_a_whole_compiled_step_traces_no_cache_wrapper(monkeypatch):
+    """Dynamo warns once per process for each cached function it traces through: the model's forward looks up its
+    cache keyword inside the trace, which must be a plain lookup (adapter.cache_keyword), not a functools cache."""
+    import warnings
+
+    import torch._dynamo.utils
+
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())  # warnings already given count again
+    model = tiny_model("llama", seed=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = generate(model, [5, 9, 14], skip=SkipSet.of([1], [], NUM_LAYERS), max_new_tokens=6, eos_token_id=None,
+                       compile=True, compile_backend="aot_eager", compile_mode="default")
+    assert out.tokens == hf_greedy(model, [5, 9, 14], 6, eos=None)
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]

@@ -10,6 +10,7 @@ import torch
 from ..decode.checks import check_room
 from ..decode.choice import Choice
 from ..decode.config import combine_skip_configs, load_skip_config
+from ..decode.controller import DraftMemory
 from ..decode.cost_profile import CostProfile
 from ..decode.loop import generate
 from ..decode.policy import DraftPolicy
@@ -17,6 +18,7 @@ from ..decode.sampling import Sampling
 from ..decode.skipset import SkipSet
 from ..decode.stats import GenerationOutput
 from ..io import models
+from ..io.files import check_output_file
 from .options import DraftOptions, ModelOptions
 
 
@@ -36,6 +38,7 @@ class GenerateSettings(ModelOptions, DraftOptions):
     top_p: float | None = None
     seed: int = 0
     compile: bool = False
+    memory: Path | None = None  # what the guard learned in earlier runs: read where the file exists, written after
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,11 @@ def generate_text(settings: GenerateSettings) -> Generation:
     if not s.prompt.strip():
         raise ValueError("--prompt is empty: give the text to answer")
     profile = CostProfile.load(s.cost_profile) if s.cost_profile is not None else None
+    if s.memory is not None:
+        check_output_file(s.memory, "--memory")
     loaded = s.load()
+    learned_by = f"{loaded.name_or_path} on {loaded.device} ({loaded.model.dtype})"
+    memory = DraftMemory.load(s.memory, learned_by) if s.memory is not None and s.memory.exists() else DraftMemory()
     skip, base_policy, labels = _skips(s, loaded.model)
     policy = s.policy(base_policy)
     sampling = Sampling(do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
@@ -66,8 +73,10 @@ def generate_text(settings: GenerateSettings) -> Generation:
     output = generate(
         loaded.model, prompt_ids, skip=skip, max_new_tokens=s.max_new_tokens, policy=policy,
         sampling=sampling, eos_token_id=loaded.model.generation_config.eos_token_id, generator=generator,
-        compile=s.compile, cost_profile=profile,
+        compile=s.compile, cost_profile=profile, memory=memory,
     )
+    if s.memory is not None:
+        memory.save(s.memory, learned_by)
     choice = output.stats.choices[0] if output.stats.choices else None
     text = loaded.tokenizer.decode(output.tokens, skip_special_tokens=True)
     return Generation(text, output, choice.skip if choice else skip, _choice_text(choice, labels))

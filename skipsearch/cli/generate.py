@@ -75,6 +75,9 @@ def add_generate_flags(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--top-p", type=unit_float, default=None, help="nucleus sampling mass")
     gen.add_argument("--seed", type=seed_value, default=0, help="sampling seed")
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics as JSON")
+    gen.add_argument("--memory", type=Path, default=None, metavar="FILE",
+                     help="what the guard learned in earlier runs (plain speed, when each skip set drafts again), "
+                          "kept in FILE: read where it exists, written after; without it each run learns afresh")
     add_draft_flags(gen)
     add_model_flags(gen)
     add_compile_flag(gen)

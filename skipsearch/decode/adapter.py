@@ -11,7 +11,6 @@ forward. `.ci/newest` runs those tests against the newest releases.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 import warnings
@@ -81,7 +80,11 @@ def warn_if_untested(version: str = transformers.__version__) -> None:
 
 # --- cache keyword -------------------------------------------------------------------------------------------------
 
-@functools.cache
+# By class. A plain dict, not functools.cache: compiled steps look the keyword up inside their trace, and dynamo warns
+# on every compile that it traces through a cache wrapper; a dict filled before (check_touchpoints) is a constant.
+_CACHE_KEYWORDS: dict[type, str] = {}
+
+
 def _cache_keyword_of(cls: type) -> str:
     # inspect.signature follows the __wrapped__ that transformers' deprecate_kwarg leaves, to the real parameters.
     parameters = inspect.signature(cls.forward).parameters
@@ -93,7 +96,10 @@ def _cache_keyword_of(cls: type) -> str:
 
 def cache_keyword(module: nn.Module) -> str:
     """The keyword under which `module`'s forward (a model, a decoder layer or an attention) takes the KV cache."""
-    return _cache_keyword_of(type(module))
+    cls = type(module)
+    if cls not in _CACHE_KEYWORDS:
+        _CACHE_KEYWORDS[cls] = _cache_keyword_of(cls)
+    return _CACHE_KEYWORDS[cls]
 
 
 def model_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor | None, mask: Any, cache: Any,

@@ -23,7 +23,12 @@ sampling keeps the full model's distribution either way.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..io.files import read_json, write_atomic
 
 from .economics import Acceptance, PriceFit, RoundCosts, best_draft_length, committed_tokens
 from .policy import DraftPolicy
@@ -89,7 +94,49 @@ class DraftMemory:
 
     @classmethod
     def from_dict(cls, data: dict) -> DraftMemory:
-        return cls(dict(data.get("plain_s", {})), {k: Backoff(**v) for k, v in data.get("backoffs", {}).items()})
+        """The memory from `as_dict`'s form; a ValueError of one line where a value is not what it must be."""
+        plain_s, backoffs = data.get("plain_s", {}), data.get("backoffs", {})
+        if not isinstance(plain_s, dict) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in plain_s.values()):
+            raise ValueError("plain_s must map step kinds to seconds per token, positive and finite")
+        if not isinstance(backoffs, dict) or not all(isinstance(v, dict) for v in backoffs.values()):
+            raise ValueError("backoffs must map skip sets to back-offs")
+        try:
+            return cls({str(k): float(v) for k, v in plain_s.items()},
+                       {str(k): _backoff(**v) for k, v in backoffs.items()})
+        except TypeError as error:
+            raise ValueError(f"a back-off is malformed ({error})") from None
+
+    def save(self, path: str | Path, learned_by: str) -> None:
+        """Persist to `path` (JSON, replaced atomically); `learned_by` names the model and device it was learned on."""
+        write_atomic(path, json.dumps({"format": MEMORY_FORMAT, "version": 1, "learned_by": learned_by,
+                                       **self.as_dict()}, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, learned_by: str) -> DraftMemory:
+        """The memory `save` wrote at `path`: a ValueError of one line where it is no such file, or was learned by
+        another model or device than `learned_by` (its plain speed and back-offs would misjudge this one's rounds)."""
+        data = read_json(path, "draft memory")
+        if not isinstance(data, dict) or data.get("format") != MEMORY_FORMAT:
+            raise ValueError(f"{path}: not a skipsearch draft memory (expected \"format\": \"{MEMORY_FORMAT}\")")
+        if data.get("learned_by") != learned_by:
+            raise ValueError(f"{path} was learned by {data.get('learned_by')!r}, not {learned_by!r}: its speeds "
+                             "would misjudge this one's rounds; give another file")
+        try:
+            return cls.from_dict(data)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
+
+
+MEMORY_FORMAT = "skipsearch-draft-memory"
+
+
+def _backoff(plain_left: int, sampling: bool, stretch: int) -> Backoff:
+    if not (isinstance(plain_left, int) and isinstance(sampling, bool) and isinstance(stretch, int)
+            and plain_left >= 0 and 0 < stretch <= MAX_BACKOFF_TOKENS):
+        raise ValueError(f"a back-off is malformed (plain_left {plain_left!r}, sampling {sampling!r}, "
+                         f"stretch {stretch!r})")
+    return Backoff(plain_left, sampling, stretch)
 
 
 class DraftController:

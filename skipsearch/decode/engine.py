@@ -44,6 +44,10 @@ CACHE_BLOCK = 256  # capacities round up to this, so calls of similar lengths sh
 # The widest is at most CACHE_BLOCK, so a padded chunk never writes past the cache (its capacity is the prompt and
 # more, rounded up to CACHE_BLOCK).
 PREFILL_WIDTHS = (16, 64, 256)
+# Where the regional modes prefill through those compiled widths: on CUDA, where each width is one CUDA graph. On a
+# CPU the compiled chunks lost to one eager forward of the prompt, 0.55x (BENCHMARKS.md, "The compiled prefill"), so
+# a CPU prefills eagerly; tests and benchmarks/prefill.py add "cpu" to run the compiled prefill there.
+COMPILED_PREFILL_DEVICES = frozenset({"cuda"})
 DRAFT_STEPS_KEPT = 8  # skip sets whose draft steps stay ready by default (Engine.kept_skip_sets); older ones are freed
 
 
@@ -348,8 +352,10 @@ class Engine:
 
     def _prefill(self, settings: CompileSettings) -> Prefill:
         """Compiled prefill steps where layers compile per width (regional: one compile per width, then a CUDA graph
-        each on CUDA); the eager prefill for whole-step modes, where each width would be a whole-model compile."""
-        if settings.resolved(self.model.device) != "regional":
+        each on CUDA) on the devices where that pays (`COMPILED_PREFILL_DEVICES`); else the eager prefill, as in
+        whole-step modes, where each width would be a whole-model compile."""
+        regional = settings.resolved(self.model.device) == "regional"
+        if not regional or self.model.device.type not in COMPILED_PREFILL_DEVICES:
             return Prefill(self.model, self.cache)
         compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
         for width in PREFILL_WIDTHS:

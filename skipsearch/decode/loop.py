@@ -85,7 +85,7 @@ def generate(
     `memory`: what the controller learned in earlier calls (plain speed, back-offs), updated in place; None: nothing.
     `generator` seeds sampling, on the model's device. `compile` runs the draft and verify forwards compiled
     (`compile_backend`, `compile_mode`: engine.py's modes; CUDA graphs by default on CUDA), kept on the model for
-    later calls; in the regional mode (CUDA's default) the prefill runs compiled too, at a few padded widths.
+    later calls; in the regional mode (CUDA's default) on CUDA the prefill runs compiled too, at a few padded widths.
     `hooks` put logits processing, stopping and streaming in the caller's hands."""
     prompt = check_prompt(model, input_ids)  # before any work: each a TypeError or ValueError saying what is wrong
     check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling, cost_profile)
