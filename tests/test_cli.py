@@ -249,3 +249,5 @@ def test_generate_keeps_what_the_guard_learned_in_a_memory_file(capsys, tmp_path
     memory.write_text(learned)
     code, _, err = run(capsys, *common[:-1], tmp_path)  # a folder
     assert code == 2 and "is a folder" in err and memory.read_text() == learned
+    code, _, err = run(capsys, *common[:-1], "/dev/null")  # a stream: it could be written, not read back
+    assert code == 2 and "not a regular file" in err and len(passed) == 2

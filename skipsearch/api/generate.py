@@ -61,6 +61,8 @@ def generate_text(settings: GenerateSettings) -> Generation:
     profile = CostProfile.load(s.cost_profile) if s.cost_profile is not None else None
     if s.memory is not None:
         check_output_file(s.memory, "--memory")
+        if s.memory.exists() and not s.memory.is_file():  # read and then written: a stream would be neither
+            raise ValueError(f"--memory {str(s.memory)!r} is not a regular file: name a file")
     loaded = s.load()
     learned_by = f"{loaded.name_or_path} on {loaded.device} ({loaded.model.dtype})"
     memory = DraftMemory.load(s.memory, learned_by) if s.memory is not None and s.memory.exists() else DraftMemory()
