@@ -116,16 +116,16 @@ class DraftMemory:
     def load(cls, path: str | Path, learned_by: str) -> DraftMemory:
         """The memory `save` wrote at `path`: a ValueError of one line where it is no such file, or was learned by
         another model or device than `learned_by` (its plain speed and back-offs would misjudge this one's rounds)."""
-        data = read_json(path, "draft memory")
+        data, name = read_json(path, "draft memory"), repr(str(path))
         if not isinstance(data, dict) or data.get("format") != MEMORY_FORMAT:
-            raise ValueError(f"{path}: not a skipsearch draft memory (expected \"format\": \"{MEMORY_FORMAT}\")")
+            raise ValueError(f"{name}: not a skipsearch draft memory (expected \"format\": \"{MEMORY_FORMAT}\")")
         if data.get("learned_by") != learned_by:
-            raise ValueError(f"{path} was learned by {data.get('learned_by')!r}, not {learned_by!r}: its speeds "
+            raise ValueError(f"draft memory {name} was learned by {data.get('learned_by')!r}, not {learned_by!r}: its speeds "
                              "would misjudge this one's rounds; give another file")
         try:
             return cls.from_dict(data)
         except ValueError as error:
-            raise ValueError(f"{path}: {error}") from None
+            raise ValueError(f"draft memory {name}: {error}") from None
 
 
 MEMORY_FORMAT = "skipsearch-draft-memory"
