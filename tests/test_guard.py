@@ -109,6 +109,26 @@ def test_untimed_iterations_count_tokens_but_no_time():
     assert made.memory.plain_s["eager"] == 1.0 and made.backoff.plain_left == 2 and made.stats.plain_tokens == 2
 
 
+
+def test_a_memory_saved_after_any_call_loads_back(tmp_path):
+    """A batch of plain steps may overrun the stretch left: the back-off stops at 0, and `save` writes what `load`
+    reads; a file learned by another model or altered by hand is refused in one line."""
+    made = controller(acceptance=0.5, memory=DraftMemory(plain_s={"eager": 1.0}))
+    made.backoff.plain_left = 3
+    assert made.plan(room=100) == 0
+    made.observe(0, 0, 8, 8.0)  # eight plain steps read back at once
+    assert made.backoff.plain_left == 0 and made.plan(room=100) > 0
+    made.memory.save(tmp_path / "memory.json", "model on cpu")
+    assert DraftMemory.load(tmp_path / "memory.json", "model on cpu") == made.memory
+    with pytest.raises(ValueError, match="was learned by 'model on cpu', not 'other on cpu'"):
+        DraftMemory.load(tmp_path / "memory.json", "other on cpu")
+    for plain_s, backoff in [({"eager": 0.0}, {}), ({"eager": True}, {}),
+                             ({}, {"plain_left": -1, "sampling": False, "stretch": 32}),
+                             ({}, {"plain_left": 1, "sampling": 1, "stretch": 32}), ({}, {"plain_left": 1})]:
+        with pytest.raises(ValueError, match="plain_s must|back-off is malformed"):
+            DraftMemory.from_dict({"plain_s": plain_s, "backoffs": {"eager attn=[1] mlp=[]": backoff} if backoff else {}})
+
+
 def test_the_cut_weighs_the_acceptance_estimate_against_the_price_of_a_draft():
     made = controller(acceptance=0.8, shape=RoundCosts(draft=0.25), guard=False)
     assert made.cut() == (pytest.approx(0.8), pytest.approx(0.25), None)  # the shape's price until rounds are timed

@@ -245,7 +245,7 @@ class DraftController:
             self.stats.sample_tokens += tokens
         else:
             self.stats.plain_tokens += tokens
-        backoff.plain_left -= tokens
+        backoff.plain_left = max(backoff.plain_left - tokens, 0)  # a batch of plain steps may overrun the stretch
         if backoff.plain_left <= 0:
             backoff.sampling = False
         if tokens and seconds:
