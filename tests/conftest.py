@@ -152,3 +152,12 @@ def virtual_profiles(monkeypatch):
 
     for command in (bench, profile):  # where the commands that profile look it up
         monkeypatch.setattr(command, "profile_costs", in_virtual_time)
+
+
+@pytest.fixture
+def compiled_prefill_on_cpu(monkeypatch):
+    """The regional mode's compiled prefill on the CPU too: by default only CUDA runs it (on a CPU it lost to the eager
+    prefill), and the CPU is where its chunks, padding and masks are tested."""
+    from skipsearch.decode import engine
+
+    monkeypatch.setattr(engine, "COMPILED_PREFILL_DEVICES", frozenset({"cuda", "cpu"}))

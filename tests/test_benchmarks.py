@@ -189,7 +189,8 @@ def test_kernel_count():  # stage "kernels"
 
 def test_prefill():  # stage "prefill"
     out = run_script("benchmarks/prefill.py", *SMALL, "--config-only", TINY_CONFIG, "--num-prompts", 2, "--repeats", 2)
-    assert re.search(r"^benchmarks/configs/tiny-llama.json on cpu \(float32\), 2 prompts \(37-90 tokens\) x 2", out, re.M)
+    assert re.search(r"^benchmarks/configs/tiny-llama.json on cpu \(float32\), 2 prompts \(37-90 tokens, made up: "
+                     r"random weights\) x 2 paired runs; compiled at widths 16, 64, 256$", out, re.M)
     for kind in ("eager", "compiled"):
         assert re.search(rf"^{kind} +prefill: +[\d.]+ ms a prompt, +[\d.]+ us a token$", out, re.M)
     assert re.search(r"^eager / compiled: [\d.]+x \(95% interval [\d.]+-[\d.]+\)$", out, re.M)

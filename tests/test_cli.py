@@ -243,11 +243,16 @@ def test_generate_keeps_what_the_guard_learned_in_a_memory_file(capsys, tmp_path
     learned = memory.read_text()
     code, out, err = run(capsys, *common, "--dtype", "float64")  # another model's speeds would misjudge its rounds
     assert code == 2 and not out and len(err.strip().splitlines()) == 1 and "was learned by" in err
-    memory.write_text(json.dumps({**stored, "plain_s": {"eager": -1.0}}))
+    assert memory.read_text() == learned and len(passed) == 2  # refused before decoding, the file untouched
+    altered = json.dumps({**stored, "plain_s": {"eager": -1.0}})
+    memory.write_text(altered)
     code, _, err = run(capsys, *common)
-    assert code == 2 and "positive and finite" in err and len(passed) == 2  # refused before decoding
-    memory.write_text(learned)
+    assert code == 2 and "positive and finite" in err and len(passed) == 2 and memory.read_text() == altered
     code, _, err = run(capsys, *common[:-1], tmp_path)  # a folder
-    assert code == 2 and "is a folder" in err and memory.read_text() == learned
+    assert code == 2 and "is a folder" in err
     code, _, err = run(capsys, *common[:-1], "/dev/null")  # a stream: it could be written, not read back
     assert code == 2 and "not a regular file" in err and len(passed) == 2
+    memory.write_text(learned)
+    monkeypatch.chdir(tiny_model_dir.parent)  # the same model by a relative path is the same model
+    code, _, _ = run(capsys, *common[:2], tiny_model_dir.name, *common[3:])
+    assert code == 0 and len(passed) == 3

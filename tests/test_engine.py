@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 from conftest import tiny_model
 from test_decoding import hf_greedy
 from skipsearch.decode import engine as engine_module
+from skipsearch.decode.adapter import decoder_layers
 from skipsearch.decode import loop as decoding
 from skipsearch.decode.controller import DraftController
 from skipsearch.decode.engine import DRAFT_STEPS_KEPT, CompileSettings, engine_for
@@ -182,7 +183,7 @@ def test_the_cuda_path_drafts_the_length_it_chose_before_each_round(monkeypatch,
         assert out.tokens == hf_greedy(model, prompt, n, eos=None)
 
 
-def test_eager_attention_takes_the_additive_mask():
+def test_eager_attention_takes_the_additive_mask(compiled_prefill_on_cpu):
     """Models on transformers' eager attention get a float mask (added to the scores), SDPA ones a boolean one."""
     model = tiny_model("mistral", seed=12, dtype=torch.float64, sliding_window=6)
     model.config._attn_implementation = "eager"
@@ -191,9 +192,10 @@ def test_eager_attention_takes_the_additive_mask():
         out = generate(model, prompt, skip=SkipSet.of([1], [0], NUM_LAYERS), max_new_tokens=20,
                        policy=DraftPolicy(max_draft_tokens=3), eos_token_id=None, **extra)
         assert out.tokens == hf_greedy(model, prompt, 20, eos=None)
+    assert engine_for(model).prefill_steps  # the regional run prefilled through its compiled widths
 
 
-def test_models_with_full_and_sliding_layers_get_a_mask_per_layer_type():
+def test_models_with_full_and_sliding_layers_get_a_mask_per_layer_type(compiled_prefill_on_cpu):
     """Qwen2 with sliding windows on its upper layers only: the device-built masks come as a mapping by layer type,
     and decoding far past the window equals transformers' greedy output, eager and regional."""
     model = tiny_model("qwen2", seed=13, dtype=torch.float64, use_sliding_window=True, sliding_window=5,
@@ -204,15 +206,10 @@ def test_models_with_full_and_sliding_layers_get_a_mask_per_layer_type():
         out = generate(model, prompt, skip=SkipSet.of([2], [1], NUM_LAYERS), max_new_tokens=24,
                        policy=DraftPolicy(max_draft_tokens=3), eos_token_id=None, **extra)
         assert out.tokens == hf_greedy(model, prompt, 24, eos=None)
+    assert engine_for(model).prefill_steps  # the regional run prefilled through its compiled widths
 
 
-@pytest.fixture
-def compiled_prefill_on_cpu(monkeypatch):
-    """The compiled prefill on the CPU too (by default only CUDA runs it: on a CPU it loses to the eager one)."""
-    monkeypatch.setattr(engine_module, "COMPILED_PREFILL_DEVICES", frozenset({"cuda", "cpu"}))
-
-
-def test_a_cpu_prefills_eagerly_in_the_regional_mode_and_cuda_through_compiled_widths():
+def test_a_cpu_prefills_eagerly_in_the_regional_mode():
     model = tiny_model("llama", seed=11)
     engine, settings = engine_for(model), CompileSettings("aot_eager", "regional")
     steps = engine.steps_for(engine.cache_for(64, settings), None, settings, 1)
@@ -289,3 +286,22 @@ def test_a_whole_compiled_step_traces_no_cache_wrapper(monkeypatch):
                        compile=True, compile_backend="aot_eager", compile_mode="default")
     assert out.tokens == hf_greedy(model, [5, 9, 14], 6, eos=None)
     assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+
+
+def test_a_compiled_step_does_not_recompile_when_another_family_is_used():
+    """The cache keyword is a constant to compiled code: looking it up for another model class later (a second family
+    in the process) must not invalidate the first model's compiled steps."""
+    from torch._dynamo.utils import counters
+
+    from skipsearch.decode import adapter
+
+    model, other = tiny_model("llama", seed=4), tiny_model("qwen2", seed=4)
+    decode = dict(skip=SkipSet.of([1], [], NUM_LAYERS), max_new_tokens=6, eos_token_id=None, compile=True,
+                  compile_backend="aot_eager", compile_mode="default")
+    generate(model, [5, 9, 14], **decode)
+    graphs, recompiles = counters["stats"]["unique_graphs"], sum(counters["recompiles"].values())
+    adapter.cache_keyword(other)
+    adapter.cache_keyword(decoder_layers(other)[0])
+    out = generate(model, [5, 9, 14], **decode)
+    assert out.tokens == hf_greedy(model, [5, 9, 14], 6, eos=None) and out.stats.compile_time_s == 0.0
+    assert counters["stats"]["unique_graphs"] == graphs and sum(counters["recompiles"].values()) == recompiles

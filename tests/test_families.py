@@ -18,6 +18,7 @@ from skipsearch.cli import main
 from skipsearch.decode import adapter, families
 from skipsearch.decode.config import ModelInfo, SkipConfig
 from skipsearch.decode.economics import sublayer_weights, weight_fraction
+from skipsearch.decode.engine import engine_for
 from skipsearch.decode.families import zeroed_logits
 from skipsearch.decode.kvcache import check_layer_types
 from skipsearch.decode.loop import generate
@@ -62,7 +63,7 @@ def test_the_draft_is_the_model_with_its_skipped_sublayers_zeroed(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_decoding_equals_transformers_eager_and_compiled(family):
+def test_greedy_decoding_equals_transformers_eager_and_compiled(family, compiled_prefill_on_cpu):
     model = family_model(family, seed=2)
     expected = families.greedy_tokens(model, PROMPT, 24)
     for options in ({}, REGIONAL):
@@ -70,6 +71,7 @@ def test_greedy_decoding_equals_transformers_eager_and_compiled(family):
                        policy=DraftPolicy(max_draft_tokens=3, guard=False), **options)
         assert out.tokens == expected, options
         assert out.stats.drafted > 0
+    assert engine_for(model).prefill_steps  # the regional run prefilled through its compiled widths
 
 
 def test_a_mixture_of_experts_compiles_with_inductor_once_for_every_skip_set():

@@ -3,6 +3,8 @@ acceptance, and through the loop timed by a virtual clock (conftest's `VirtualTi
 loop test runs the CPU path (a round cut at an unsure draft) and the CUDA path (`host_reads_stall`: no cut, one host
 read a round) and names the same decision for both."""
 
+import json
+
 import pytest
 import torch
 from conftest import VirtualTimer, tiny_model
@@ -109,7 +111,6 @@ def test_untimed_iterations_count_tokens_but_no_time():
     assert made.memory.plain_s["eager"] == 1.0 and made.backoff.plain_left == 2 and made.stats.plain_tokens == 2
 
 
-
 def test_a_memory_saved_after_any_call_loads_back(tmp_path):
     """A batch of plain steps may overrun the stretch left: the back-off stops at 0, and `save` writes what `load`
     reads; a file learned by another model or altered by hand is refused in one line."""
@@ -124,9 +125,18 @@ def test_a_memory_saved_after_any_call_loads_back(tmp_path):
         DraftMemory.load(tmp_path / "memory.json", "other on cpu")
     for plain_s, backoff in [({"eager": 0.0}, {}), ({"eager": True}, {}),
                              ({}, {"plain_left": -1, "sampling": False, "stretch": 32}),
+                             ({}, {"plain_left": True, "sampling": False, "stretch": True}),
+                             ({}, {"plain_left": 10**12, "sampling": False, "stretch": 32}),
                              ({}, {"plain_left": 1, "sampling": 1, "stretch": 32}), ({}, {"plain_left": 1})]:
-        with pytest.raises(ValueError, match="plain_s must|back-off is malformed"):
-            DraftMemory.from_dict({"plain_s": plain_s, "backoffs": {"eager attn=[1] mlp=[]": backoff} if backoff else {}})
+        with pytest.raises(ValueError, match="plain_s must|the back-off of 'eager attn=.1. mlp=..'"):
+            backoffs = {"eager attn=[1] mlp=[]": backoff} if backoff else {}
+            DraftMemory.from_dict({"plain_s": plain_s, "backoffs": backoffs})
+    with pytest.raises(ValueError, match="a JSON object"):
+        DraftMemory.from_dict([])
+    stored = json.loads((tmp_path / "memory.json").read_text())
+    (tmp_path / "memory.json").write_text(json.dumps({**stored, "version": 7}))
+    with pytest.raises(ValueError, match="is of version 7; this skipsearch reads version 1"):
+        DraftMemory.read(tmp_path / "memory.json")
 
 
 def test_the_cut_weighs_the_acceptance_estimate_against_the_price_of_a_draft():

@@ -10,7 +10,7 @@ import torch
 from ..decode.checks import check_room
 from ..decode.choice import Choice
 from ..decode.config import combine_skip_configs, load_skip_config
-from ..decode.controller import DraftMemory
+from ..decode.controller import DraftMemory, check_learned_by
 from ..decode.cost_profile import CostProfile
 from ..decode.loop import generate
 from ..decode.policy import DraftPolicy
@@ -59,13 +59,12 @@ def generate_text(settings: GenerateSettings) -> Generation:
     if not s.prompt.strip():
         raise ValueError("--prompt is empty: give the text to answer")
     profile = CostProfile.load(s.cost_profile) if s.cost_profile is not None else None
-    if s.memory is not None:
-        check_output_file(s.memory, "--memory")
-        if s.memory.exists() and not s.memory.is_file():  # read and then written: a stream would be neither
-            raise ValueError(f"--memory {str(s.memory)!r} is not a regular file: name a file")
+    stored = _stored_memory(s.memory)  # before the model loads, which can take minutes
     loaded = s.load()
-    learned_by = f"{loaded.name_or_path} on {loaded.device} ({loaded.model.dtype})"
-    memory = DraftMemory.load(s.memory, learned_by) if s.memory is not None and s.memory.exists() else DraftMemory()
+    learned_by = f"{_model_name(s.model, loaded)} on {loaded.device} ({loaded.model.dtype})"
+    if stored is not None:
+        check_learned_by(s.memory, stored[1], learned_by)
+    memory = stored[0] if stored is not None else DraftMemory()
     skip, base_policy, labels = _skips(s, loaded.model)
     policy = s.policy(base_policy)
     sampling = Sampling(do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
@@ -77,11 +76,29 @@ def generate_text(settings: GenerateSettings) -> Generation:
         sampling=sampling, eos_token_id=loaded.model.generation_config.eos_token_id, generator=generator,
         compile=s.compile, cost_profile=profile, memory=memory,
     )
-    if s.memory is not None:
+    if s.memory is not None:  # writable, and with room, as checked before decoding
         memory.save(s.memory, learned_by)
     choice = output.stats.choices[0] if output.stats.choices else None
     text = loaded.tokenizer.decode(output.tokens, skip_special_tokens=True)
     return Generation(text, output, choice.skip if choice else skip, _choice_text(choice, labels))
+
+
+def _stored_memory(path: Path | None) -> tuple[DraftMemory, str] | None:
+    """The draft memory at `path` and what it was learned by (None: no file yet, or no --memory), once `path` is
+    known to be a file that can be read and written back."""
+    if path is None:
+        return None
+    check_output_file(path, "--memory")
+    if not path.exists():
+        return None
+    if not path.is_file():  # read, then written back: a stream would be neither
+        raise ValueError(f"--memory {str(path)!r} is not a regular file: name a file")
+    return DraftMemory.read(path)
+
+
+def _model_name(given: str | None, loaded: models.LoadedModel) -> str:
+    """The model as a memory names it: a local path resolved (./m and /abs/m are one model), else its name."""
+    return str(Path(given).resolve()) if given is not None and Path(given).exists() else loaded.name_or_path
 
 
 def _skips(s: GenerateSettings, model: torch.nn.Module

@@ -11,6 +11,7 @@ forward. `.ci/newest` runs those tests against the newest releases.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import warnings
@@ -80,11 +81,7 @@ def warn_if_untested(version: str = transformers.__version__) -> None:
 
 # --- cache keyword -------------------------------------------------------------------------------------------------
 
-# By class. A plain dict, not functools.cache: compiled steps look the keyword up inside their trace, and dynamo warns
-# on every compile that it traces through a cache wrapper; a dict filled before (check_touchpoints) is a constant.
-_CACHE_KEYWORDS: dict[type, str] = {}
-
-
+@functools.cache
 def _cache_keyword_of(cls: type) -> str:
     # inspect.signature follows the __wrapped__ that transformers' deprecate_kwarg leaves, to the real parameters.
     parameters = inspect.signature(cls.forward).parameters
@@ -94,12 +91,13 @@ def _cache_keyword_of(cls: type) -> str:
     raise AdapterError("cache keyword", f"{cls.__name__}.forward takes neither 'cache' nor 'past_key_values'")
 
 
+# A constant to compiled code: dynamo calls it while tracing and keeps the result, instead of tracing through the
+# cache (which it warns of on every compile) or guarding on the cache's contents (a dict's length: each new model
+# class looked up would recompile every compiled step).
+@torch.compiler.assume_constant_result
 def cache_keyword(module: nn.Module) -> str:
     """The keyword under which `module`'s forward (a model, a decoder layer or an attention) takes the KV cache."""
-    cls = type(module)
-    if cls not in _CACHE_KEYWORDS:
-        _CACHE_KEYWORDS[cls] = _cache_keyword_of(cls)
-    return _CACHE_KEYWORDS[cls]
+    return _cache_keyword_of(type(module))
 
 
 def model_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor | None, mask: Any, cache: Any,

@@ -95,46 +95,66 @@ class DraftMemory:
     @classmethod
     def from_dict(cls, data: dict) -> DraftMemory:
         """The memory from `as_dict`'s form; a ValueError of one line where a value is not what it must be."""
+        if not isinstance(data, dict):
+            raise ValueError("a draft memory is a JSON object")
         plain_s, backoffs = data.get("plain_s", {}), data.get("backoffs", {})
-        if not isinstance(plain_s, dict) or not all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf for v in plain_s.values()):
+        if not isinstance(plain_s, dict) or not all(type(v) in (int, float) and 0 < v < math.inf
+                                                    for v in plain_s.values()):
             raise ValueError("plain_s must map step kinds to seconds per token, positive and finite")
-        if not isinstance(backoffs, dict) or not all(isinstance(v, dict) for v in backoffs.values()):
+        if not isinstance(backoffs, dict):
             raise ValueError("backoffs must map skip sets to back-offs")
-        try:
-            return cls({str(k): float(v) for k, v in plain_s.items()},
-                       {str(k): _backoff(**v) for k, v in backoffs.items()})
-        except TypeError as error:
-            raise ValueError(f"a back-off is malformed ({error})") from None
+        return cls({str(k): float(v) for k, v in plain_s.items()},
+                   {str(k): _backoff(k, v) for k, v in backoffs.items()})
 
     def save(self, path: str | Path, learned_by: str) -> None:
         """Persist to `path` (JSON, replaced atomically); `learned_by` names the model and device it was learned on."""
-        write_atomic(path, json.dumps({"format": MEMORY_FORMAT, "version": 1, "learned_by": learned_by,
+        write_atomic(path, json.dumps({"format": MEMORY_FORMAT, "version": MEMORY_VERSION, "learned_by": learned_by,
                                        **self.as_dict()}, indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path, learned_by: str) -> DraftMemory:
-        """The memory `save` wrote at `path`: a ValueError of one line where it is no such file, or was learned by
-        another model or device than `learned_by` (its plain speed and back-offs would misjudge this one's rounds)."""
+    def read(cls, path: str | Path) -> tuple[DraftMemory, str]:
+        """The memory `save` wrote at `path`, and what it was learned by; a ValueError of one line naming the file
+        where it is no such memory."""
         data, name = read_json(path, "draft memory"), repr(str(path))
         if not isinstance(data, dict) or data.get("format") != MEMORY_FORMAT:
             raise ValueError(f"{name}: not a skipsearch draft memory (expected \"format\": \"{MEMORY_FORMAT}\")")
-        if data.get("learned_by") != learned_by:
-            raise ValueError(f"draft memory {name} was learned by {data.get('learned_by')!r}, not {learned_by!r}: its speeds "
-                             "would misjudge this one's rounds; give another file")
+        if data.get("version") != MEMORY_VERSION:
+            raise ValueError(f"draft memory {name} is of version {data.get('version')!r}; this skipsearch reads "
+                             f"version {MEMORY_VERSION}")
+        if not isinstance(data.get("learned_by"), str):
+            raise ValueError(f"draft memory {name} does not say what it was learned by")
         try:
-            return cls.from_dict(data)
+            return cls.from_dict(data), data["learned_by"]
         except ValueError as error:
             raise ValueError(f"draft memory {name}: {error}") from None
 
+    @classmethod
+    def load(cls, path: str | Path, learned_by: str) -> DraftMemory:
+        """`read`, refusing a memory learned by another model or device than `learned_by` (`check_learned_by`)."""
+        memory, stored_by = cls.read(path)
+        check_learned_by(path, stored_by, learned_by)
+        return memory
 
-MEMORY_FORMAT = "skipsearch-draft-memory"
+
+MEMORY_FORMAT, MEMORY_VERSION = "skipsearch-draft-memory", 1
 
 
-def _backoff(plain_left: int, sampling: bool, stretch: int) -> Backoff:
-    if not (isinstance(plain_left, int) and isinstance(sampling, bool) and isinstance(stretch, int)
-            and plain_left >= 0 and 0 < stretch <= MAX_BACKOFF_TOKENS):
-        raise ValueError(f"a back-off is malformed (plain_left {plain_left!r}, sampling {sampling!r}, "
+def check_learned_by(path: str | Path, stored_by: str, learned_by: str) -> None:
+    """A ValueError of one line where the memory at `path` was learned by another model or device: its plain speed
+    and back-offs would misjudge this one's rounds."""
+    if stored_by != learned_by:
+        raise ValueError(f"draft memory {str(path)!r} was learned by {stored_by!r}, not {learned_by!r}: its speeds "
+                         "would misjudge this one's rounds; give another file, or delete this one")
+
+
+def _backoff(key: str, fields: object) -> Backoff:
+    """A back-off from its JSON form, each value in the range the controller gives it."""
+    if not isinstance(fields, dict) or set(fields) != {"plain_left", "sampling", "stretch"}:
+        raise ValueError(f"the back-off of {key!r} must have plain_left, sampling and stretch, and nothing else")
+    plain_left, sampling, stretch = fields["plain_left"], fields["sampling"], fields["stretch"]
+    if not (type(plain_left) is int and type(sampling) is bool and type(stretch) is int
+            and 0 <= plain_left <= MAX_BACKOFF_TOKENS and FIRST_BACKOFF_TOKENS <= stretch <= MAX_BACKOFF_TOKENS):
+        raise ValueError(f"the back-off of {key!r} is out of range (plain_left {plain_left!r}, sampling {sampling!r}, "
                          f"stretch {stretch!r})")
     return Backoff(plain_left, sampling, stretch)
 
