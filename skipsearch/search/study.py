@@ -31,8 +31,8 @@ from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord,
                       read_confirmation, read_label)
 from .settings import StudySettings, check_measurable
 from .space import SearchSpace
-from .storage import make_storage, storage_place, worker_tag
-from .worker import Interrupted, StopRequest, SurplusTrial, ends_the_study, stop_on_signals, work
+from .storage import FAIL_REASON_ATTR, make_storage, storage_place, worker_tag
+from .worker import Interrupted, StopRequest, SurplusTrial, TrialLost, ends_the_study, stop_on_signals, work
 
 Value = float | tuple[float, float]  # a trial's value: one objective, or (speedup, acceptance rate) for pareto
 PLAIN_DECODING = ("skips nothing: plain decoding, whose speedup is 1 and acceptance counts as 1 by definition; "
@@ -91,17 +91,26 @@ class TrialRunner:
     n_trials: int | None = None  # the budget a trial checks when it starts (workers race for the last trials)
     # Optuna logs a failed trial's exception and keeps it to itself: the stopping rules read it here.
     last_error: Exception | None = field(default=None, repr=False)
+    # Set when another worker finished the trial while this one ran it: Optuna's tell then refuses (worker.py).
+    lost: str | None = field(default=None, repr=False)
 
     def __call__(self, trial: optuna.Trial) -> Value:
-        self.last_error = None
+        self.last_error = self.lost = None
         try:
-            return self._run(trial)
+            value = self._run(trial)
         except Exception as error:
             self.last_error = error
             if ends_the_study(error):
                 # Optuna would log the trial's traceback as a warning; the study ends on this error, in one line.
                 optuna.logging.set_verbosity(optuna.logging.ERROR)
             raise
+        finally:
+            self.lost = _finished_elsewhere(trial)
+            if self.lost is not None:  # said in one line by worker.py, without Optuna's traceback
+                optuna.logging.set_verbosity(optuna.logging.ERROR)
+        if self.lost is not None:
+            raise TrialLost(self.lost)  # a value returned for a finished trial trips an assertion in Optuna's tell
+        return value
 
     def _run(self, trial: optuna.Trial) -> Value:
         skip = self.space.suggest(trial)
@@ -170,6 +179,17 @@ class TrialRunner:
             return trial.should_prune()
 
         return report
+
+
+def _finished_elsewhere(trial: optuna.Trial) -> str | None:
+    """Why `trial` is no longer running before this worker told its result, if it is not: another worker failed it
+    as stale (its heartbeat came late: a paused or starved process) and Optuna retries it."""
+    stored = trial.study._storage.get_trial(trial._trial_id)
+    if not stored.state.is_finished():
+        return None
+    reason = stored.user_attrs.get(FAIL_REASON_ATTR, "no reason given")
+    return (f"trial {trial.number} was ended by another worker while this one ran it ({stored.state.name}: "
+            f"{reason}); its result is dropped and the study goes on")
 
 
 def _first_trial_of(study: optuna.Study, skip: SkipSet) -> TrialRecord | None:

@@ -45,6 +45,10 @@ class SurplusTrial(Exception):
     """Raised at the start of a trial that would take the study past its trial budget."""
 
 
+class TrialLost(Exception):
+    """Raised at the end of a trial that another worker ended meanwhile (see `work`)."""
+
+
 def ends_the_study(error: BaseException | None) -> bool:
     """Whether no later trial can succeed after `error`: a resource ran out (the next trial needs it too, and the
     study's file may not take even a failure's record), or the model's logits are not finite (no figure means
@@ -227,8 +231,15 @@ def work(study: optuna.Study, storage: optuna.storages.BaseStorage, runner: Tria
     verbosity = optuna.logging.get_verbosity()  # the trial runner quiets Optuna for an error that ends the study
     with _progress(study, settings.n_trials, settings.show_progress_bar) as bar:
         try:
-            if budget.room_for_a_trial(study):
-                study.optimize(runner, callbacks=[*rules, bar, budget], catch=(Exception,))
+            while budget.room_for_a_trial(study):
+                try:
+                    study.optimize(runner, callbacks=[*rules, bar, budget], catch=(Exception,))
+                    break
+                except ValueError:  # Optuna's "Cannot tell a FAIL trial": for a trial lost to a peer, not an error
+                    if runner.lost is None:
+                        raise
+                    print(runner.lost)
+                    optuna.logging.set_verbosity(verbosity)
         except Interrupted:
             pass  # raised between trials; `stop` says so
         finally:
