@@ -363,6 +363,28 @@ def test_a_worker_whose_trial_a_peer_failed_goes_on(when, tiny_model_dir, tmp_pa
     assert retried and retried[0].state == TrialState.COMPLETE
 
 
+def test_a_trial_error_stays_the_error_when_the_storage_cannot_be_read_after_it(monkeypatch):
+    """The check whether a peer ended the trial reads the storage; when that read fails too, the trial's own error is
+    the one Optuna records (not the read's), and the trial counts as not lost."""
+    from skipsearch.search.study import TrialRunner
+
+    def failing_run(self, trial):
+        raise RuntimeError("the trial's own")
+
+    def unreadable(trial_id):
+        raise OSError("storage gone")
+
+    runner = TrialRunner(space=None, evaluator=None, objective="speedup", min_match=0.0)
+    monkeypatch.setattr(TrialRunner, "_run", failing_run)
+    study = optuna.create_study()
+    trial = study.ask()
+
+    monkeypatch.setattr(study._storage, "get_trial", unreadable)
+    with pytest.raises(RuntimeError, match="the trial's own"):
+        runner(trial)
+    assert runner.lost is None and isinstance(runner.last_error, RuntimeError)
+
+
 def _optimize_in_a_fork(argv, results):
     torch.set_num_threads(1)  # no OpenMP pool of the parent's in a forked child
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):

@@ -184,7 +184,10 @@ class TrialRunner:
 def _finished_elsewhere(trial: optuna.Trial) -> str | None:
     """Why `trial` is no longer running before this worker told its result, if it is not: another worker failed it
     as stale (its heartbeat came late: a paused or starved process) and Optuna retries it."""
-    stored = trial.study._storage.get_trial(trial._trial_id)
+    try:
+        stored = trial.study._storage.get_trial(trial._trial_id)
+    except Exception:  # a storage that cannot be read now: the trial's own error (if any) must be the one raised
+        return None
     if not stored.state.is_finished():
         return None
     reason = stored.user_attrs.get(FAIL_REASON_ATTR, "no reason given")
