@@ -26,12 +26,14 @@ def postgres_url():
     return url
 
 
-def worker(model_dir, storage, study, n_trials, tmp_path, max_new_tokens=24):
+def worker(model_dir, storage, study, n_trials, tmp_path, max_new_tokens=24, grace_s=3):
+    """An `optimize` process. The short grace lets a killed worker's trial be retried within a test; where no worker
+    is killed, a longer one keeps a loaded machine's late heartbeat from failing a live worker's trial."""
     command = [sys.executable, "-m", "skipsearch", "optimize", "--model", str(model_dir), "--storage", storage,
                "--study-name", study, "--n-trials", str(n_trials), "--num-prompts", "2", "--max-new-tokens",
                str(max_new_tokens), "--min-match", "0", "--no-plots", "--no-progress", "--no-pruning",
-               "--studies-dir", str(tmp_path / "studies"), "--heartbeat-interval", "1", "--heartbeat-grace", "3",
-               "--max-retries", "2"]
+               "--studies-dir", str(tmp_path / "studies"), "--heartbeat-interval", "1", "--heartbeat-grace",
+               str(grace_s), "--max-retries", "2"]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -53,7 +55,7 @@ def test_two_workers_share_one_study(backend, tiny_model_dir, tmp_path, request)
     storage = (request.getfixturevalue("postgres_url") if backend == "postgres"
                else f"journal:{tmp_path / 'study.log'}")
     name = f"two-{uuid.uuid4().hex[:8]}"
-    workers = [worker(tiny_model_dir, storage, name, 8, tmp_path) for _ in range(2)]
+    workers = [worker(tiny_model_dir, storage, name, 8, tmp_path, grace_s=60) for _ in range(2)]
     outputs = [finish(w) for w in workers]
     study = optuna.load_study(study_name=name, storage=make_storage(storage))
     trials = check_complete(study, 8)
