@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import optuna
 import torch
-from optuna.trial import TrialState
+from optuna.trial import FrozenTrial, TrialState
 
 from ..constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them without importing optuna
 from ..costs.profiler import contexts_for, device_name, profile_costs, study_compile_mode
@@ -91,11 +91,11 @@ class TrialRunner:
     n_trials: int | None = None  # the budget a trial checks when it starts (workers race for the last trials)
     # Optuna logs a failed trial's exception and keeps it to itself: the stopping rules read it here.
     last_error: Exception | None = field(default=None, repr=False)
-    # Set when another worker finished the trial while this one ran it: Optuna's tell then refuses (worker.py).
-    lost: str | None = field(default=None, repr=False)
+    trial: optuna.Trial | None = field(default=None, repr=False)  # the trial run last
+    told: int | None = field(default=None, repr=False)  # the last trial whose result Optuna stored (`was_told`)
 
     def __call__(self, trial: optuna.Trial) -> Value:
-        self.last_error = self.lost = None
+        self.last_error, self.trial = None, trial
         try:
             value = self._run(trial)
         except Exception as error:
@@ -105,12 +105,25 @@ class TrialRunner:
                 optuna.logging.set_verbosity(optuna.logging.ERROR)
             raise
         finally:
-            self.lost = _finished_elsewhere(trial)
-            if self.lost is not None:  # said in one line by worker.py, without Optuna's traceback
+            lost = _finished_elsewhere(trial)
+            if lost is not None:  # said in one line by worker.py, without Optuna's traceback
                 optuna.logging.set_verbosity(optuna.logging.ERROR)
-        if self.lost is not None:
-            raise TrialLost(self.lost)  # a value returned for a finished trial trips an assertion in Optuna's tell
+        if lost is not None:
+            raise TrialLost(lost)  # a value returned for a finished trial trips an assertion in Optuna's tell
         return value
+
+    def was_told(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """The first callback: Optuna stored `trial`'s result (callbacks run only after it did)."""
+        self.told = trial.number
+
+    def take_lost_trial(self) -> str | None:
+        """Why Optuna could not store the result of the trial run last, where another worker had ended it; None
+        where the trial was stored, or is not finished (then whatever Optuna raised is an error of its own). Said
+        once: a later error is never taken for the same lost trial."""
+        trial, self.trial = self.trial, None
+        if trial is None or self.told == trial.number:
+            return None
+        return _finished_elsewhere(trial)
 
     def _run(self, trial: optuna.Trial) -> Value:
         skip = self.space.suggest(trial)
@@ -182,10 +195,13 @@ class TrialRunner:
 
 
 def _finished_elsewhere(trial: optuna.Trial) -> str | None:
-    """Why `trial` is no longer running before this worker told its result, if it is not: another worker failed it
-    as stale (its heartbeat came late: a paused or starved process) and Optuna retries it."""
+    """Why `trial` is no longer running before this worker told its result, if it is not. Another worker ended it:
+    failed it as stale (a late heartbeat, from a paused or starved process; Optuna queues a retry), failed it as
+    its journal's dead worker's (a retry is queued too), or took it too and finished it first."""
     try:
         stored = trial.study._storage.get_trial(trial._trial_id)
+    except Interrupted:
+        raise
     except Exception:  # a storage that cannot be read now: the trial's own error (if any) must be the one raised
         return None
     if not stored.state.is_finished():

@@ -40,6 +40,10 @@ class TrialRunner(Protocol):
 
     def __call__(self, trial: optuna.Trial) -> float | tuple[float, float]: ...
 
+    def was_told(self, study: optuna.Study, trial: FrozenTrial) -> None: ...
+
+    def take_lost_trial(self) -> str | None: ...
+
 
 class SurplusTrial(Exception):
     """Raised at the start of a trial that would take the study past its trial budget."""
@@ -138,6 +142,15 @@ class FailureLimit:
                 f"{type(error).__name__}: {error}" if error else "of an error Optuna logged above")
             self.stop.stop(study, f"{self.limit} trials in a row failed, the last because {reason}")
 
+    def count_lost(self) -> None:
+        """A trial another worker ended (Optuna runs no callback for it) fails in a row too; between trials, so the
+        stop is only requested."""
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            self.stop.reason = (f"{self.limit} trials in a row failed, the last because another worker ended it while "
+                                "this one ran it; where workers are alive, a longer --heartbeat-grace keeps them from "
+                                "ending each other's trials")
+
 
 @dataclass
 class ExhaustedSpace:
@@ -226,20 +239,26 @@ def work(study: optuna.Study, storage: optuna.storages.BaseStorage, runner: Tria
     `settings.max_failures` in a row; a repeated proposal costs no decoding and does not count either."""
     deadline = time.monotonic() + settings.timeout if settings.timeout else None
     budget = TrialBudget(settings.n_trials, storage, stop, (settings.heartbeat or Heartbeat()).grace_s, deadline)
-    rules = [FailureLimit(settings.max_failures, stop, runner),
-             ExhaustedSpace(space, settings.explore_after_repeats, settings.seed, stop, runner), stop]
+    failures = FailureLimit(settings.max_failures, stop, runner)
+    rules = [failures, ExhaustedSpace(space, settings.explore_after_repeats, settings.seed, stop, runner), stop]
     verbosity = optuna.logging.get_verbosity()  # the trial runner quiets Optuna for an error that ends the study
     with _progress(study, settings.n_trials, settings.show_progress_bar) as bar:
         try:
             while budget.room_for_a_trial(study):
                 try:
-                    study.optimize(runner, callbacks=[*rules, bar, budget], catch=(Exception,))
+                    study.optimize(runner, callbacks=[runner.was_told, *rules, bar, budget], catch=(Exception,))
                     break
-                except ValueError:  # Optuna's "Cannot tell a FAIL trial": for a trial lost to a peer, not an error
-                    if runner.lost is None:
+                except Interrupted:
+                    raise
+                except Exception:  # Optuna's tell refuses a trial another worker ended: that trial is lost, not all
+                    lost = runner.take_lost_trial()
+                    if lost is None:
                         raise
-                    print(runner.lost)
+                    if ends_the_study(runner.last_error):
+                        raise runner.last_error from None
+                    print(lost)
                     optuna.logging.set_verbosity(verbosity)
+                    failures.count_lost()
         except Interrupted:
             pass  # raised between trials; `stop` says so
         finally:
