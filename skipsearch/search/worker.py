@@ -1,4 +1,5 @@
-"""A worker's trials: one `study.optimize` call, which Optuna callbacks stop with `study.stop()`.
+"""A worker's trials: one `study.optimize` call, which Optuna callbacks stop with `study.stop()` (called again after a
+trial that another worker ended meanwhile, which Optuna refuses to store).
 
 After each trial the rules decide whether this worker starts another: the trial budget (distinct skip sets,
 counted across all the study's workers), a limit on failures in a row, an exhausted search space, and a stop
@@ -236,7 +237,8 @@ def work(study: optuna.Study, storage: optuna.storages.BaseStorage, runner: Tria
     """Run trials until the study, shared with any other workers, has evaluated `settings.n_trials` distinct skip
     sets, or a rule stops it (`stop` is the stop-signal rule: the caller handles the signals with
     `stop_on_signals`); returns why it stopped. Failed trials do not count: they are retried, up to
-    `settings.max_failures` in a row; a repeated proposal costs no decoding and does not count either."""
+    `settings.max_failures` in a row; a repeated proposal costs no decoding and does not count either. A trial that
+    another worker ended while this one ran it (a late heartbeat) is said in one line and counts as failed."""
     deadline = time.monotonic() + settings.timeout if settings.timeout else None
     budget = TrialBudget(settings.n_trials, storage, stop, (settings.heartbeat or Heartbeat()).grace_s, deadline)
     failures = FailureLimit(settings.max_failures, stop, runner)
