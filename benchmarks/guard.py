@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from skipsearch import load_model
+from skipsearch.cli.arguments import number
 from skipsearch.decode.controller import DraftController, DraftMemory
 from skipsearch.decode.cost_profile import CostProfile
 from skipsearch.decode.economics import RoundCosts
@@ -54,12 +55,6 @@ def controller_microseconds(rounds: int = 200_000) -> float:
     return (time.perf_counter() - start) / rounds * 1e6
 
 
-def passes(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"a whole number >= 0, got {text!r}")
-    return int(text)
-
-
 def decoder(model, max_new_tokens, eos, skip, policy, compile, profile=None):
     """One method: `generate` with a memory of its own across calls (a server's), `profile` pricing its rounds."""
     memory = DraftMemory()
@@ -85,7 +80,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="compiled steps (on CUDA: CUDA graphs), as deployed")
     parser.add_argument("--policies", default=",".join(str(i) for i in range(len(POLICIES))),
                         help="which of the policies, by index (default: all)")
-    parser.add_argument("--learned", type=passes, default=0, metavar="PASSES",
+    parser.add_argument("--learned", type=number(int, lambda v: v >= 0, "an integer >= 0"), default=0,
+                        metavar="PASSES",
                         help="untimed passes over the prompts first, so that each method's memory has learned what a "
                              "long-running server's has (back-offs, plain speed): its steady state, not its first "
                              "calls (default: %(default)s)")

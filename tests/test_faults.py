@@ -353,18 +353,15 @@ def _peer_fails_decoded_trials(monkeypatch, storage, study_name, when, lost, eve
             lost.append(_fail_the_running_trial_as_a_peer_would(storage, study_name))
 
     if when == "while it decodes":
-        real_evaluate = Evaluator.evaluate
-
-        def evaluate(self, skip, report=None, objective="speed_x_acceptance", repeats=None):
-            peer(self_trial[0])
-            return real_evaluate(self, skip, report, objective, repeats)
-
-        self_trial = [0]
-        real_run = study_module.TrialRunner._run
+        real_evaluate, real_run, running = Evaluator.evaluate, study_module.TrialRunner._run, [0]
 
         def run(self, trial):
-            self_trial[0] = trial.number
+            running[0] = trial.number
             return real_run(self, trial)
+
+        def evaluate(self, skip, report=None, objective="speed_x_acceptance", repeats=None):
+            peer(running[0])
+            return real_evaluate(self, skip, report, objective, repeats)
 
         monkeypatch.setattr(study_module.TrialRunner, "_run", run)
         monkeypatch.setattr(Evaluator, "evaluate", evaluate)
