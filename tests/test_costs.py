@@ -15,7 +15,7 @@ from skipsearch.costs.profiler import profile_costs
 from skipsearch.decode.cost_profile import ContextCosts, CostProfile, Overheads
 from skipsearch.decode.loop import generate
 from skipsearch.decode.policy import DraftPolicy
-from skipsearch.decode.skipset import SkipSet
+from skipsearch.decode.skipset import DraftHead, SkipSet
 from skipsearch.decode.stats import DecodeStats
 from skipsearch.io.models import model_from_config
 from skipsearch.report.projections import projection_lines
@@ -119,7 +119,8 @@ def test_profile_has_one_table_per_context_and_round_trips(tmp_path):
     assert profile.provenance["torch"] == torch.__version__ and profile.overheads == Overheads()
     profile.save(tmp_path / "p.json")
     saved = json.loads((tmp_path / "p.json").read_text())
-    assert saved["version"] == 3 and [c["context_tokens"] for c in saved["contexts"]] == [64, 512]
+    assert saved["version"] == 4 and [c["context_tokens"] for c in saved["contexts"]] == [64, 512]
+    assert saved["vocab_size"] == 96 and all(c["head_s"] >= 0 for c in saved["contexts"])
     assert saved["attn_shares"] == [1.0] * 4 and saved["mlp_shares"] == [1.0] * 4  # alike in a dense model
     assert CostProfile.load(tmp_path / "p.json") == profile
     profile.check_model(model)
@@ -170,8 +171,8 @@ def test_old_single_context_profiles_still_load(tmp_path):
     profile = CostProfile.load(tmp_path / "old.json")
     assert profile.context_lengths == [128] and profile.overheads == Overheads()
     assert profile.forward_at(16) == profile.forward_at(4096) == 10.0  # one context: the same costs everywhere
-    (tmp_path / "new.json").write_text(json.dumps({**old, "version": 4}))
-    with pytest.raises(ValueError, match="version 4 is newer"):
+    (tmp_path / "new.json").write_text(json.dumps({**old, "version": 5}))
+    with pytest.raises(ValueError, match="version 5 is newer"):
         CostProfile.load(tmp_path / "new.json")
     h100 = CostProfile.load(Path(__file__).parent.parent / "benchmarks/results/h100-2026-11-22/profile-llama-2-7b.json")
     assert h100.mlp_shares == () and h100.draft_s(SkipSet.of([], [3], 32)) == h100.draft_s(SkipSet.of([], [30], 32))
@@ -187,6 +188,23 @@ def test_each_layer_is_priced_by_its_share_of_the_weights_read():
     assert CostProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
     with pytest.raises(ValueError, match="3 entries for 4 layers"):
         synthetic(attn_shares=(1.0, 1.0, 1.0))
+
+
+def test_a_trimmed_head_is_priced_by_its_rows():
+    """A head of a quarter of the vocabulary saves three quarters of the head's time; a profile that did not measure
+    the head (version 3 and before) prices trimming as saving nothing, never as free."""
+    costs = ContextCosts(context_tokens=64, attn_s=1.0, mlp_s=1.0, rest_s=3.0, verify_s=[11.0, 12.0], head_s=2.0)
+    profile = CostProfile(device="cpu", dtype="float32", architecture="LlamaForCausalLM", num_hidden_layers=4,
+                          contexts=(costs,), vocab_size=100)
+    quarter = SkipSet(head=DraftHead(tuple(range(25))))
+    assert profile.draft_s(SkipSet()) == pytest.approx(11.0)
+    assert profile.draft_s(quarter) == pytest.approx(11.0 - 0.75 * 2.0)
+    assert profile.draft_s(SkipSet.of([1], [], 4, quarter.head)) == pytest.approx(11.0 - 1.5 - 1.0)
+    assert CostProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+    unmeasured = CostProfile(device="cpu", dtype="float32", architecture="LlamaForCausalLM", num_hidden_layers=4,
+                             contexts=(costs,))
+    assert unmeasured.draft_s(quarter) == pytest.approx(11.0)
+    assert unmeasured.to_dict()["version"] == 2 and "head_s" not in unmeasured.to_dict()["contexts"][0]
 
 
 def test_bad_profiles_are_clear_errors(tmp_path):

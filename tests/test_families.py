@@ -24,7 +24,7 @@ from skipsearch.decode.kvcache import check_layer_types
 from skipsearch.decode.loop import generate
 from skipsearch.decode.policy import DraftPolicy
 from skipsearch.decode.skipping import SkippedLayer, draft_mode, draft_model, model_with_layers
-from skipsearch.decode.skipset import SkipSet
+from skipsearch.decode.skipset import DraftHead, SkipSet
 from test_decoding import assert_sampling_follows_the_full_model
 
 FAMILIES = sorted(FAMILY_CONFIGS)
@@ -33,6 +33,9 @@ PROMPT = [5, 9, 14, 3, 22, 7, 11, 2]
 REGIONAL = dict(compile=True, compile_backend="aot_eager", compile_mode="regional")
 # Each kind of layer a draft runs: attention alone skipped, feed-forward alone, both, neither (layer 0).
 SKIPS = (SkipSet.of([1], [], NUM_LAYERS), SkipSet.of([], [2], NUM_LAYERS), families.SKIP)
+# A draft head over every third token of the tiny vocabulary (96), the prompt's own tokens among them or not.
+HEAD = DraftHead(tuple(range(0, 96, 3)))
+TRIMMED = SkipSet(families.SKIP.attn, families.SKIP.mlp, HEAD)
 
 
 def run(capsys, *argv):
@@ -63,14 +66,39 @@ def test_the_draft_is_the_model_with_its_skipped_sublayers_zeroed(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_a_trimmed_draft_head_is_the_argmax_over_its_rows_of_the_full_logits(family):
+    """The definition of a trimmed head: the draft path's logits at the head's rows, the lowest finite value at every
+    other token; so its greedy draft is the argmax over the head's rows of what the untrimmed draft computes."""
+    model = family_model(family, seed=1)
+    ids = torch.tensor([PROMPT])
+    untrimmed = zeroed_logits(model, ids, families.SKIP)
+    rows = torch.tensor(HEAD.ids)
+    for drafted in (draft_model(model, TRIMMED)(ids).logits, _in_draft_mode(model, TRIMMED, ids)):
+        torch.testing.assert_close(drafted[..., rows], untrimmed[..., rows], atol=1e-4, rtol=0)
+        outside = torch.ones(drafted.shape[-1], dtype=torch.bool)
+        outside[rows] = False
+        # The lowest finite value, or its image under a family's soft cap (Gemma 2's -30): below every kept row.
+        lowest = drafted[..., outside]
+        assert (lowest == lowest.flatten()[0]).all() and lowest.max() < drafted[..., rows].min()
+        assert drafted.argmax(-1).tolist() == rows[untrimmed[..., rows].argmax(-1)].tolist()
+    assert (untrimmed.argmax(-1) % 3 != 0).any()  # the trim has teeth: the untrimmed argmax leaves the head
+
+
+def _in_draft_mode(model, skip, ids):
+    with draft_mode(model, skip), torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_decoding_equals_transformers_eager_and_compiled(family, compiled_prefill_on_cpu):
     model = family_model(family, seed=2)
     expected = families.greedy_tokens(model, PROMPT, 24)
-    for options in ({}, REGIONAL):
-        out = generate(model, PROMPT, skip=families.SKIP, max_new_tokens=24, eos_token_id=None,
-                       policy=DraftPolicy(max_draft_tokens=3, guard=False), **options)
-        assert out.tokens == expected, options
-        assert out.stats.drafted > 0
+    for skip in (families.SKIP, TRIMMED):
+        for options in ({}, REGIONAL):
+            out = generate(model, PROMPT, skip=skip, max_new_tokens=24, eos_token_id=None,
+                           policy=DraftPolicy(max_draft_tokens=3, guard=False), **options)
+            assert out.tokens == expected, (skip, options)
+            assert out.stats.drafted > 0
     assert engine_for(model).prefill_steps  # the regional run prefilled through its compiled widths
 
 
@@ -94,6 +122,12 @@ def test_a_mixture_of_experts_compiles_with_inductor_once_for_every_skip_set():
 def test_sampling_keeps_the_full_models_distribution(family, seed):
     assert_sampling_follows_the_full_model(family_model(family, seed=seed, vocab_size=8),
                                            SkipSet.of([0, 2], [1, 3], NUM_LAYERS))
+
+
+def test_sampling_with_a_trimmed_head_keeps_the_full_models_distribution():
+    """A draft over 3 of 8 tokens proposes nothing else, yet rejection sampling keeps the full model's marginal."""
+    assert_sampling_follows_the_full_model(family_model("llama", seed=1, vocab_size=8),
+                                           SkipSet.of([0], [3], NUM_LAYERS, DraftHead((1, 4, 6))))
 
 
 def test_a_routed_block_is_priced_by_the_experts_a_token_reads():

@@ -68,7 +68,7 @@ def benchmark(settings: BenchSettings) -> Benchmark:
         CostProfile.load(s.cost_profile)
     loaded = s.load()
     config = load_skip_config(s.config, loaded.model) if s.config else None
-    if s.project_with and (config is None or not config.skip.size):
+    if s.project_with and (config is None or not config.skip.drafts):
         raise ValueError("--project-with needs a --config that skips something")
     projections = load_projections(s.project_with or (), loaded.model)
     num_layers = loaded.model.config.num_hidden_layers
@@ -88,7 +88,7 @@ def benchmark(settings: BenchSettings) -> Benchmark:
 def _profile(s: BenchSettings, loaded: LoadedModel, config: SkipConfig | None, encoded: list[list[int]]
              ) -> CostProfile | None:
     """The cost profile that prices the config's predicted speedup: --cost-profile's, else this device's."""
-    if config is None or not config.skip.size:
+    if config is None or not config.skip.drafts:
         return None
     if s.cost_profile:
         profile = CostProfile.load(s.cost_profile)

@@ -47,7 +47,7 @@ def _print_generation(args: argparse.Namespace, generation: Generation) -> None:
         print(
             f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, {s.rounds} rounds, "
             f"acceptance {'-' if s.acceptance_rate is None else format(s.acceptance_rate, '.2f')} "
-            f"({s.accepted}/{s.drafted}), skip {skip if skip is not None and skip.size else 'none (plain decoding)'}"
+            f"({s.accepted}/{s.drafted}), skip {skip if skip is not None and skip.drafts else 'none (plain decoding)'}"
             + generation.choice + (f", compile {s.compile_time_s:.1f} s]" if args.compile else "]"),
             file=sys.stderr,
         )

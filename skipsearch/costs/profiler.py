@@ -32,7 +32,7 @@ from ..decode.economics import sublayer_weights
 from ..decode.engine import CompileSettings, engine_for, forward_at_position, synchronize
 from ..decode.kvcache import SpeculativeCache
 from ..decode.skipping import draft_mode
-from ..decode.skipset import SkipSet
+from ..decode.skipset import DraftHead, SkipSet
 from .calibration import calibrated
 
 CPU_CONTEXTS = (128, 1024)
@@ -128,10 +128,12 @@ class _ContextRuns:
         no_attn, no_mlp = statistics.median(self.one_token["no_attn"]), statistics.median(self.one_token["no_mlp"])
         attn_s, mlp_s = max(0.0, (forward - no_attn) / num_layers), max(0.0, (forward - no_mlp) / num_layers)
         rest_s = max(0.0, forward - num_layers * (attn_s + mlp_s))
+        one_row = self.one_token.get("one_row_head")  # absent where runs were made without it: the head unpriced
+        head_s = min(rest_s, max(0.0, forward - statistics.median(one_row))) if one_row else 0.0
         # Widths as measured, out of order where the hardware's kernels step so (the envelope prices them).
         verify = [forward] + [statistics.median(runs) for runs in self.verify[1:]]
         return ContextCosts(context_tokens=self.context_tokens, attn_s=attn_s, mlp_s=mlp_s, rest_s=rest_s,
-                            verify_s=verify)
+                            verify_s=verify, head_s=head_s)
 
     def problems(self) -> list[str]:
         """Why these runs are not a profile yet: repeats of a measurement that disagree (a median whose 95% interval
@@ -180,8 +182,8 @@ def profile_costs(
     if limit is not None and contexts[-1] + max_verify_tokens > limit:
         raise ValueError(f"context {contexts[-1]} + {max_verify_tokens} verified tokens exceeds the model's "
                          f"{limit} positions")
-    runs = [_ContextRuns(c, [[] for _ in range(max_verify_tokens)], {"full": [], "no_attn": [], "no_mlp": []})
-            for c in contexts]
+    kinds = _draft_kinds(model.config.num_hidden_layers)
+    runs = [_ContextRuns(c, [[] for _ in range(max_verify_tokens)], {name: [] for name in kinds}) for c in contexts]
     budget_s = budget_s if budget_s is not None else GPU_BUDGET_S if model.device.type == "cuda" else math.inf
     started, problems = time.perf_counter(), []
     for attempt in range(attempts):
@@ -213,7 +215,8 @@ def _profile(model: torch.nn.Module, contexts: list[ContextCosts]) -> CostProfil
     return CostProfile(device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
                        architecture=type(model).__name__, num_hidden_layers=model.config.num_hidden_layers,
                        contexts=tuple(contexts), provenance=_provenance(model),
-                       attn_shares=_shares(weights.attn), mlp_shares=_shares(weights.mlp))
+                       attn_shares=_shares(weights.attn), mlp_shares=_shares(weights.mlp),
+                       vocab_size=adapter.output_head(model)[1].shape[0])
 
 
 def _shares(weights: Sequence[int]) -> tuple[float, ...]:
@@ -223,8 +226,12 @@ def _shares(weights: Sequence[int]) -> tuple[float, ...]:
 
 
 def _draft_kinds(num_layers: int) -> dict[str, SkipSet]:
+    """The one-token forwards whose differences price the parts: every attention skipped, every MLP, and a head of
+    one row (what the rest of a forward owes to the LM head, which a trimmed head reads in part)."""
     every = range(num_layers)
-    return {"full": SkipSet(), "no_attn": SkipSet.of(every, (), num_layers), "no_mlp": SkipSet.of((), every, num_layers)}
+    kinds = {"full": SkipSet(), "no_attn": SkipSet.of(every, (), num_layers), "no_mlp": SkipSet.of((), every, num_layers),
+             "one_row_head": SkipSet(head=DraftHead((0,)))}
+    return kinds
 
 
 def _compiled_forwards(model: torch.nn.Module, ids: torch.Tensor, context: int, max_verify_tokens: int, mode: str

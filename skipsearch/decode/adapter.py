@@ -54,6 +54,8 @@ TOUCHPOINTS = {
     "custom_generate call": "generate calls a callable custom_generate like its `_sample`, with the prepared model "
                             "inputs as keywords; its streamer is a local of generate's frame",
     "generation mode": "GenerationMode and GenerationConfig.get_generation_mode()",
+    "output head": "a causal LM holds its LM head (get_output_embeddings(), a 2-D weight) as a direct submodule and "
+                   "computes its logits by calling it on the final hidden states",
 }
 
 
@@ -117,6 +119,19 @@ def run_decoder_layer(layer: nn.Module, hidden: torch.Tensor, mask: Any, positio
                 use_cache=True, **{keyword: cache})
     return out[0] if isinstance(out, tuple) else out
 
+
+
+def output_head(model: nn.Module) -> tuple[str, torch.Tensor, torch.Tensor | None]:
+    """The LM head as a draft may replace it: the name under which `model` holds it as a direct submodule, its
+    weight (vocab, hidden) and bias. Every tested family computes its logits as `self.<name>(hidden)` after the final
+    norm (a soft cap, where a family has one, applies after it)."""
+    head = model.get_output_embeddings()
+    names = [name for name, child in model._modules.items() if child is head]
+    weight = getattr(head, "weight", None)
+    if not names or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise AdapterError("output head", f"{type(model).__name__}: the LM head is not a direct submodule with a 2-D "
+                                          "weight")
+    return names[0], weight, getattr(head, "bias", None)
 
 # --- static cache layer, layer types, masks ------------------------------------------------------------------------
 

@@ -26,7 +26,9 @@ if TYPE_CHECKING:  # the types it prices: a plain value needs neither torch nor 
 PROFILE_FORMAT = "skipsearch/cost-profile"
 
 
-PROFILE_VERSION = 3  # 3 added each layer's sublayer shares; 2 (no shares) reads as all alike
+# 4 added the LM head's cost and the vocabulary (a trimmed draft head is priced by its rows); 3 each layer's sublayer
+# shares; 2 (no shares) reads as all alike, 3 as a head that trimming does not make cheaper
+PROFILE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class ContextCosts:
     mlp_s: float  # one MLP sublayer, one token
     rest_s: float  # the full forward less all sublayers: embeddings, final norm, lm_head, overhead
     verify_s: list[float]  # verify_s[n - 1]: one full forward of n tokens
+    head_s: float = 0.0  # the full LM head's share of rest_s, one token (0: not measured, trimming priced as free)
 
     def verify_time(self, n_tokens: float) -> float:
         """Time to verify `n_tokens`: the cheapest measured width at least as wide (hardware prices widths in steps, and
@@ -91,6 +94,7 @@ class CostProfile:
     # a model of dense and routed layers prices each right. Empty (profiles of older versions): all alike.
     attn_shares: tuple[float, ...] = ()
     mlp_shares: tuple[float, ...] = ()
+    vocab_size: int = 0  # the LM head's rows, which `head_s` reads (0: not measured)
 
     def __post_init__(self) -> None:
         if not self.contexts:
@@ -131,7 +135,8 @@ class CostProfile:
         """Predicted time of one draft forward with `skip` skipped (at the shortest profiled context by default)."""
         context = self.context_lengths[0] if context is None else context
         kept_attn, kept_mlp = self._kept(self.attn_shares, skip.attn), self._kept(self.mlp_shares, skip.mlp)
-        return self._at(context, lambda c: c.rest_s + kept_attn * c.attn_s + kept_mlp * c.mlp_s)
+        trimmed = 1 - skip.head.rows / self.vocab_size if skip.head is not None and self.vocab_size else 0.0
+        return self._at(context, lambda c: c.rest_s - trimmed * c.head_s + kept_attn * c.attn_s + kept_mlp * c.mlp_s)
 
     def _kept(self, shares: tuple[float, ...], skipped: tuple[int, ...]) -> float:
         """The sublayers of one kind a draft still runs, each counted by its share (1 each without shares)."""
@@ -161,7 +166,7 @@ class CostProfile:
         plain decoding spends one forward and one round per committed token, at the contexts
         those tokens had. `adaptive`: the drafts paid adaptive drafting's confidence check.
         """
-        if stats.rounds == 0 or not skip.size:
+        if stats.rounds == 0 or not skip.drafts:
             return 1.0
         rounds = stats.verify_contexts or {(n, self.context_lengths[0]): m for n, m in stats.verify_sizes.items()}
         o = self.overheads
@@ -178,9 +183,15 @@ class CostProfile:
         return plain / speculative
 
     def to_dict(self) -> dict:
-        """The JSON form: version 2's where the profile has no sublayer shares (read from a version-2 file), so that a
-        stored profile is written back as it was; version 3 with them."""
+        """The JSON form: version 2's where the profile has no sublayer shares (read from a version-2 file), version
+        3's where it has no head cost, so that a stored profile is written back as it was; version 4 with both."""
         data = {**asdict(self), "contexts": [asdict(c) for c in self.contexts]}
+        if not self.vocab_size:
+            del data["vocab_size"]
+            for context in data["contexts"]:
+                del context["head_s"]
+            if self.attn_shares or self.mlp_shares:
+                return {"format": PROFILE_FORMAT, "version": 3, **data}
         if not self.attn_shares and not self.mlp_shares:
             del data["attn_shares"], data["mlp_shares"]
             return {"format": PROFILE_FORMAT, "version": 2, **data}
@@ -196,7 +207,7 @@ class CostProfile:
         if version == 1:
             single = {k: data.pop(k) for k in ("context_tokens", "attn_s", "mlp_s", "rest_s", "verify_s")}
             return cls(**data, contexts=(ContextCosts(**single),))
-        if version not in (2, PROFILE_VERSION):
+        if version not in (2, 3, PROFILE_VERSION):
             raise ValueError(f"cost profile version {version} is newer than this skipsearch reads ({PROFILE_VERSION})")
         contexts = tuple(ContextCosts(**c) for c in data.pop("contexts"))
         overheads = Overheads(**data.pop("overheads", {}))

@@ -62,6 +62,9 @@ def weight_fraction(model: nn.Module, skip: SkipSet) -> float:
     draft forward costs relative to a full one where forwards are memory-bound, as batch-1 decoding is on a GPU."""
     weights = sublayer_weights(model)
     skipped = sum(weights.attn[i] for i in skip.attn) + sum(weights.mlp[i] for i in skip.mlp)
+    if skip.head is not None:  # a trimmed head reads its rows of the full head's
+        vocab_size = adapter.output_head(model)[1].shape[0]
+        skipped += weights.head * (1 - skip.head.rows / vocab_size)
     return (weights.total - skipped) / weights.total
 
 

@@ -226,7 +226,7 @@ def regional_view(model: nn.Module, skip: SkipSet | None, cache: SpeculativeCach
         layer if isinstance(layer, SkippedLayer) else
         RegionalLayer(layer, LayerKind(type(layer), cache.layer_types[i], i in skip.attn, i in skip.mlp),
                       cache.layers[i], compiled, keyword)
-        for i, layer in enumerate(layers)))
+        for i, layer in enumerate(layers)), skip.head)
 
 
 class Prefill:

@@ -67,7 +67,7 @@ class DraftPolicy:
 def drafting_skip(skip: SkipSet | None, policy: DraftPolicy) -> SkipSet | None:
     """The skip set to draft with, or None for plain decoding: no set, an empty set (drafting with nothing skipped
     is the full model twice over) or no draft tokens. The one place that decides what plain decoding is."""
-    return skip if skip is not None and skip.size and policy.max_draft_tokens else None
+    return skip if skip is not None and skip.drafts and policy.max_draft_tokens else None
 
 
 def drafting_sets(skip: SkipSet | Sequence[SkipSet] | None, policy: DraftPolicy) -> tuple[SkipSet, ...]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,7 +34,7 @@ from transformers import PreTrainedModel
 from . import adapter
 from .adapter import decoder_layers  # re-exported: callers of the draft path import it from here
 from .kvcache import check_layer_types
-from .skipset import SkipSet
+from .skipset import DraftHead, SkipSet
 
 
 def supported_layers(model: nn.Module) -> nn.ModuleList:
@@ -124,8 +125,8 @@ def _draft_cache(model: nn.Module) -> dict:
 
 
 def draft_layers(model: nn.Module, skip: SkipSet) -> nn.ModuleList:
-    """The decoder layers of the draft path for `skip`, built once per skip set and model."""
-    memo = _draft_cache(model)
+    """The decoder layers of the draft path for `skip`, built once per set of skipped sublayers and model."""
+    memo, skip = _draft_cache(model), skip.sublayers
     if ("layers", skip) not in memo:
         layers = supported_layers(model)
         skip.check_fits(len(layers))
@@ -135,6 +136,40 @@ def draft_layers(model: nn.Module, skip: SkipSet) -> nn.ModuleList:
     return memo[("layers", skip)]
 
 
+class TrimmedHead(nn.Module):
+    """The LM head over a draft head's rows: their weights gathered once into one contiguous matrix (rows x hidden),
+    logits computed for them alone and written at their token ids; every other token gets the dtype's lowest finite
+    value (a family's soft cap maps it to minus the cap, still below every kept row), so greedy drafting never picks
+    it and its probability is zero (e^-2cap under a soft cap: rejection sampling is exact for any draft
+    distribution), while a logits processor that bans every kept row still leaves a distribution to sample. Token
+    ids come out as the full model's: mapped on the device, no host read."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, head: DraftHead):
+        super().__init__()
+        head.check_fits(weight.shape[0])
+        ids = torch.tensor(head.ids, dtype=torch.long, device=weight.device)
+        self.vocab_size = weight.shape[0]
+        self.register_buffer("ids", ids, persistent=False)
+        self.register_buffer("weight", weight.detach()[ids].contiguous(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach()[ids].contiguous(), persistent=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        rows = nn.functional.linear(hidden_states, self.weight, self.bias)
+        logits = rows.new_full((*rows.shape[:-1], self.vocab_size), torch.finfo(rows.dtype).min)
+        return logits.index_copy(-1, self.ids, rows)
+
+
+def trimmed_head(model: nn.Module, head: DraftHead) -> TrimmedHead:
+    """The model's `TrimmedHead` for `head`: one per head while any draft path holds it (held weakly here, so that
+    the engine's eviction of a skip set frees its head's matrix), shared by every skip set that drafts with it."""
+    memo = _draft_cache(model).setdefault("heads", weakref.WeakValueDictionary())
+    module = memo.get(head)
+    if module is None:
+        _, weight, bias = adapter.output_head(model)
+        memo[head] = module = TrimmedHead(weight, bias, head)
+    return module
+
+
 def _with_modules(parent: nn.Module, children: dict[str, nn.Module]) -> nn.Module:
     """A shallow copy of `parent` whose submodules named in `children` are those; parameters and hooks stay shared."""
     view = copy.copy(parent)
@@ -142,38 +177,50 @@ def _with_modules(parent: nn.Module, children: dict[str, nn.Module]) -> nn.Modul
     return view
 
 
-def model_with_layers(model: nn.Module, layers: nn.ModuleList) -> nn.Module:
-    """A view of `model` whose decoder runs `layers`: same parameters, the model's own forward."""
+def model_with_layers(model: nn.Module, layers: nn.ModuleList, head: DraftHead | None = None) -> nn.Module:
+    """A view of `model` whose decoder runs `layers` (and whose LM head reads `head`'s rows only, where given): same
+    parameters, the model's own forward."""
     decoder = _with_modules(model.get_decoder(), {"layers": layers})
-    return _with_modules(model, {adapter.decoder_attribute(model): decoder})
+    children = {adapter.decoder_attribute(model): decoder}
+    if head is not None:
+        children[adapter.output_head(model)[0]] = trimmed_head(model, head)
+    return _with_modules(model, children)
 
 
 def draft_model(model: nn.Module, skip: SkipSet) -> nn.Module:
-    """A view of `model` that drafts with `skip` skipped: same parameters, built once per skip set."""
+    """A view of `model` that drafts with `skip` skipped (and its head trimmed): same parameters, built once per skip
+    set."""
     memo = _draft_cache(model)
     if ("model", skip) not in memo:
-        memo[("model", skip)] = model_with_layers(model, draft_layers(model, skip))
+        memo[("model", skip)] = model_with_layers(model, draft_layers(model, skip), skip.head)
     return memo[("model", skip)]
 
 
 def forget_draft(model: nn.Module, skip: SkipSet) -> None:
     """Drop what `draft_layers` and `draft_model` keep for `skip`, so that a long study's memory stays flat."""
     memo = _draft_cache(model)
-    memo.pop(("layers", skip), None)
+    memo.pop(("layers", skip.sublayers), None)
     memo.pop(("model", skip), None)
 
 
 @contextlib.contextmanager
 def draft_mode(model: nn.Module, skip: SkipSet) -> Iterator[None]:
-    """Run `model` itself with the sublayers in `skip` skipped; restores the decoder's layers on exit, also on error."""
+    """Run `model` itself with the sublayers in `skip` skipped (and its head trimmed); restores the decoder's layers
+    and the head on exit, also on error."""
     layers = draft_layers(model, skip)
     decoder = model.get_decoder()
     original = decoder.layers
+    name = adapter.output_head(model)[0] if skip.head is not None else None
+    head = model._modules[name] if name is not None else None
     decoder.layers = layers
+    if name is not None:
+        model._modules[name] = trimmed_head(model, skip.head)
     try:
         yield
     finally:
         decoder.layers = original
+        if name is not None:
+            model._modules[name] = head
 
 
 def check_model(model: Any, what: str = "model") -> None:

@@ -149,7 +149,7 @@ def run_bench(
     if config is not None:
         for label, policy in config_decoders(config).items():
             methods[label] = skipsearch_decoder(model, max_new_tokens, eos, config.skip, policy, compile=compile)
-            guarded[label] = policy.guard if config.skip.size else None
+            guarded[label] = policy.guard if config.skip.drafts else None
 
     runs = timed_runs(methods, prompts, repeats, model.device, show_progress)
     hf, plain = runs["hf greedy"], runs["skipsearch plain"]
@@ -182,7 +182,7 @@ def run_bench(
 def config_decoders(config: SkipConfig) -> dict[str, DraftPolicy]:
     """The config's rows, by label: its skip set as deployed (its own policy, the guard on unless the config turns it
     off) and, where the guard is on, also without it, which is what a study's trial measures: like with like."""
-    if not config.skip.size:
+    if not config.skip.drafts:
         return {"skipsearch config (skips nothing)": config.draft}
     if not config.draft.guard:
         return {f"skipsearch {config.skip} (unguarded)": config.draft}

@@ -246,5 +246,5 @@ def exported_text(config: SkipConfig) -> str:
     if config.others:
         sets = "; ".join(f"{entry.label}: {entry.skip}" for entry in config.entries)
         return f"{len(config.entries)} skip sets, one chosen per prompt at decoding ({sets})"
-    return f"skip {config.skip if config.skip.size else 'nothing (plain decoding)'}"
+    return f"skip {config.skip if config.skip.drafts else 'nothing (plain decoding)'}"
 

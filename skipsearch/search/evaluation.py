@@ -72,7 +72,7 @@ class _PromptRuns:
         prompt."""
         return Figures(speedup=Ratio(ratio_interval(self.ratios).estimate) if self.ratios else None,
                        predicted_speedup=None if self.prediction is None else Ratio(self.prediction),
-                       acceptance_rate=self.stats.acceptance_rate if skip.size else None)
+                       acceptance_rate=self.stats.acceptance_rate if skip.drafts else None)
 
 
 def _summary(skip: SkipSet, runs: list[_PromptRuns], num_layers: int) -> Evaluation:
@@ -86,10 +86,10 @@ def _summary(skip: SkipSet, runs: list[_PromptRuns], num_layers: int) -> Evaluat
     predictions = [run.prediction for run in runs if run.prediction is not None]
     return Evaluation(
         skip=skip, speedup=ratio_interval(ratios) if ratios else None,
-        acceptance_rate=total.acceptance_rate if skip.size else None,
+        acceptance_rate=total.acceptance_rate if skip.drafts else None,
         tokens_per_second=statistics.fmean(skip_rates) if skip_rates else None,
         baseline_tokens_per_second=statistics.fmean(plain_rates) if plain_rates else None,
-        mean_accepted_tokens=total.mean_accepted_tokens if skip.size else None,
+        mean_accepted_tokens=total.mean_accepted_tokens if skip.drafts else None,
         identical=all(run.identical for run in runs), skipped_fraction=skip.skipped_fraction(num_layers),
         prompts=len(runs), predicted_speedup=_spread(predictions) if predictions else None,
     )

@@ -134,7 +134,7 @@ class TrialRunner:
             return self._repeat(trial, first)
         self._claim_budget(trial)
         records.write(trial, TrialRecord(skipped=skip.size, skipped_fraction=skip.skipped_fraction(self.space.num_layers)))
-        if not skip.size:
+        if not skip.drafts:
             return self._plain_decoding(trial)
         return self._measure(trial, skip)
 
