@@ -28,7 +28,7 @@ def test_round_trip(tmp_path):
     data = json.loads((tmp_path / "best.json").read_text())
     assert data["format"] == FORMAT and data["version"] == 1
     assert data["model"] == {"name_or_path": "tiny", "architecture": "LlamaForCausalLM", "num_hidden_layers": 4,
-                             "hidden_size": 32}
+                             "hidden_size": 32, "vocab_size": 96}
     assert [p.name for p in tmp_path.iterdir()] == ["best.json"]  # no temp file left behind
 
 

@@ -5,7 +5,8 @@ from optuna.trial import FixedTrial, TrialState
 from conftest import tiny_model
 from skipsearch.decode.config import ModelInfo, load_skip_config
 from skipsearch.decode.policy import DraftPolicy
-from skipsearch.decode.skipset import SkipSet
+from skipsearch.decode.skipset import DraftHead, SkipSet
+from skipsearch.search.vocabulary import VocabularyRanking
 from skipsearch.report.export import decide, export_trial
 from skipsearch.report.plots import write_plots
 from skipsearch.search.study import (Evaluator, SearchSpace, StudySettings, distinct_trials, make_sampler, run_study,
@@ -203,13 +204,39 @@ def test_random_unevaluated_draws_a_set_not_yet_evaluated_or_none():
     import random
 
     space = SearchSpace(num_layers=4, skip_prior=0.5, max_skip_fraction=0.125)  # 5 sets: none, or one sublayer
-    every = {(s.attn, s.mlp) for s in [SkipSet(), *[SkipSet.of(a, m, 4) for a, m in
-                                                     [([1], []), ([2], []), ([], [1]), ([], [2])]]]}
+    sets = [SkipSet(), *[SkipSet.of(a, m, 4) for a, m in [([1], []), ([2], []), ([], [1]), ([], [2])]]]
+    every = {space.key(s) for s in sets}
     assert len(every) == space.size == 5
     left = SkipSet.of([], [2], 4)
-    drawn = space.random_unevaluated(every - {(left.attn, left.mlp)}, random.Random(0))
+    drawn = space.random_unevaluated(every - {space.key(left)}, random.Random(0))
     assert drawn == left
     assert space.random_unevaluated(every, random.Random(0)) is None
+    # With two head sizes, each set comes with the full head or either trimmed one: three times the sets.
+    ranking = VocabularyRanking(tuple(range(10)))
+    headed = SearchSpace(num_layers=4, skip_prior=0.5, max_skip_fraction=0.125, head_rows=(4, 2), ranking=ranking)
+    assert headed.head_rows == (2, 4) and headed.size == 15
+    with_heads = {headed.key(SkipSet(s.attn, s.mlp, headed.head(rows))) for s in sets for rows in (0, 2, 4)}
+    left = SkipSet.of([1], [], 4, ranking.head(4))
+    assert headed.random_unevaluated(with_heads - {headed.key(left)}, random.Random(0)) == left
+    assert headed.random_unevaluated(with_heads, random.Random(0)) is None
+
+
+def test_the_head_size_is_a_parameter_beside_the_sublayers():
+    """A trial's parameters name its head; warm starts draft with each trimmed head, nothing skipped, after plain
+    decoding; a head outside the space, or one asked before the study has ranked its vocabulary, is refused."""
+    ranking = VocabularyRanking((7, 3, 9, 1, 0, 2))
+    space = SearchSpace(num_layers=6, head_rows=(2, 4), ranking=ranking)
+    skip = SkipSet.of([2], [3], 6, DraftHead((7, 3, 9, 1)))
+    assert space.params_for(skip)["head_rows"] == 4 and space.from_params(space.params_for(skip)) == skip
+    assert space.from_params(space.params_for(SkipSet.of([2], [], 6))).head is None
+    assert space.warm_starts()[:3] == [SkipSet(), SkipSet(head=DraftHead((7, 3, 9, 1))), SkipSet(head=DraftHead((7, 3)))]
+    with pytest.raises(ValueError, match="not in this search space"):
+        space.head(3)
+    with pytest.raises(ValueError, match="no ranking yet"):
+        SearchSpace(num_layers=6, head_rows=(2,)).head(2)
+    with pytest.raises(ValueError, match="distinct whole numbers"):
+        SearchSpace(num_layers=6, head_rows=(2, 2))
+    assert "ranking" not in space.as_dict() and SearchSpace(**space.as_dict()) == space
 
 
 def tiny_profile():

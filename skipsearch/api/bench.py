@@ -67,7 +67,7 @@ def benchmark(settings: BenchSettings) -> Benchmark:
     if s.cost_profile:
         CostProfile.load(s.cost_profile)
     loaded = s.load()
-    config = load_skip_config(s.config, loaded.model) if s.config else None
+    config = load_skip_config(s.config, loaded.model, loaded.tokenizer) if s.config else None
     if s.project_with and (config is None or not config.skip.drafts):
         raise ValueError("--project-with needs a --config that skips something")
     projections = load_projections(s.project_with or (), loaded.model)

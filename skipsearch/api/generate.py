@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ def generate_text(settings: GenerateSettings) -> Generation:
     if stored is not None:
         check_learned_by(s.memory, stored[1], learned_by)
     memory = stored[0] if stored is not None else DraftMemory()
-    skip, base_policy, labels = _skips(s, loaded.model)
+    skip, base_policy, labels = _skips(s, loaded.model, loaded.tokenizer)
     policy = s.policy(base_policy)
     sampling = Sampling(do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
     prompt_ids = models.encode_prompt(loaded.tokenizer, s.prompt, raw=s.raw)
@@ -101,7 +102,7 @@ def _model_name(given: str | None, loaded: models.LoadedModel) -> str:
     return str(Path(given).resolve()) if given is not None and Path(given).exists() else loaded.name_or_path
 
 
-def _skips(s: GenerateSettings, model: torch.nn.Module
+def _skips(s: GenerateSettings, model: torch.nn.Module, tokenizer: Any = None
            ) -> tuple[SkipSet | tuple[SkipSet, ...] | None, DraftPolicy, dict[SkipSet, str]]:
     """What `generate` drafts with (one skip set, several to choose among, or None), the draft policy it
     starts from, and each set's label (its --config file, or the label that file gives it)."""
@@ -109,7 +110,7 @@ def _skips(s: GenerateSettings, model: torch.nn.Module
         return None, DraftPolicy(), {}
     if not s.config:
         return SkipSet.of(s.skip_attn or (), s.skip_mlp or (), model.config.num_hidden_layers), DraftPolicy(), {}
-    config = combine_skip_configs([load_skip_config(path, model) for path in s.config], s.config)
+    config = combine_skip_configs([load_skip_config(path, model, tokenizer) for path in s.config], s.config)
     labels = {entry.skip: entry.label for entry in config.entries}
     return config.skip_sets if config.others else config.skip, config.draft, labels
 

@@ -27,7 +27,8 @@ from ..search.storage import Heartbeat, existing_study, make_storage, redact_url
 from ..search.study import make_sampler, run_study, study_summary
 from ..search.warmstart import NamedSkipSet, outside_space, read_warm_starts
 from ..search.worker import StopRequest
-from .options import DraftOptions, ModelOptions, StudyOptions, encoded_prompts, not_made_by_skipsearch
+from .options import (DraftOptions, ModelOptions, StudyOptions, encoded_prompts, not_made_by_skipsearch,
+                      special_token_ids)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class OptimizeSettings(ModelOptions, DraftOptions, StudyOptions):
     seed: int = 0
     skip_prior: float = 0.15
     max_skip_fraction: float = 0.5
+    head_rows: tuple[int, ...] | None = None  # trimmed draft heads to try (None: `default_head_rows`; (): none)
     allow_first_last: bool = False
     min_match: float = 0.5
     no_pruning: bool = False
@@ -112,7 +114,7 @@ def optimize(settings: OptimizeSettings, say: Callable[[str], None] = print) -> 
     model, stop = run.loaded.model, StopRequest()
     study = run_study(model, run.model_info, run.loaded.dtype_name, run.prompts, studied, run.space, run.policy,
                       model.generation_config.eos_token_id, profile=run.profile, stop=stop,
-                      prompt_datasets=run.prompt_datasets)
+                      prompt_datasets=run.prompt_datasets, special_token_ids=special_token_ids(run.loaded))
     config = export_trial(study, s.folder / "best.json")
     result = Optimization(study, config, f"exported {s.folder / 'best.json'}: {exported_text(config)}")
     say(f"study {s.study_name} in {redact_url(s.storage_url(must_exist=False))}: {study_summary(study)}")
@@ -146,9 +148,11 @@ def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
     profile = CostProfile.load(s.cost_profile) if s.cost_profile is not None else None
     check_output_folder(s.folder, "--studies-dir")
     loaded = s.load()
-    model_info = ModelInfo.of(loaded.model, loaded.name_or_path)  # refuses decoders the draft path cannot run
+    # Refuses decoders the draft path cannot run; names the tokenizer a trimmed head's ids belong to.
+    model_info = ModelInfo.of(loaded.model, loaded.name_or_path, loaded.tokenizer)
     space = SearchSpace(num_layers=model_info.num_hidden_layers, keep_first_last=not s.allow_first_last,
-                        max_skip_fraction=s.max_skip_fraction, skip_prior=s.skip_prior)
+                        max_skip_fraction=s.max_skip_fraction, skip_prior=s.skip_prior,
+                        head_rows=head_rows(s.head_rows, model_info.vocab_size))
     first_trials = _first_trials(warm_files, model_info, space, not s.no_warm_starts, say)
     encoded = encoded_prompts(loaded, prompts, s.raw, s.max_new_tokens, policy.max_draft_tokens)
     if profile is not None:
@@ -156,6 +160,22 @@ def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
     projections = load_projections(s.project_with or (), loaded.model)
     return _Prepared(loaded, model_info, space, policy, encoded, datasets, prompt_datasets, first_trials,
                      profile, projections)
+
+
+DEFAULT_HEAD_ROWS = (4096, 8192, 16384, 32768)
+
+
+def head_rows(asked: tuple[int, ...] | None, vocab_size: int) -> tuple[int, ...]:
+    """The trimmed heads a study tries: those asked for (each fewer rows than the vocabulary, else ValueError), or by
+    default those of DEFAULT_HEAD_ROWS under half the vocabulary (a head of more reads most of the full one's
+    weights: a tiny vocabulary gets none)."""
+    if asked is None:
+        return tuple(r for r in DEFAULT_HEAD_ROWS if 2 * r <= vocab_size)
+    too_many = [r for r in asked if r >= vocab_size]
+    if too_many:
+        raise ValueError(f"--head-rows {too_many[0]} is not fewer than the model's {vocab_size} tokens: a draft head "
+                         "trims the vocabulary")
+    return tuple(asked)
 
 
 def _study_prompts(s: OptimizeSettings) -> tuple[list[str], list[str], list[str] | None]:

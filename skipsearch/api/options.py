@@ -90,3 +90,11 @@ def encoded_prompts(loaded: models.LoadedModel, texts: list[str], raw: bool, max
     # Before the study or the benchmark starts: the longest prompt's cache must fit the device as well as the context.
     check_cache_memory(loaded.model, max(map(len, encoded)) + max_new_tokens + max_draft_tokens)
     return encoded
+
+
+def special_token_ids(loaded: models.LoadedModel) -> list[int]:
+    """The tokens a trimmed draft head always holds: the model's EOS ids first (a draft that cannot propose the end
+    stops no round), then the tokenizer's special tokens."""
+    eos = loaded.model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    return list(dict.fromkeys([*eos, *loaded.tokenizer.all_special_ids]))

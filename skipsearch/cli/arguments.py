@@ -67,6 +67,21 @@ seed_value = number(int, lambda v: 0 <= v < SEED_LIMIT, f"an integer in [0, {SEE
 positive_int = number(int, lambda v: v >= 1, "an integer >= 1")
 
 
+def head_sizes(text: str) -> tuple[int, ...] | None:
+    """--head-rows: "auto" (None: the study's default sizes), "none" (the full head only), or sizes such as 8192,16384."""
+    if text.strip() == "auto":
+        return None
+    if text.strip() in ("none", "0"):
+        return ()
+    try:
+        rows = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        rows = []
+    if not rows or any(r < 1 for r in rows) or len(set(rows)) != len(rows):
+        raise argparse.ArgumentTypeError(f"expected auto, none, or distinct sizes >= 1 such as 8192,16384, got {text!r}")
+    return tuple(sorted(rows))
+
+
 def context_lengths(text: str) -> list[int]:
     try:
         values = sorted({int(part) for part in text.split(",") if part.strip()})

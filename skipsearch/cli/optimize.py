@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..constants import OBJECTIVES, SAMPLERS
 from .arguments import (add_draft_flags, add_model_flags, add_number_flags, add_projection_flag, add_prompt_flags,
-                        add_study_flags, non_negative_int, positive_float, positive_int, seed_value, settings_of,
+                        add_study_flags, head_sizes, non_negative_int, positive_float, positive_int, seed_value, settings_of,
                         unit_float, warn_of_deprecated_flags)
 from .process import INTERRUPTED
 
@@ -64,6 +64,10 @@ def add_search_flags(search: argparse._ArgumentGroup) -> None:
     search.add_argument("--skip-prior", type=unit_float, default=0.15,
                         help="share of sublayers a uniform draw skips (0.5: the plain 2L-switch space)")
     search.add_argument("--max-skip-fraction", type=unit_float, default=0.5, help="never skip more than this share")
+    search.add_argument("--head-rows", type=head_sizes, default=None, metavar="auto|none|N,N,...",
+                        help="draft head sizes to search beside the full head: the top rows of the model's vocabulary "
+                             "as it ranks it on the calibration prompts (auto: 4096 to 32768 rows, those under half "
+                             "the vocabulary; none: the full head only) (default: auto)")
     search.add_argument("--allow-first-last", action="store_true",
                         help="let the search skip sublayers of the first and last layers (kept by default)")
     search.add_argument("--min-match", type=unit_float, default=0.5,

@@ -3,10 +3,16 @@
 Version 1 carries one skip set ("skip", with its "metrics"); version 2 several ("skips": a list of {"label", "skip",
 "metrics"}, e.g. the best set per dataset of a study of several), among which decoding chooses one per prompt
 (choice.py). A config of one unlabelled set is written as version 1, which every release reads.
+
+A skip set whose draft reads a trimmed LM head carries it as "head" beside "attn" and "mlp" (`DraftHead.to_json`: its
+ids as a deflated bitmap over the vocabulary, their count and sha256), and the model's "vocab_size" and "tokenizer"
+(a fingerprint of its vocabulary) say what the ids mean: a config is refused for a model of another vocabulary size,
+and, where the tokenizer is at hand, for another tokenizer. Configs without them load as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import warnings
 from collections.abc import Sequence
@@ -19,7 +25,8 @@ from torch import nn
 from ..io.files import read_json, write_atomic
 from .policy import DEPRECATED_FIELDS, DraftPolicy, deprecation
 from .skipping import check_model, supported_layers
-from .skipset import SkipSet
+from . import adapter
+from .skipset import DraftHead, SkipSet
 
 FORMAT = "skipsearch/skip-config"
 VERSIONS = (1, 2)
@@ -32,15 +39,37 @@ class ModelInfo:
     architecture: str
     num_hidden_layers: int
     hidden_size: int
+    vocab_size: int | None = None  # the LM head's rows (configs before trimmed heads: None)
+    tokenizer: str | None = None  # `tokenizer_fingerprint` of the tokenizer the study encoded with (None: unknown)
 
     @classmethod
-    def of(cls, model: nn.Module, name_or_path: str) -> ModelInfo:
+    def of(cls, model: nn.Module, name_or_path: str, tokenizer: Any = None) -> ModelInfo:
         return cls(
             name_or_path=name_or_path,
             architecture=type(model).__name__,
             num_hidden_layers=len(supported_layers(model)),
             hidden_size=int(model.config.hidden_size),
+            vocab_size=int(adapter.output_head(model)[1].shape[0]),
+            tokenizer=None if tokenizer is None else tokenizer_fingerprint(tokenizer),
         )
+
+    def to_json(self) -> dict[str, Any]:
+        return {key: value for key, value in vars(self).items() if value is not None}
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """sha256 of the tokenizer's vocabulary (each token and its id): the same for the same token ids, whatever folder
+    or format the tokenizer was read from."""
+    pairs = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(pairs, ensure_ascii=False).encode()).hexdigest()
+
+
+def skip_json(skip: SkipSet, vocab_size: int | None) -> dict[str, Any]:
+    """A skip set as a config carries it: its sublayers, and its head's ids where trimmed."""
+    out: dict[str, Any] = {"attn": list(skip.attn), "mlp": list(skip.mlp)}
+    if skip.head is not None:
+        out["head"] = skip.head.to_json(vocab_size or max(skip.head.ids) + 1)
+    return out
 
 
 @dataclass(frozen=True)
@@ -51,8 +80,8 @@ class SkipEntry:
     label: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"label": self.label, "skip": self.skip.as_dict(), "metrics": self.metrics}
+    def to_json(self, vocab_size: int | None = None) -> dict[str, Any]:
+        return {"label": self.label, "skip": skip_json(self.skip, vocab_size), "metrics": self.metrics}
 
 
 @dataclass
@@ -89,8 +118,9 @@ class SkipConfig:
         return {
             "format": FORMAT,
             "version": 2 if several else 1,
-            "model": vars(self.model).copy(),
-            **({"skips": [entry.to_json() for entry in self.entries]} if several else {"skip": self.skip.as_dict()}),
+            "model": self.model.to_json(),
+            **({"skips": [entry.to_json(self.model.vocab_size) for entry in self.entries]} if several
+               else {"skip": skip_json(self.skip, self.model.vocab_size)}),
             "draft": self.draft.as_dict(),
             **({} if several else {"metrics": self.metrics}),
             "search": self.search,
@@ -100,25 +130,43 @@ class SkipConfig:
         """Raise ValueError unless this config was made for a model of `model`'s shape (TypeError for no model)."""
         check_model(model)
         actual = ModelInfo.of(model, self.model.name_or_path)
-        for name in MODEL_SHAPE:
+        heads = [skip.head for skip in self.skip_sets if skip.head is not None]
+        for name in (*MODEL_SHAPE, *(("vocab_size",) if heads and self.model.vocab_size is not None else ())):
             want, have = getattr(self.model, name), getattr(actual, name)
             if want != have:
                 raise ValueError(
                     f"skip config is for a model with {name}={want!r}, but the loaded model has {name}={have!r} "
                     f"(config made for {self.model.name_or_path!r})"
                 )
+        for head in heads:
+            head.check_fits(actual.vocab_size)
+
+    def check_tokenizer(self, tokenizer: Any) -> None:
+        """Raise ValueError where a trimmed head's ids were chosen with another tokenizer than `tokenizer` (a config
+        that names none, or has no trimmed head, fits any)."""
+        if self.model.tokenizer is None or all(skip.head is None for skip in self.skip_sets):
+            return
+        if tokenizer_fingerprint(tokenizer) != self.model.tokenizer:
+            raise ValueError(f"skip config's draft head was made for another tokenizer than the loaded model's "
+                             f"(config made for {self.model.name_or_path!r}): its token ids would name other tokens")
 
 
 def save_skip_config(config: SkipConfig, path: str | Path) -> None:
     write_atomic(path, json.dumps(config.to_json(), indent=2) + "\n")
 
 
-def load_skip_config(path: str | Path, model: nn.Module | None = None) -> SkipConfig:
-    """Read a skip config; with `model`, also check it was made for this model's architecture and size."""
+def load_skip_config(path: str | Path, model: nn.Module | None = None, tokenizer: Any = None) -> SkipConfig:
+    """Read a skip config; with `model`, also check it was made for this model's architecture and size (and
+    vocabulary, for a trimmed head); with `tokenizer`, that a trimmed head's ids are this tokenizer's."""
     path = Path(path)
     config = parse_skip_config(read_json(path, "skip config"), source=str(path))
-    if model is not None:
-        config.check_model(model)
+    try:
+        if model is not None:
+            config.check_model(model)
+        if tokenizer is not None:
+            config.check_tokenizer(tokenizer)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
     return config
 
 
@@ -155,7 +203,11 @@ def _need(mapping: Any, key: str, kind: type | tuple[type, ...], where: str, sou
 def _skip_set(mapping: Any, where: str, num_layers: int, source: str) -> SkipSet:
     attn, mlp = _need(mapping, "attn", list, where, source), _need(mapping, "mlp", list, where, source)
     try:
-        return SkipSet.of(attn, mlp, num_layers)
+        head = DraftHead.from_json(mapping["head"]) if mapping.get("head") is not None else None
+    except ValueError as error:
+        raise ValueError(f"{source}: {where}head: {error}") from None
+    try:
+        return SkipSet.of(attn, mlp, num_layers, head)
     except ValueError as error:
         raise ValueError(f"{source}: {error}") from None
 
@@ -211,6 +263,8 @@ def parse_skip_config(data: Any, source: str = "skip config") -> SkipConfig:
         architecture=need(model, "architecture", str, "model."),
         num_hidden_layers=need(model, "num_hidden_layers", int, "model."),
         hidden_size=need(model, "hidden_size", int, "model."),
+        vocab_size=need(model, "vocab_size", int, "model.") if "vocab_size" in model else None,
+        tokenizer=need(model, "tokenizer", str, "model.") if "tokenizer" in model else None,
     )
     entries = _entries(data, info.num_hidden_layers, source)
     draft_data = data.get("draft", {})

@@ -70,6 +70,8 @@ class SelfSpeculative:
         _check_supported(model, input_ids, generation_config, synced_gpus, model_kwargs)
         if self.config is not None:
             self.config.check_model(model)
+            if self.tokenizer is not None:
+                self.config.check_tokenizer(self.tokenizer)
         if stop_strings is not None:
             if self.tokenizer is None:
                 raise ValueError("stop_strings need the tokenizer: pass it as self_speculative(config, tokenizer=...) "

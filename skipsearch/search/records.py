@@ -8,6 +8,7 @@ attributes, whose names it owns.)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
@@ -22,10 +23,12 @@ from ..decode.policy import DraftPolicy
 from ..decode.skipset import SkipSet
 from .measure import Interval
 from .space import SearchSpace
+from .vocabulary import VocabularyRanking
 from .storage import FAIL_REASON_ATTR, RETRY_ATTR, WORKER_ATTR
 
 STUDY_ATTR = "skipsearch"
 CONFIRM_ATTR = "skipsearch_confirmation"
+VOCABULARY_ATTR = "skipsearch_vocabulary"  # the study's vocabulary ranking, which trimmed heads take their rows from
 
 
 @dataclass(frozen=True)
@@ -124,13 +127,14 @@ class TrialRecord:
     datasets: dict[str, Figures] | None = None  # in a study of several datasets: the figures of each one's prompts
 
     @classmethod
-    def of(cls, trial: FrozenTrial) -> TrialRecord:
+    def of(cls, trial: FrozenTrial, ranking: VocabularyRanking | None = None) -> TrialRecord:
+        """The record of `trial`; `ranking`: the study's, which a trimmed head's rows come from."""
         attrs = trial.user_attrs
         has_skip = "skip_attn" in attrs and "skip_mlp" in attrs
         stored = {name: attrs.get(_KEYS.get(name, name)) for name in _STORED}
         return cls(
             number=trial.number, state=trial.state, values=None if trial.values is None else tuple(trial.values),
-            skip=SkipSet.of(attrs["skip_attn"], attrs["skip_mlp"]) if has_skip else None,
+            skip=_skip_of(attrs, ranking) if has_skip else None,
             explored=bool(attrs.get("explored")), figures=Figures.from_dict(attrs), datasets=_datasets_of(attrs),
             **{name: _words(value) if name in _WORDS else value for name, value in stored.items()},
         )
@@ -139,7 +143,7 @@ class TrialRecord:
         """This record's fields that are set, as Optuna user attributes."""
         attrs: dict[str, Any] = {}
         if self.skip is not None:
-            attrs.update(skip_attn=list(self.skip.attn), skip_mlp=list(self.skip.mlp))
+            attrs.update(_skip_attrs(self.skip))
         attrs.update({_KEYS.get(name, name): getattr(self, name) for name in _STORED if getattr(self, name) is not None})
         if self.explored:
             attrs["explored"] = True
@@ -164,6 +168,20 @@ _WORDS = {"worker", "fail_reason", "plain_decoding", "screened_out", "stopped_ea
 
 def _words(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+def _skip_attrs(skip: SkipSet) -> dict[str, Any]:
+    """A skip set as a trial stores it: its sublayers, and its head's size where trimmed (the rows are the study's
+    ranking's top ones)."""
+    return {"skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp),
+            **({"skip_head_rows": skip.head.rows} if skip.head is not None else {})}
+
+
+def _skip_of(attrs: dict[str, Any], ranking: VocabularyRanking | None) -> SkipSet:
+    rows = attrs.get("skip_head_rows")
+    if rows and ranking is None:
+        raise ValueError("a trial drafts with a trimmed head, but the study keeps no vocabulary ranking")
+    return SkipSet.of(attrs["skip_attn"], attrs["skip_mlp"], head=ranking.head(rows) if rows else None)
 
 
 @dataclass(frozen=True)
@@ -193,7 +211,9 @@ class StudyLabel:
 
     def attrs(self) -> dict[str, Any]:
         values = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-        values.update({name: asdict(values[name]) for name in ("model", "space") if name in values})
+        values.update({name: asdict(values[name]) for name in ("model",) if name in values})
+        if "space" in values:
+            values["space"] = values["space"].as_dict()
         if self.draft is not None:
             values["draft"] = self.draft.as_dict()
         if self.cost_profile is not None:
@@ -207,7 +227,9 @@ class StudyLabel:
             values = {f.name: attrs.get(f.name) for f in fields(cls)}
             values["model"] = ModelInfo(**attrs["model"])
             values["draft"] = None if values["draft"] is None else DraftPolicy.from_dict(values["draft"])
-            values["space"] = None if values["space"] is None else SearchSpace(**values["space"])
+            if values["space"] is not None:
+                values["space"] = SearchSpace(**{**values["space"],
+                                                 "head_rows": tuple(values["space"].get("head_rows", ()))})
             if values["cost_profile"] is not None:
                 values["cost_profile"] = CostProfile.from_dict(values["cost_profile"])
             if not isinstance(values["objective"], str):
@@ -230,13 +252,12 @@ class ConfirmedCandidate:
     datasets: dict[str, Figures] | None = None  # in a study of several datasets: the figures of each one's prompts
 
     def attrs(self) -> dict[str, Any]:
-        return {"trial": self.trial, "skip_attn": list(self.skip.attn), "skip_mlp": list(self.skip.mlp),
-                "score": self.score, **self.figures.as_dict(), "skipped_fraction": self.skipped_fraction,
+        return {"trial": self.trial, **_skip_attrs(self.skip), "score": self.score, **self.figures.as_dict(), "skipped_fraction": self.skipped_fraction,
                 "skipped": self.skipped, **_datasets_attrs(self.datasets)}
 
     @classmethod
-    def from_attrs(cls, attrs: dict[str, Any]) -> ConfirmedCandidate:
-        return cls(trial=attrs["trial"], skip=SkipSet.of(attrs["skip_attn"], attrs["skip_mlp"]), score=attrs["score"],
+    def from_attrs(cls, attrs: dict[str, Any], ranking: VocabularyRanking | None = None) -> ConfirmedCandidate:
+        return cls(trial=attrs["trial"], skip=_skip_of(attrs, ranking), score=attrs["score"],
                    skipped=attrs.get("skipped"), skipped_fraction=attrs.get("skipped_fraction"),
                    figures=Figures.from_dict(attrs) or Figures(), datasets=_datasets_of(attrs))
 
@@ -265,8 +286,9 @@ class Confirmation:
         return attrs if self.complete else {**attrs, "wanted": self.wanted}
 
     @classmethod
-    def from_attrs(cls, attrs: dict[str, Any]) -> Confirmation:
-        return cls(candidates=tuple(ConfirmedCandidate.from_attrs(c) for c in attrs["candidates"]), top=attrs.get("top"),
+    def from_attrs(cls, attrs: dict[str, Any], ranking: VocabularyRanking | None = None) -> Confirmation:
+        return cls(candidates=tuple(ConfirmedCandidate.from_attrs(c, ranking) for c in attrs["candidates"]),
+                   top=attrs.get("top"),
                    repeats=attrs.get("repeats"), prompts=attrs.get("prompts"),
                    distinct_trials=attrs.get("distinct_trials"), wanted=attrs.get("wanted"))
 
@@ -277,7 +299,9 @@ class Confirmation:
 # Reading and writing records on Optuna's studies and trials.
 
 def read_trials(study: optuna.Study, states: Iterable[TrialState] | None = None) -> list[TrialRecord]:
-    return [TrialRecord.of(t) for t in study.get_trials(deepcopy=False, states=None if states is None else tuple(states))]
+    ranking = read_vocabulary(study)
+    trials = study.get_trials(deepcopy=False, states=None if states is None else tuple(states))
+    return [TrialRecord.of(t, ranking) for t in trials]
 
 
 def finished_trials(study: optuna.Study) -> list[TrialRecord]:
@@ -335,7 +359,22 @@ def write_label(study: optuna.Study, label: StudyLabel) -> None:
 
 def read_confirmation(study: optuna.Study) -> Confirmation | None:
     attrs = study.user_attrs.get(CONFIRM_ATTR)
-    return None if attrs is None else Confirmation.from_attrs(attrs)
+    return None if attrs is None else Confirmation.from_attrs(attrs, read_vocabulary(study))
+
+
+def read_vocabulary(study: optuna.Study) -> VocabularyRanking | None:
+    """The study's vocabulary ranking; None where it drafts with the full head only."""
+    text = study.user_attrs.get(VOCABULARY_ATTR)
+    return None if text is None else _ranking_of(text)
+
+
+@functools.lru_cache(maxsize=4)
+def _ranking_of(text: str) -> VocabularyRanking:
+    return VocabularyRanking.from_text(text)  # read for every list of trials: decoded once per ranking
+
+
+def write_vocabulary(study: optuna.Study, ranking: VocabularyRanking) -> None:
+    study.set_user_attr(VOCABULARY_ATTR, ranking.to_text())
 
 
 def write_confirmation(study: optuna.Study, confirmation: Confirmation) -> None:

@@ -4,6 +4,9 @@ Every sublayer that may be skipped gets one parameter u in [0, 1], and is skippe
 u < `skip_prior`. A sampler drawing u uniformly therefore skips about `skip_prior` of the
 sublayers (15% by default) instead of half of them, which small and mid-size models never
 accept. `skip_prior=0.5` is the plain 2L-switch space of Draft & Verify.
+
+With `head_rows`, one categorical parameter more picks the draft's LM head: the full head (0) or the top rows of the
+study's vocabulary ranking (`ranking`, set once the study has ranked its calibration decoding; vocabulary.py).
 """
 
 from __future__ import annotations
@@ -11,11 +14,15 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import optuna
 
-from ..decode.skipset import SkipSet
+from ..decode.skipset import DraftHead, SkipSet
+from .vocabulary import VocabularyRanking
+
+HEAD_PARAM = "head_rows"  # the trial parameter of the head's size: 0 for the full head
 
 
 @dataclass(frozen=True)
@@ -24,8 +31,15 @@ class SearchSpace:
     keep_first_last: bool = True
     max_skip_fraction: float = 0.5
     skip_prior: float = 0.15
+    head_rows: tuple[int, ...] = ()  # trimmed heads the study may draft with, beside the full head (empty: full only)
+    # The study's ranking, which the heads' rows come from: made at run time, kept on the study apart (records.py).
+    ranking: VocabularyRanking | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        rows = tuple(self.head_rows)
+        if any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in rows) or len(set(rows)) != len(rows):
+            raise ValueError(f"head sizes must be distinct whole numbers >= 1, got {list(rows)}")
+        object.__setattr__(self, "head_rows", tuple(sorted(rows)))
         if not 0.0 <= self.max_skip_fraction <= 1.0:
             raise ValueError(f"max_skip_fraction must be in [0, 1], got {self.max_skip_fraction}")
         if not 0.0 < self.skip_prior < 1.0:
@@ -48,39 +62,63 @@ class SearchSpace:
 
     @property
     def size(self) -> int:
-        """How many distinct skip sets the space holds (the empty set included)."""
+        """How many distinct skip sets the space holds (the empty set included), each head size counted."""
         n = len(self.sublayers())
-        return sum(math.comb(n, k) for k in range(min(n, self.max_skipped) + 1))
+        return sum(math.comb(n, k) for k in range(min(n, self.max_skipped) + 1)) * (1 + len(self.head_rows))
+
+    def as_dict(self) -> dict[str, Any]:
+        """What a study's label stores of the space: everything but the ranking, which the study keeps apart."""
+        return {name: value for name, value in asdict(self).items() if name != "ranking"}
+
+    @staticmethod
+    def key(skip: SkipSet) -> tuple:
+        """What tells two skip sets of a study apart, cheaply: sublayers and head size."""
+        return skip.attn, skip.mlp, skip.head_rows
 
     def random_unevaluated(self, evaluated: set, rng: random.Random, draws: int = 1000) -> SkipSet | None:
-        """A skip set drawn like a uniform sampler would (the prior included) whose key is not in `evaluated`."""
+        """A skip set drawn like a uniform sampler would (the prior included) whose `key` is not in `evaluated`."""
         for _ in range(draws):
-            skip = self.skip_set({sublayer: rng.random() for sublayer in self.sublayers()})
-            if (skip.attn, skip.mlp) not in evaluated:
+            rows = rng.choice((0, *self.head_rows))
+            skip = self.skip_set({sublayer: rng.random() for sublayer in self.sublayers()}, rows)
+            if self.key(skip) not in evaluated:
                 return skip
         return None
 
     def suggest(self, trial: optuna.Trial) -> SkipSet:
         draws = {(kind, i): trial.suggest_float(self.param_name(kind, i), 0.0, 1.0) for kind, i in self.sublayers()}
-        return self.skip_set(draws)
+        rows = trial.suggest_categorical(HEAD_PARAM, (0, *self.head_rows)) if self.head_rows else 0
+        return self.skip_set(draws, rows)
 
-    def skip_set(self, draws: dict[tuple[str, int], float]) -> SkipSet:
+    def skip_set(self, draws: dict[tuple[str, int], float], head_rows: int = 0) -> SkipSet:
         # Over the cap, keep the sublayers whose draws are furthest below the prior.
         chosen = sorted((u, kind, i) for (kind, i), u in draws.items() if u < self.skip_prior)[: self.max_skipped]
-        return SkipSet.of(
-            [i for _, kind, i in chosen if kind == "attn"], [i for _, kind, i in chosen if kind == "mlp"], self.num_layers
-        )
+        return SkipSet.of([i for _, kind, i in chosen if kind == "attn"], [i for _, kind, i in chosen if kind == "mlp"],
+                          self.num_layers, self.head(head_rows))
+
+    def head(self, rows: int) -> DraftHead | None:
+        """The draft head of `rows` rows of the study's ranking (None: the full head, for 0)."""
+        if not rows:
+            return None
+        if rows not in self.head_rows or self.ranking is None:
+            raise ValueError(f"a head of {rows} rows is not in this search space (head sizes: "
+                             f"{list(self.head_rows) or 'none'}{'' if self.ranking else ', no ranking yet'})")
+        return self.ranking.head(rows)
 
     def from_params(self, params: dict[str, float]) -> SkipSet:
-        return self.skip_set({(kind, i): params[self.param_name(kind, i)] for kind, i in self.sublayers()})
+        return self.skip_set({(kind, i): params[self.param_name(kind, i)] for kind, i in self.sublayers()},
+                             int(params.get(HEAD_PARAM, 0)))
 
     def params_for(self, skip: SkipSet) -> dict[str, float]:
         """Parameters that make `suggest` return `skip` (for enqueued warm starts)."""
         skipped = {("attn", i) for i in skip.attn} | {("mlp", i) for i in skip.mlp}
-        return {self.param_name(kind, i): 0.0 if (kind, i) in skipped else 1.0 for kind, i in self.sublayers()}
+        params = {self.param_name(kind, i): 0.0 if (kind, i) in skipped else 1.0 for kind, i in self.sublayers()}
+        if self.head_rows:
+            params[HEAD_PARAM] = skip.head_rows or 0
+        return params
 
     def warm_starts(self) -> list[SkipSet]:
-        """No skip, then structured sets that tend to be cheap to draft and often accepted."""
+        """No skip; the full model drafting through each trimmed head, largest first (nothing skipped: acceptance is
+        the head's coverage); then structured sets that tend to be cheap to draft and often accepted."""
         allowed = set(self.sublayers())
         n, half = self.num_layers, self.num_layers // 2
 
@@ -91,6 +129,7 @@ class SearchSpace:
         # From sparse to dense: small models accept only a few skipped sublayers, large ones many.
         candidates = [
             SkipSet(),
+            *(SkipSet(head=self.head(rows)) for rows in reversed(self.head_rows)),
             SkipSet.of(keep("attn", range(n - 3, n - 1)), (), n),
             SkipSet.of(keep("attn", range(half, n, 4)), (), n),
             SkipSet.of(upper_attn, (), n),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import optuna
@@ -31,6 +31,7 @@ from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord,
                       read_confirmation, read_label)
 from .settings import StudySettings, check_measurable
 from .space import SearchSpace
+from .vocabulary import rank_vocabulary
 from .storage import FAIL_REASON_ATTR, make_storage, storage_place, worker_tag
 from .worker import Interrupted, StopRequest, SurplusTrial, TrialLost, ends_the_study, stop_on_signals, work
 
@@ -234,10 +235,12 @@ def run_study(
     profile: CostProfile | None = None, clock: Callable[[], float] = time.perf_counter,
     stop: StopRequest | None = None,
     prompt_datasets: list[str] | None = None,
+    special_token_ids: Sequence[int] = (),
 ) -> optuna.Study:
     """Run (or resume) the study until it has evaluated `settings.n_trials` distinct skip sets (or until
     timeout, a stop signal or an exhausted space), then confirm its best candidates (see `confirm_candidates`).
     `prompt_datasets`: the dataset of each prompt, in a study of several (`settings.dataset` their list).
+    `special_token_ids`: what a trimmed head always holds (the tokenizer's special tokens, EOS first).
 
     Ctrl-C or SIGTERM finishes the running trial or confirmation, then returns; a second one abandons it (worker.py's
     `stop_on_signals`). Either way the study keeps what finished for the export. Pass `stop` to learn whether a
@@ -266,14 +269,33 @@ def run_study(
         _check_resumable(settings.study_name, existing, label)
     if label.cost_profile is not None and (existing is None or existing.cost_profile is None):
         records.write_label(study, label)  # now with the cost profile
-    _enqueue_first_trials(study, settings, space, new=existing is None)
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
                           eos_token_id=eos_token_id, profile=profile, repeats=settings.repeats,
                           timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar,
                           compile=settings.compile if settings.compile is not None else model.device.type == "cuda",
                           datasets=prompt_datasets)
+    space = _with_ranking(study, space, evaluator, special_token_ids)
+    _enqueue_first_trials(study, settings, space, new=existing is None)
     _search(study, storage, evaluator, settings, space, stop if stop is not None else StopRequest())
     return study
+
+
+def _with_ranking(study: optuna.Study, space: SearchSpace, evaluator: Evaluator, special_token_ids: Sequence[int]
+                  ) -> SearchSpace:
+    """The space with the study's vocabulary ranking, where it tries trimmed heads: the one the study keeps (a
+    resumed study, a second worker: every trial of a study reads the same rows), else one made from the plain
+    reference decoding of the calibration prompts (vocabulary.py), then kept."""
+    if not space.head_rows:
+        return space
+    ranking = records.read_vocabulary(study)
+    if ranking is None:
+        ranking = rank_vocabulary(evaluator.model, evaluator.prompts, evaluator.reference_tokens(),
+                                  first=special_token_ids, keep=max(space.head_rows))
+        records.write_vocabulary(study, ranking)
+    if len(ranking.ids) < max(space.head_rows):
+        raise ValueError(f"study {study.study_name!r} ranked {len(ranking.ids)} tokens, fewer than the largest head "
+                         f"asked for ({max(space.head_rows)}): use a new --study-name")
+    return replace(space, ranking=ranking)
 
 
 def _open(settings: StudySettings) -> tuple[optuna.Study, optuna.storages.BaseStorage]:

@@ -24,7 +24,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from ..io.errors import NonFiniteLogits, exhausted_resource
 from .ranking import quoted_speedup, ranked
-from .records import TrialRecord, distinct_trials, enqueue, read_trials, study_label
+from .records import TrialRecord, distinct_trials, enqueue, read_trials, read_vocabulary, study_label
 from .settings import StudySettings
 from .space import SearchSpace
 from .storage import Heartbeat, explain_stale_trials, heartbeat_enabled, recover_dead_workers_trials
@@ -139,7 +139,7 @@ class FailureLimit:
             raise error
         self.in_a_row = self.in_a_row + 1 if trial.state == TrialState.FAIL else 0
         if self.in_a_row >= self.limit:
-            reason = TrialRecord.of(trial).fail_reason or (
+            reason = TrialRecord.of(trial, read_vocabulary(study)).fail_reason or (
                 f"{type(error).__name__}: {error}" if error else "of an error Optuna logged above")
             self.stop.stop(study, f"{self.limit} trials in a row failed, the last because {reason}")
 
@@ -169,12 +169,13 @@ class ExhaustedSpace:
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         if isinstance(self.runner.last_error, SurplusTrial):
             return
-        self.repeats_in_a_row = self.repeats_in_a_row + 1 if TrialRecord.of(trial).repeat_of is not None else 0
+        repeated = TrialRecord.of(trial, self.space.ranking).repeat_of is not None
+        self.repeats_in_a_row = self.repeats_in_a_row + 1 if repeated else 0
         distinct = distinct_trials(study)
         if len(distinct) >= self.space.size:
             self.stop.stop(study, f"the search space is exhausted: all {self.space.size} skip sets in it were evaluated")
         elif self.repeats_in_a_row >= self.explore_after:
-            evaluated = {(t.skip.attn, t.skip.mlp) for t in distinct}
+            evaluated = {self.space.key(t.skip) for t in distinct}
             fresh = self.space.random_unevaluated(evaluated, random.Random(self.seed + trial.number))
             if fresh is None:
                 self.stop.stop(study, f"the sampler proposed only already-evaluated skip sets {self.repeats_in_a_row} "
