@@ -138,8 +138,9 @@ def converted_gguf(gguf: Path, name: str | None = None, fix: str = "download it 
     if damage != "missing":
         print(f"the cached model in {target} is damaged ({damage}): converting it again from {gguf.name}", file=sys.stderr)
     try:  # a GGUF of an architecture or tokenizer transformers cannot convert raises what its converters raise
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                     trust_remote_code=False)  # its folder may hold anyone's files
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
     except Exception as error:  # noqa: BLE001 - load_error keeps resources and the machine's faults
         raise load_error(error, f"cannot convert GGUF file {str(gguf)!r} ({first_line(error)})") from None
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -237,7 +238,7 @@ def _check_hub_name(name: str) -> None:
     except HFValidationError:
         raise ValueError(f"cannot load model {name!r}: no such local folder, and not a Hub model name") from None
     try:
-        AutoConfig.from_pretrained(name, local_files_only=True)
+        AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=False)
         return  # in the local Hugging Face cache
     except (OSError, ValueError):
         pass
