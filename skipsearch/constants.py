@@ -7,6 +7,8 @@ defaults are DraftPolicy's own: policy.py imports nothing heavy.
 """
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# The models --model takes by name (io/named.py's table, which checks it lists the same): each a GGUF shipped on PyPI.
+NAMED_MODEL_NAMES = (DEFAULT_MODEL, "gemma-3-270m")
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 OBJECTIVES = ("speed_x_acceptance", "speedup", "pareto", "modeled")
 SAMPLERS = ("tpe", "gp", "cmaes", "random", "nsga2")

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, TextIteratorStreamer
+from transformers import LogitsProcessorList, StoppingCriteriaList, TextIteratorStreamer
 from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper)
 from transformers.generation.streamers import BaseStreamer
@@ -175,3 +175,87 @@ def test_real_model_streams_the_output_and_stops_at_a_stop_string(default_model)
     assert out.shape[1] - inputs.input_ids.shape[1] < 48  # it stopped early, at the stop string
     assert "".join(streamer) == text  # the queue is unbounded and ended: read it after generate returns
     assert speculative.stats.drafted > 0
+
+
+# Each family of generation options, compared with plain `generate` on the same options: a transformers release that
+# changes how one reaches a custom_generate callable fails here, by name, instead of changing the output silently.
+
+class StopAt:
+    """A stopping criterion of the caller's own: stop once `token` is generated."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def _free_tokens(model, n=30):
+    return model.generate(PROMPT, max_new_tokens=n, do_sample=False, eos_token_id=None)[0, PROMPT.shape[1]:].tolist()
+
+
+OPTION_FAMILIES = {
+    "processors": lambda free: {"repetition_penalty": 1.3, "no_repeat_ngram_size": 3,
+                                "sequence_bias": {(free[3],): -4.0, (free[5], free[6]): -8.0}},
+    "constraints": lambda free: {"bad_words_ids": [[free[2]], [free[7], free[8]]], "suppress_tokens": [free[4]],
+                                 "begin_suppress_tokens": [free[0]],
+                                 "prefix_allowed_tokens_fn": lambda batch, ids: [t for t in range(96) if t % 3]},
+    "stopping": lambda free: {"eos_token_id": [free[12], 95],
+                              "stopping_criteria": StoppingCriteriaList([StopAt(free[9])])},
+    "lengths": lambda free: {"max_length": PROMPT.shape[1] + 17, "min_length": PROMPT.shape[1] + 9,
+                             "eos_token_id": free[4], "forced_eos_token_id": free[1]},
+}
+
+
+@pytest.mark.parametrize("family", OPTION_FAMILIES)
+def test_each_option_family_equals_plain_generate(family):
+    model = MODELS["llama"]
+    free = _free_tokens(model)
+    options = {"eos_token_id": None, "pad_token_id": 0, **OPTION_FAMILIES[family](free)}
+    if "max_length" not in options:
+        options["max_new_tokens"] = 30
+    plain = model.generate(PROMPT, do_sample=False, **options)
+    speculative = self_speculative(SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4, adaptive=False))
+    out = model.generate(PROMPT, do_sample=False, custom_generate=speculative, **options)
+    assert out.tolist() == plain.tolist()
+    assert speculative.stats.drafted > 0
+    assert plain[0, PROMPT.shape[1]:].tolist() != free  # the options did act: other tokens, or fewer
+
+
+def test_sampling_with_a_seed_is_reproducible_and_one_token_sampling_equals_plain():
+    """Sampling with a seed repeats itself; with one token left by top-k, it is plain generate's output exactly
+    (temperature and top-p processed on the way). The distribution itself: the test above."""
+    model = MODELS["qwen2"]
+    speculative = self_speculative(SkipSet.of([2], [0], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False))
+    options = dict(do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    runs = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        runs.append(model.generate(PROMPT, custom_generate=speculative, **options).tolist())
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    torch.manual_seed(0)
+    plain = model.generate(PROMPT, top_k=1, **options)
+    out = model.generate(PROMPT, top_k=1, custom_generate=speculative, **options)
+    assert out.tolist() == plain.tolist() and speculative.stats.drafted > speculative.stats.accepted > 0
+
+
+def test_concurrent_calls_on_one_model_stay_correct():
+    """Threads decoding on one model at once, with different skip sets, options and plain calls among them, each get
+    what they get alone: the draft path never leaves the model's own layers swapped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = MODELS["llama"]
+    jobs = [(SkipSet.of([1], [2], NUM_LAYERS), {}), (SkipSet.of([0, 3], [1], NUM_LAYERS), {"repetition_penalty": 1.8}),
+            (None, {}), (SkipSet.of([2], [], NUM_LAYERS), {"no_repeat_ngram_size": 2}), (None, {"min_new_tokens": 30})]
+
+    def run(job):
+        skip, options = job
+        extra = {} if skip is None else {"custom_generate": self_speculative(skip, DraftPolicy(max_draft_tokens=4))}
+        return model.generate(PROMPT, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              **options, **extra).tolist()
+
+    alone = [model.generate(PROMPT, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0,
+                            **options).tolist() for _, options in jobs]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        for _ in range(3):
+            assert list(pool.map(run, jobs)) == alone

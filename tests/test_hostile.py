@@ -1,11 +1,13 @@
 """Hold up, round 4: secrets in storage URLs, resources that run out, outputs that are not regular files, models whose
-logits are not finite, consoles that cannot show the text, byte-order marks, an empty HOME. Each class at the CLI as a
-user runs it (exit code, at most 3 lines on stderr, no traceback, no secret, nothing changed where it should not be),
-and each new function on its own."""
+logits are not finite, consoles that cannot show the text, byte-order marks, an empty HOME, someone else's model
+files (a pickle with a payload, remote code, unreadable checkpoints and tokenizers, unsafe or broken chat templates).
+Each class at the CLI as a user runs it (exit code, at most 3 lines on stderr, no traceback, no secret, nothing changed
+where it should not be), and each new function on its own."""
 
 import errno
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -15,6 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy
 import optuna
 import pytest
 import torch
@@ -573,3 +576,183 @@ def test_home_folder_and_the_cache_refuse_an_empty_home(monkeypatch):
     assert models.cache_dir() == Path("/elsewhere")  # named outright: HOME is not asked
     monkeypatch.delenv("HOME")
     assert home_folder().is_absolute()  # unset: the password database's home, as Path.home() gives
+
+
+# 8. Someone else's model files: a pickle with a payload, remote code, unreadable checkpoints and tokenizers, chat
+# templates that are unsafe or broken, a GGUF file transformers cannot convert -----------------------------------
+
+class _Payload:
+    """A pickle that would create a marker file if it were ever unpickled with its code."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _edit_json(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _pickled_payload(folder):
+    (folder / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": _Payload(folder.parent / "PAYLOAD-RAN")}, folder / "pytorch_model.bin")
+
+
+HOSTILE_FOLDERS = {  # name: (how to spoil a copy of the tiny model, what the one line says)
+    "pickle-payload": (_pickled_payload, r"pytorch_model.bin' was refused: it is a pickle that would call \S*system"),
+    "pickle-garbage": (lambda f: ((f / "model.safetensors").unlink(), (f / "pytorch_model.bin").write_bytes(b"x" * 99)),
+                       "pytorch_model.bin' was refused: it does not unpickle as weights only"),
+    "remote-config": (lambda f: _edit_json(f / "config.json", model_type="evil", auto_map={
+        "AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}),
+        "config.json' names remote code \\(model_type 'evil', from evil.EvilConfig, evil.EvilModel\\)"),
+    "remote-tokenizer": (lambda f: _edit_json(f / "tokenizer_config.json", tokenizer_class="EvilTokenizer",
+                                              auto_map={"AutoTokenizer": ["evil.EvilTokenizer", None]}),
+                         "tokenizer_config.json' names remote code"),
+    "other-format": (lambda f: ((f / "model.safetensors").unlink(), (f / "tf_model.h5").write_bytes(b"x"),
+                                (f / "consolidated.00.pth").write_bytes(b"x")),
+                     "has no checkpoint transformers reads .*only consolidated.00.pth, tf_model.h5"),
+    "tokenizer-unparsed": (lambda f: (f / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "?"}}'),
+                           "tokenizer.json' does not parse as a tokenizer"),
+    "unsafe-template": (lambda f: (f / "chat_template.jinja").write_text(
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}"), "chat_template.jinja' reaches for what jinja's sandbox"),
+    "broken-template": (lambda f: (f / "chat_template.jinja").write_text("{% for m in messages %}"),
+                        "chat_template.jinja' does not parse"),
+}
+# Which commands read what: every command loads the config; all but check-family the weights and tokenizer; the
+# commands that encode prompts the chat template.
+_READERS = {"config": ("generate", "optimize", "bench", "profile", "check-family"),
+            "weights": ("generate", "optimize", "bench", "profile"), "template": ("generate", "optimize", "bench")}
+_READS = {"remote-config": "config", "unsafe-template": "template", "broken-template": "template"}
+LOADING_CASES = [(name, command) for name in HOSTILE_FOLDERS for command in _READERS[_READS.get(name, "weights")]]
+
+
+@pytest.fixture(scope="module")
+def hostile_models(tmp_path_factory, tiny_model_dir):
+    root = tmp_path_factory.mktemp("hostile")
+    for name, (spoil, _) in HOSTILE_FOLDERS.items():
+        shutil.copytree(tiny_model_dir, root / name)
+        spoil(root / name)
+    return root
+
+
+def _command_argv(command, model, tmp_path):
+    return {"generate": ["generate", "--model", model, "--prompt", "hi"],
+            "optimize": ["optimize", "--model", model, "--n-trials", "1", "--studies-dir", tmp_path / "studies",
+                         *SMALL],
+            "bench": ["bench", "--model", model, "--num-prompts", "1", "--repeats", "1", "--no-progress",
+                      "--studies-dir", tmp_path / "studies"],
+            "profile": ["profile", "--model", model, "--studies-dir", tmp_path / "studies", "--no-progress"],
+            "check-family": ["check-family", "--model", model, "--no-compile"]}[command]
+
+
+@pytest.mark.parametrize("name, command", LOADING_CASES, ids=[f"{n}-{c}" for n, c in LOADING_CASES])
+def test_someone_elses_model_files_end_in_one_line(name, command, hostile_models, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = hostile_models / name
+    before = snapshot(hostile_models)
+    returned = main([str(a) for a in _command_argv(command, str(folder), tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert returned == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search(HOSTILE_FOLDERS[name][1], err) and str(folder) in err, err
+    assert not list(tmp_path.iterdir())  # nothing written: no study, no profile, no output
+    assert snapshot(hostile_models) == before and not (hostile_models / "PAYLOAD-RAN").exists()
+
+
+@pytest.mark.parametrize("name", [n for n in HOSTILE_FOLDERS if _READS.get(n) != "template"])
+def test_the_api_refuses_someone_elses_model_files_naming_the_file(name, hostile_models):
+    from skipsearch.io.models import load_model
+
+    with pytest.raises(ValueError, match=HOSTILE_FOLDERS[name][1]):
+        load_model(hostile_models / name, device="cpu")
+    assert not (hostile_models / "PAYLOAD-RAN").exists()
+
+
+@pytest.mark.parametrize("name", ["unsafe-template", "broken-template"])
+def test_the_api_refuses_an_unsafe_or_broken_chat_template_naming_the_file(name, hostile_models):
+    from skipsearch.api.generate import GenerateSettings, generate_text
+
+    with pytest.raises(ValueError, match=HOSTILE_FOLDERS[name][1]):
+        generate_text(GenerateSettings(model=str(hostile_models / name), prompt="hi", device="cpu"))
+    # The template is not needed for raw prompts: the model itself loads and decodes.
+    assert generate_text(GenerateSettings(model=str(hostile_models / name), prompt="hi", raw=True, device="cpu",
+                                          max_new_tokens=2)).text is not None
+
+
+def test_a_payload_never_runs_even_where_the_loader_is_asked_twice(hostile_models, monkeypatch):
+    """The diagnosis of a refused checkpoint unpickles it again, still weights only: torch.load is never asked
+    for anything else."""
+    from skipsearch.io.models import load_model
+
+    real, asked = torch.load, []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: (asked.append(k.get("weights_only")), real(*a, **k))[1])
+    with pytest.raises(ValueError, match="was refused"):
+        load_model(hostile_models / "pickle-payload", device="cpu")
+    assert asked and all(flag is True for flag in asked) and not (hostile_models / "PAYLOAD-RAN").exists()
+
+
+def _tiny_gguf(path, architecture):
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", numpy.zeros((4, 8), dtype=numpy.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("architecture", ["evil", "llama"])
+def test_a_gguf_file_transformers_cannot_convert_is_one_line(architecture, tmp_path, capsys, monkeypatch):
+    """An architecture transformers does not convert, and a llama file with no tokenizer and missing metadata: the
+    GGUF file is named, and no converted folder is cached."""
+    from skipsearch.io.models import load_model
+
+    monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / f"{architecture}.gguf"
+    _tiny_gguf(gguf, architecture)
+    returned = main(["generate", "--model", str(gguf), "--prompt", "hi"])
+    err = capsys.readouterr().err  # besides the conversion's progress bar, which transformers draws itself
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert returned == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert f"cannot convert GGUF file '{gguf}'" in errors[0], err
+    with pytest.raises(ValueError, match=f"cannot convert GGUF file '{gguf}'"):
+        load_model(gguf, device="cpu")
+    assert not list((tmp_path / "cache" / "models").glob("*[!.]*"))
+
+
+def test_load_error_keeps_resources_and_faults_of_the_machine():
+    from skipsearch.io.refusals import load_error
+
+    full, unreadable = OSError(errno.ENOSPC, "No space left on device"), PermissionError(errno.EACCES, "denied", "f")
+    assert load_error(full, "x") is full and load_error(unreadable, "x") is unreadable
+    assert load_error(MemoryError(), "x").__class__ is MemoryError
+    for error in (Exception("rust"), KeyError("added_tokens"), OSError("Can't load tokenizer"), RuntimeError("zip")):
+        refused = load_error(error, "the one line")
+        assert type(refused) is ValueError and str(refused) == "the one line"
+
+
+def test_remote_code_is_named_only_where_transformers_would_need_it(tmp_path, tiny_model_dir):
+    from skipsearch.io.refusals import remote_code
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    assert remote_code(folder) is None
+    _edit_json(folder / "config.json", auto_map={"AutoModelForCausalLM": "own.Model"})  # llama: transformers' own
+    assert remote_code(folder) is None
+    _edit_json(folder / "config.json", model_type="evil")
+    assert "config.json' names remote code (model_type 'evil', from own.Model)" in remote_code(folder)
+
+
+def test_checkpoint_format_and_template_source(tmp_path, default_model):
+    from skipsearch.io.refusals import template_source, unreadable_checkpoint
+
+    assert "no weights" in unreadable_checkpoint(tmp_path)
+    (tmp_path / "flax_model.msgpack").write_bytes(b"x")
+    assert "only flax_model.msgpack" in unreadable_checkpoint(tmp_path)
+    (tmp_path / "pytorch_model-00001-of-00002.bin").write_bytes(b"x")
+    assert unreadable_checkpoint(tmp_path) is None
+    assert template_source(default_model.tokenizer).endswith("chat_template.jinja")
+    assert template_source(type("T", (), {"name_or_path": str(tmp_path)})()) == str(tmp_path)

