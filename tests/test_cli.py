@@ -92,10 +92,58 @@ def test_optimize_exports_plots_and_resumes(capsys, tmp_path, tiny_model_dir):
     assert code == 0 and len(out.split()) == 4
 
 
+def test_optimize_searches_the_draft_head_and_its_config_decodes_as_plain_greedy(capsys, tmp_path, tiny_model_dir):
+    """--head-rows: the head's size is a parameter beside the sublayers, warm-started through each trimmed head; a
+    trial's export carries its head (a bitmap of the study's top-ranked ids, EOS among them) and the tokenizer it was
+    made for; generate --config decodes exactly as plain greedy; a config edited to another tokenizer, or a head that
+    does not fit the model, is one line and exit 2."""
+    import optuna
+
+    from skipsearch.decode.config import load_skip_config
+    from skipsearch.io.models import load_model
+    from skipsearch.search.records import read_trials, read_vocabulary
+
+    code, out, _ = run(capsys, *optimize_args(tiny_model_dir, tmp_path, "--head-rows", "64,128", "--no-plots"))
+    assert code == 0
+    study = optuna.load_study(study_name="cli", storage=f"sqlite:///{tmp_path}/cli.db")
+    trials = read_trials(study)
+    assert [t.skip.head_rows for t in trials[:3]] == [None, 128, 64]  # plain, then each head with nothing skipped
+    ranking = read_vocabulary(study)
+    loaded = load_model(str(tiny_model_dir), dtype="float64")
+    assert len(ranking.ids) == 128 and ranking.ids[0] == loaded.tokenizer.eos_token_id
+    code, _, _ = run(capsys, "export", "--studies-dir", tmp_path, "--study-name", "cli", "--trial", 1,
+                     "--output", tmp_path / "t1.json")
+    assert code == 0
+    data = json.loads((tmp_path / "t1.json").read_text())
+    assert data["skip"]["head"]["rows"] == 128 and data["model"]["vocab_size"] == len(loaded.tokenizer)
+    config = load_skip_config(tmp_path / "t1.json", loaded.model, loaded.tokenizer)
+    assert set(config.skip.head.ids) == set(ranking.ids)
+    common = ["generate", "--model", tiny_model_dir, "--prompt", "hello there", "--max-new-tokens", 12, "--json",
+              "--dtype", "float64"]
+    code, out, _ = run(capsys, *common, "--config", tmp_path / "t1.json", "--fixed-draft", "--no-guard")
+    drafted = json.loads(out)
+    code, out, _ = run(capsys, *common, "--autoregressive")
+    assert drafted["token_ids"] == json.loads(out)["token_ids"] and drafted["stats"]["drafted"] > 0
+    assert drafted["skip"]["head_rows"] == 128
+    for edit, message in ((lambda d: d["model"].update(tokenizer="0" * 64), "another tokenizer"),
+                          (lambda d: d["skip"]["head"].update(rows=0), "integers >= 1"),
+                          (lambda d: d["skip"]["head"].update(rows=3), "holds 128 ids, not the 3"),
+                          (lambda d: d["skip"]["head"].update(bitmap="%%"), "not base64"),
+                          (lambda d: d["model"].update(vocab_size=10**6), "vocab_size=1000000")):
+        changed = json.loads(json.dumps(data))
+        edit(changed)
+        (tmp_path / "bad.json").write_text(json.dumps(changed))
+        code, out, err = run(capsys, *common, "--config", tmp_path / "bad.json")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and re.search(message, err), (message, err)
+        assert out == ""
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["export", "--study-name", "nope"], "no study database"),
+        (["optimize", "--head-rows", "0,5"], "distinct sizes >= 1"),
+        (["optimize", "--head-rows", "8,8"], "distinct sizes >= 1"),
         (["plot", "--study-name", "nope"], "no study database"),
         (["export", "--study-name", "../x"], "study names are"),
         (["optimize", "--sampler", "bayes"], "invalid choice"),

@@ -16,6 +16,7 @@ from ..io.files import write_output
 from ..search.ranking import quoted_speedup, ranked
 from ..search.records import (ConfirmedCandidate, Ratio, TrialRecord, decoded_trials, measured_trials,
                               read_confirmation, study_label)
+from ..search.space import HEAD_PARAM
 from .export import decide
 
 
@@ -57,7 +58,9 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
         frequency[0, list(trial.skip.attn)] += 1 / len(top)
         frequency[1, list(trial.skip.mlp)] += 1 / len(top)
     fig, axes = plt.subplots(2, 1, figsize=(max(6, num_layers * 0.3), 3.9), constrained_layout=True)
+    head = "" if shown is None or shown.skip.head is None else f" (its draft head: {shown.skip.head.rows} rows)"
     fig.suptitle(f"{study.study_name}: which sublayers the draft skips", fontsize=11)
+    label += head
     for ax, data, title, bar_label in (
         (axes[0], best_map, label, "this skip set"),
         (axes[1], frequency, f"share of the top {len(top)} skipping trials that skip each sublayer" if top
@@ -88,11 +91,14 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     # Plain decoding's trial is 1.0 by definition, not a search estimate: the dashed line draws it.
     decoded = [t for t in decoded_trials(study) if speedup(t) is not None]
     fig, ax = plt.subplots(figsize=(6.5, 4.2), constrained_layout=True)
-    acceptance = [t.figures.acceptance_rate for t in decoded]
-    points = ax.scatter([t.skipped_fraction for t in decoded], [speedup(t).estimate for t in decoded],
-                        c=[1.0 if a is None else a for a in acceptance], cmap="viridis", vmin=0, vmax=1, s=22,
-                        label="trial (search estimate)")
-    fig.colorbar(points, ax=ax, label="acceptance rate (accepted / drafted tokens)")
+    points = None
+    for (rows, marker), group in _by_head(decoded):
+        points = ax.scatter([t.skipped_fraction for t in group], [speedup(t).estimate for t in group],
+                            c=[1.0 if t.figures.acceptance_rate is None else t.figures.acceptance_rate for t in group],
+                            cmap="viridis", vmin=0, vmax=1, s=26, marker=marker,
+                            label=f"trial (search estimate), {'full head' if rows is None else f'head of {rows} rows'}")
+    if points is not None:
+        fig.colorbar(points, ax=ax, label="acceptance rate (accepted / drafted tokens)")
     confirmation = read_confirmation(study)
     confirmed = [c for c in (confirmation.candidates if confirmation else ()) if speedup(c) is not None]
     if confirmed:
@@ -112,6 +118,16 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
                  fontsize=9)
     ax.legend(loc="best", fontsize=8)
     return fig
+
+
+HEAD_MARKERS = "o^sDvP*X"  # the full head's trials as dots, each trimmed head's by its own marker
+
+
+def _by_head(trials: list[TrialRecord]) -> list[tuple[tuple[int | None, str], list[TrialRecord]]]:
+    """Trials grouped by their draft head's size (the full head first, then from the smallest), with a marker each."""
+    sizes = sorted({t.skip.head_rows for t in trials}, key=lambda rows: -1 if rows is None else rows)
+    return [((rows, HEAD_MARKERS[i % len(HEAD_MARKERS)]), [t for t in trials if t.skip.head_rows == rows])
+            for i, rows in enumerate(sizes)]
 
 
 def _target_label(study: optuna.Study, units: bool = False) -> str:
@@ -159,6 +175,8 @@ def history(study: optuna.Study) -> plt.Figure:
 
 
 def _sublayer_label(param: str) -> str:
+    if param == HEAD_PARAM:
+        return "draft head size"
     kind, layer = param.split("_")
     return f"layer {int(layer)} {'attention' if kind == 'attn' else 'MLP'}"
 

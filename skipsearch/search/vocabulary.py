@@ -68,10 +68,10 @@ def rank_vocabulary(model: torch.nn.Module, prompts: Sequence[Sequence[int]], co
             logits = model.get_output_embeddings()(hidden[start : start + RANKED_POSITIONS_PER_FORWARD])
             weight += _softcapped(model, logits).float().softmax(-1).sum(0, dtype=torch.float64)
     special = list(dict.fromkeys(i for i in first if 0 <= i < vocab_size))
-    weight[special] = float("inf")
-    # A stable sort: ties (tokens never given weight) keep id order, so a ranking is the same on every run.
-    order = torch.sort(weight, descending=True, stable=True).indices
-    return VocabularyRanking(tuple(order[: keep or vocab_size].tolist()))
+    weight[special] = -1.0  # placed ahead of all, in their order, below
+    # A stable sort: ties keep id order, so that a ranking is the same on every run.
+    order = torch.sort(weight, descending=True, stable=True).indices[: (keep or vocab_size) - len(special)]
+    return VocabularyRanking(tuple(special + order.tolist())[: keep or vocab_size])
 
 
 def _softcapped(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
