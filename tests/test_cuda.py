@@ -10,12 +10,14 @@ from conftest import tiny_model
 from test_decoding import hf_greedy
 from skipsearch.decode.loop import generate
 from skipsearch.decode.policy import DraftPolicy
-from skipsearch.decode.skipset import SkipSet
+from skipsearch.decode.skipset import DraftHead, SkipSet
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 NUM_LAYERS = 4
 CASES = [(None, DraftPolicy()), (SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4)),
-         (SkipSet.of([0, 3], [], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False))]
+         (SkipSet.of([0, 3], [], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False)),
+         # A trimmed draft head (every other token of the 96), inside the captured draft graph.
+         (SkipSet.of([1], [], NUM_LAYERS, DraftHead(tuple(range(0, 96, 2)))), DraftPolicy(max_draft_tokens=3))]
 
 
 def cuda_model(seed, dtype=torch.float32):

@@ -16,7 +16,7 @@ from skipsearch.decode.skipset import SkipSet
 from skipsearch.report.export import dataset_verdicts, decide, decided_config, export_trial, write_dv
 from skipsearch.search.evaluation import Evaluator
 from skipsearch.search.ranking import best_candidates, ranked
-from skipsearch.search.records import CONFIRM_ATTR, ConfirmedCandidate, Figures, Ratio, TrialRecord
+from skipsearch.search.records import CONFIRM_ATTR, ConfirmedCandidate, Figures, Ratio, TrialRecord, read_trials
 from skipsearch.search.study import SearchSpace, StudySettings, run_study
 
 DATASETS = ["code.jsonl", "chat.jsonl"]
@@ -159,7 +159,7 @@ def test_optimize_takes_several_datasets(capsys, tmp_path, tiny_model_dir):
     study = optuna.load_study(study_name="two", storage=f"sqlite:///{tmp_path}/studies/two.db")
     assert study.user_attrs["skipsearch"]["dataset"] == [str(tmp_path / "code.jsonl"), str(tmp_path / "chat.jsonl")]
     assert study.user_attrs["skipsearch"]["num_prompts"] == 4
-    decoded = [record for record in map(TrialRecord.of, study.trials) if record.skipped and record.figures]
+    decoded = [record for record in read_trials(study) if record.skip.drafts and record.figures]
     assert decoded and all(set(t.datasets) == {str(tmp_path / "code.jsonl"), str(tmp_path / "chat.jsonl")} for t in decoded)
     assert load_skip_config(tmp_path / "studies" / "two" / "best.json").search["dataset"] == \
         study.user_attrs["skipsearch"]["dataset"]

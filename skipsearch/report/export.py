@@ -88,7 +88,7 @@ def _decide_by(confirmation: Confirmation, study: optuna.Study, dataset: str | N
     if not candidates and confirmation.top == 0:
         return Decision(None, None, "confirmation was turned off (--confirm-top 0): plain decoding is exported")
     if not candidates:
-        if not any(t.skipped for t in read_trials(study)):
+        if not any(t.skip is not None and t.skip.drafts for t in read_trials(study)):
             return Decision(None, None, "no trial skipped anything (the search space allows no skipping, e.g. "
                                         "--max-skip-fraction 0, or it stopped first): plain decoding is exported")
         return Decision(None, None, "no skip set got past the pre-screen and the pruner to be confirmed: "

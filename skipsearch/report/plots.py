@@ -226,15 +226,17 @@ def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     ranked = sorted(shares.items(), key=lambda item: item[1], reverse=True)
     shown, rest = ranked[:top], ranked[top:]
     by_kind = {kind: sum(v for k, v in shares.items() if k.startswith(kind)) for kind in ("attn", "mlp")}
-    color = {"attn": "tab:blue", "mlp": "tab:orange"}
+    color = {"attn": "tab:blue", "mlp": "tab:orange", "head": "tab:green"}
     fig, ax = plt.subplots(figsize=(7, 0.28 * len(shown) + 1.8), constrained_layout=True)
     bars = ax.barh([_sublayer_label(name) for name, _ in shown][::-1], [100 * share for _, share in shown][::-1],
                    color=[color[name.split("_")[0]] for name, _ in shown][::-1])
     ax.bar_label(bars, fmt="%.1f%%", padding=2, fontsize=8)
     ax.set_xlim(0, 100 * max((share for _, share in shown), default=0) * 1.2 + 0.5)
     ax.tick_params(axis="y", labelsize=8)
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=color["attn"]), plt.Rectangle((0, 0), 1, 1, color=color["mlp"])],
-              labels=[f"attention (all: {by_kind['attn']:.0%})", f"MLP (all: {by_kind['mlp']:.0%})"],
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=color[kind]) for kind in ("attn", "mlp", "head")
+                       if kind != "head" or HEAD_PARAM in shares],
+              labels=[f"attention (all: {by_kind['attn']:.0%})", f"MLP (all: {by_kind['mlp']:.0%})"]
+              + ([f"draft head size: {shares[HEAD_PARAM]:.0%}"] if HEAD_PARAM in shares else []),
               loc="lower right", fontsize=8)
     ax.set_xlabel(f"share of the importance for the {_target_label(study)} (PED-ANOVA, %)")
     ax.set_ylabel("sublayer (skipped or kept)")

@@ -53,11 +53,11 @@ def quoted_speedup(figures: Figures | None, objective: str) -> Ratio | None:
 
 
 def ranked(study: optuna.Study, dataset: str | None = None) -> list[TrialRecord]:
-    """The distinct skip sets the study decoded that skip something, best first. Plain decoding (known without
+    """The distinct skip sets the study decoded that draft (skip something, or trim the head), best first. Plain decoding (known without
     decoding), pre-screen estimates (another scale) and repeated proposals are not ranked. With `dataset` (a study
     of several), by the figures of that dataset's prompts alone, among the sets that decoded some of them."""
     objective = study_label(study).objective
-    skipping = [t for t in decoded_trials(study) if t.skipped]
+    skipping = [t for t in decoded_trials(study) if t.skip is not None and t.skip.drafts]
     if dataset is None:
         return sorted(skipping, key=lambda t: score(t.figures, objective), reverse=True)
     measured = [t for t in skipping if t.datasets and dataset in t.datasets]

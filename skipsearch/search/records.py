@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import optuna
@@ -211,7 +211,7 @@ class StudyLabel:
 
     def attrs(self) -> dict[str, Any]:
         values = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-        values.update({name: asdict(values[name]) for name in ("model",) if name in values})
+        values["model"] = values["model"].to_json()  # fields an older release lacked are left out, not null
         if "space" in values:
             values["space"] = values["space"].as_dict()
         if self.draft is not None:

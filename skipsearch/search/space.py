@@ -67,8 +67,10 @@ class SearchSpace:
         return sum(math.comb(n, k) for k in range(min(n, self.max_skipped) + 1)) * (1 + len(self.head_rows))
 
     def as_dict(self) -> dict[str, Any]:
-        """What a study's label stores of the space: everything but the ranking, which the study keeps apart."""
-        return {name: value for name, value in asdict(self).items() if name != "ranking"}
+        """What a study's label stores of the space: everything but the ranking, which the study keeps apart, and
+        head sizes only where there are some (a space without is stored as releases before them stored it)."""
+        return {name: list(value) if name == "head_rows" else value for name, value in asdict(self).items()
+                if name != "ranking" and (name != "head_rows" or value)}
 
     @staticmethod
     def key(skip: SkipSet) -> tuple:
