@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,12 +11,15 @@ import torch
 from ..costs.profiler import contexts_for, device_name, profile_costs
 from ..decode.config import SkipConfig, load_skip_config
 from ..decode.cost_profile import CostProfile
-from ..io.data import BUILTIN, load_prompts
+from ..io.data import BUILTIN, categories_of, load_rows
 from ..io.files import check_output_folder
 from ..io.models import LoadedModel
-from ..report.bench import BenchRow, bench_verdict, format_table, run_bench, write_outputs
+from ..report.bench import (BenchRow, Measured, bench_rows, bench_verdict, format_table, measure_methods,
+                            write_outputs)
+from ..report.categories import OVERALL, CategoryRows, category_rows, format_category_table, plot_categories
 from ..report.projections import load_projections
-from .options import ModelOptions, encoded_prompts
+from .options import ModelOptions
+from .prompts import TOO_LONG, EncodedPrompts, encode_rows
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class BenchSettings(ModelOptions):
     max_new_tokens: int = 48
     raw: bool = False
     compile: bool = False
+    category_field: str | None = None  # None: "category" where the rows have it
+    too_long: str = "refuse"  # or "skip": a prompt the model's context cannot hold
 
 
 @dataclass(frozen=True)
@@ -47,23 +53,29 @@ class Benchmark:
     verdict: str | None
     json_path: Path
     png_path: Path
+    categories: list[CategoryRows] | None = None  # per category, then overall (None: the rows have no category)
+    categories_png: Path | None = None
 
     def lines(self) -> list[str]:
-        """The table, each row's predictions on other devices, and the verdict, as `bench` prints them."""
+        """The table, each row's predictions on other devices, the table per category and the verdict, as `bench`
+        prints them."""
         predictions = [f"PREDICTION (cost model, not measured) on {label}: {row.method} {speedup:.2f}x over plain "
                        "decoding" for row in self.rows for label, speedup in (row.projected_speedups or {}).items()]
-        return [format_table(self.rows), *predictions, *([self.verdict] if self.verdict else [])]
+        by_category = ["per category:", format_category_table(self.categories)] if self.categories else []
+        return [format_table(self.rows), *predictions, *by_category, *([self.verdict] if self.verdict else [])]
 
 
-def benchmark(settings: BenchSettings) -> Benchmark:
-    """Decode the prompts with every method as `python -m skipsearch bench` does, and write bench.json / .png."""
+def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Benchmark:
+    """Decode the prompts with every method as `python -m skipsearch bench` does, and write bench.json / .png (and,
+    when the prompts have categories, bench_categories.png); `say` gets each prompt skipped as too long."""
     s = settings
-    prompts = load_prompts(s.dataset, field=s.field, split=s.split, num_prompts=s.num_prompts, seed=s.seed)
+    if s.too_long not in TOO_LONG:
+        raise ValueError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {s.too_long!r}")
+    rows_in = load_rows(s.dataset, s.field, s.split, s.num_prompts, s.seed, s.category_field)
     output_dir = s.output_dir or s.studies_dir / "bench"
     check_output_folder(output_dir, "--output-dir" if s.output_dir else "--studies-dir")
-    if s.config and load_skip_config(s.config).others:  # a broken file is reported before the model loads
-        raise ValueError(f"--config {str(s.config)!r} carries several skip sets: bench measures one; "
-                         "`generate --config` chooses among them per prompt")
+    if s.config:  # a broken file is reported before the model loads
+        load_skip_config(s.config)
     if s.cost_profile:
         CostProfile.load(s.cost_profile)
     loaded = s.load()
@@ -74,21 +86,43 @@ def benchmark(settings: BenchSettings) -> Benchmark:
     num_layers = loaded.model.config.num_hidden_layers
     if s.early_exit_layer is not None and not 1 <= s.early_exit_layer < num_layers:
         raise ValueError(f"--early-exit-layer must be in 1..{num_layers - 1} for this model, got {s.early_exit_layer}")
-    encoded = encoded_prompts(loaded, prompts, s.raw, s.max_new_tokens, max_draft_tokens=16)
-    rows = run_bench(loaded.model, encoded, s.max_new_tokens, loaded.model.generation_config.eos_token_id,
-                     config=config, early_exit_layer=s.early_exit_layer,
-                     prompt_lookup_tokens=s.prompt_lookup_tokens, repeats=s.repeats,
-                     profile=_profile(s, loaded, config, encoded), show_progress=not s.no_progress,
-                     project_with=projections, compile=s.compile)
+    prompts = encode_rows(loaded, rows_in, s.raw, s.max_new_tokens, 16, s.too_long, say, not s.no_progress)
+    encoded = prompts.ids
+    profile = _profile(s, loaded, config, encoded)
+    measured = measure_methods(loaded.model, encoded, s.max_new_tokens, loaded.model.generation_config.eos_token_id,
+                               config=config, early_exit_layer=s.early_exit_layer,
+                               prompt_lookup_tokens=s.prompt_lookup_tokens, repeats=s.repeats,
+                               show_progress=not s.no_progress, compile=s.compile)
+    rows = bench_rows(loaded.model, measured, config, profile, projections)
+    groups = _by_category(loaded, measured, prompts, rows, config, categories_of(rows_in))
     verdict = bench_verdict(rows, config)
-    json_path, png_path = write_outputs(rows, output_dir, _written_settings(s, loaded, len(prompts)), verdict)
-    return Benchmark(rows, verdict, json_path, png_path)
+    written = _written_settings(s, loaded, len(encoded))
+    json_path, png_path = write_outputs(rows, output_dir, written, verdict,
+                                        [g.to_json() for g in groups[:-1]] if groups else None)
+    categories_png = plot_categories(groups, output_dir / "bench_categories.png", _title(written)) if groups else None
+    return Benchmark(rows, verdict, json_path, png_path, groups, categories_png)
+
+
+def _by_category(loaded: LoadedModel, measured: Measured, prompts: EncodedPrompts, rows: list[BenchRow],
+                 config: SkipConfig | None, order: list[str]) -> list[CategoryRows] | None:
+    """Each category's rows in Spec-Bench's order, then all prompts' (None: the prompts have no category)."""
+    if not order:
+        return None
+    groups = category_rows(loaded.model, measured, prompts.categories, order, config)
+    return [*groups, CategoryRows(OVERALL, len(prompts.ids), rows)]
+
+
+def _title(settings: dict) -> str:
+    return (f"Speedup per category: {settings['model']} on {settings['device_name'] or settings['device']}, "
+            f"{settings['num_prompts']} prompts x {settings['max_new_tokens']} new tokens x {settings['repeats']} "
+            "repeats")
 
 
 def _profile(s: BenchSettings, loaded: LoadedModel, config: SkipConfig | None, encoded: list[list[int]]
              ) -> CostProfile | None:
-    """The cost profile that prices the config's predicted speedup: --cost-profile's, else this device's."""
-    if config is None or not config.skip.drafts:
+    """The cost profile that prices the config's predicted speedup: --cost-profile's, else this device's (none for
+    a config of several sets, which the cost model does not price)."""
+    if config is None or not config.skip.drafts or config.others:
         return None
     if s.cost_profile:
         profile = CostProfile.load(s.cost_profile)

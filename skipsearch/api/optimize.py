@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import optuna
 
-from ..decode.config import MODEL_SHAPE, ModelInfo, SkipConfig
+from ..decode.config import MODEL_SHAPE, ModelInfo, SkipConfig, save_skip_config
 from ..decode.cost_profile import CostProfile
 from ..decode.policy import DraftPolicy
 from ..decode.skipset import SkipSet
 from ..io import models
-from ..io.data import BUILTIN, load_prompts
+from ..io.data import BUILTIN, PromptRow, draw_per_category, load_rows
 from ..io.files import check_output_folder
-from ..report.export import dataset_verdicts, export_trial, exported_text, verdict
+from ..report.export import category_config, dataset_verdicts, export_trial, exported_text, verdict
 from ..report.plots import write_plots
 from ..report.projections import decode_stats, load_projections, projection_lines
 from ..search.published import matching_skip_sets
@@ -27,8 +28,8 @@ from ..search.storage import Heartbeat, existing_study, make_storage, redact_url
 from ..search.study import make_sampler, run_study, study_summary
 from ..search.warmstart import NamedSkipSet, outside_space, read_warm_starts
 from ..search.worker import StopRequest
-from .options import (DraftOptions, ModelOptions, StudyOptions, encoded_prompts, not_made_by_skipsearch,
-                      special_token_ids)
+from .options import DraftOptions, ModelOptions, StudyOptions, not_made_by_skipsearch, special_token_ids
+from .prompts import TOO_LONG, encode_rows
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class OptimizeSettings(ModelOptions, DraftOptions, StudyOptions):
     no_plots: bool = False
     no_progress: bool = False
     compile: bool = False
+    category_field: str | None = None  # None: "category" where the rows have it
+    too_long: str = "refuse"  # or "skip": a prompt the model's context cannot hold
+    per_category: bool = False  # one study per category (--num-prompts each), their winners exported together
 
 
 @dataclass
@@ -78,6 +82,7 @@ class Optimization:
     stopped_by: str | None = None
     outcome: str = ""  # with a stop signal: what the stop did to the running trial
     plots: list[Path] = field(default_factory=list)
+    by_category: dict[str, Optimization] = field(default_factory=dict)  # with per_category: each category's study
 
 
 @dataclass
@@ -89,6 +94,7 @@ class _Prepared:
     space: SearchSpace
     policy: DraftPolicy
     prompts: list[list[int]]
+    categories: list[str | None]  # each prompt's
     datasets: list[str]  # --dataset, each once
     prompt_datasets: list[str] | None  # each prompt's dataset, with several
     first_trials: tuple[tuple[str, SkipSet], ...]
@@ -101,6 +107,11 @@ def optimize(settings: OptimizeSettings, say: Callable[[str], None] = print) -> 
     report as it comes (warm starts, the study's summary, the verdict, the export, projections, plots)."""
     s = settings
     run = _prepare(s, say)
+    return _per_category(s, run, say) if s.per_category else _optimize(s, run, say)
+
+
+def _optimize(s: OptimizeSettings, run: _Prepared, say: Callable[[str], None]) -> Optimization:
+    """The study on `run`'s prompts, its confirmation, export, projections and plots."""
     storage, heartbeat = _open_storage(s)
     studied = StudySettings(
         study_name=s.study_name, storage=storage, objective=s.objective,
@@ -134,12 +145,43 @@ def optimize(settings: OptimizeSettings, say: Callable[[str], None] = print) -> 
     return result
 
 
+def _per_category(s: OptimizeSettings, run: _Prepared, say: Callable[[str], None]) -> Optimization:
+    """One study per category on its prompts alone (named <study>-<category>), then one config of the categories'
+    confirmed sets, each labelled with its categories, among which decoding chooses per prompt."""
+    results: dict[str, Optimization] = {}
+    for category in dict.fromkeys(run.categories):
+        mine = [i for i, c in enumerate(run.categories) if c == category]
+        own = replace(s, study_name=category_study_name(s.study_name, category))
+        say(f"category {category}: study {own.study_name} on {len(mine)} prompts")
+        results[category] = result = _optimize(own, replace(run, prompts=[run.prompts[i] for i in mine],
+                                                            categories=[category] * len(mine)), say)
+        if result.stopped_by:
+            break
+    config = category_config({c: r.config for c, r in results.items()}, s.study_name)
+    save_skip_config(config, s.folder / "best.json")
+    last = results[category]
+    combined = Optimization(last.study, config, f"exported {s.folder / 'best.json'}: {exported_text(config)}",
+                            last.stopped_by, last.outcome, by_category=results)
+    if last.stopped_by:
+        combined.exported += f" (the categories studied before the stop: {', '.join(results)})"
+    say(combined.exported)
+    return combined
+
+
+def category_study_name(study_name: str, category: str) -> str:
+    """A category's study: the study's name suffixed with the category (characters a study name cannot hold as
+    '-'), at most 100 characters."""
+    return f"{study_name}-{re.sub(r'[^A-Za-z0-9._-]', '-', category)}"[:100]
+
+
 def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
     """Everything `optimize` needs, checked before the storage is opened, so a rejected run leaves no database."""
     policy = s.policy()
     check_measurable(s.max_new_tokens, policy.max_draft_tokens, names=("--max-new-tokens", "--max-draft-tokens"))
     warm_files = [entry for spec in s.warm_start or () for entry in read_warm_starts(spec)]
-    datasets, prompts, prompt_datasets = _study_prompts(s)
+    if s.too_long not in TOO_LONG:
+        raise ValueError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {s.too_long!r}")
+    datasets, rows, prompt_datasets = _study_prompts(s)
     make_sampler(s.sampler, s.seed, s.objective == "pareto")
     if s.heartbeat_grace <= s.heartbeat_interval:
         raise ValueError("--heartbeat-grace must be longer than --heartbeat-interval")
@@ -154,12 +196,15 @@ def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
                         max_skip_fraction=s.max_skip_fraction, skip_prior=s.skip_prior,
                         head_rows=head_rows(s.head_rows, model_info.vocab_size))
     first_trials = _first_trials(warm_files, model_info, space, not s.no_warm_starts, say)
-    encoded = encoded_prompts(loaded, prompts, s.raw, s.max_new_tokens, policy.max_draft_tokens)
     if profile is not None:
         profile.check_model(loaded.model)
+    encoded = encode_rows(loaded, rows, s.raw, s.max_new_tokens, policy.max_draft_tokens, s.too_long, say,
+                          not s.no_progress)
+    if prompt_datasets is not None:  # each prompt kept, with its dataset
+        prompt_datasets = [prompt_datasets[i] for i in encoded.kept]
     projections = load_projections(s.project_with or (), loaded.model)
-    return _Prepared(loaded, model_info, space, policy, encoded, datasets, prompt_datasets, first_trials,
-                     profile, projections)
+    return _Prepared(loaded, model_info, space, policy, encoded.ids, encoded.categories, datasets, prompt_datasets,
+                     first_trials, profile, projections)
 
 
 DEFAULT_HEAD_ROWS = (4096, 8192, 16384, 32768)
@@ -178,16 +223,23 @@ def head_rows(asked: tuple[int, ...] | None, vocab_size: int) -> tuple[int, ...]
     return tuple(asked)
 
 
-def _study_prompts(s: OptimizeSettings) -> tuple[list[str], list[str], list[str] | None]:
+def _study_prompts(s: OptimizeSettings) -> tuple[list[str], list[PromptRow], list[str] | None]:
     """The datasets, the calibration prompts of each, interleaved (so that a trial the pruner stops early has
-    measured each dataset), and each prompt's dataset (None with one)."""
+    measured each dataset), and each prompt's dataset (None with one). A dataset with categories is drawn
+    stratified (every category represented), or with `per_category` --num-prompts of each category."""
     datasets = s.dataset or [BUILTIN]
     repeated = next((d for i, d in enumerate(datasets) if d in datasets[:i]), None)
     if repeated is not None:
         raise ValueError(f"--dataset {repeated!r} is given twice")
-    texts = [load_prompts(d, field=s.field, split=s.split, num_prompts=s.num_prompts, seed=s.seed) for d in datasets]
-    interleaved = [(text, d) for row in zip(*texts) for text, d in zip(row, datasets)]
-    return datasets, [text for text, _ in interleaved], [d for _, d in interleaved] if len(datasets) > 1 else None
+    if s.per_category:
+        if len(datasets) > 1:
+            raise ValueError("--per-category takes one --dataset (its rows' categories make the studies)")
+        every = load_rows(datasets[0], s.field, s.split, None, s.seed, s.category_field)
+        return datasets, [row for group in draw_per_category(every, s.num_prompts, s.seed).values()
+                          for row in group], None
+    drawn = [load_rows(d, s.field, s.split, s.num_prompts, s.seed, s.category_field) for d in datasets]
+    interleaved = [(row, d) for rows in zip(*drawn) for row, d in zip(rows, datasets)]
+    return datasets, [row for row, _ in interleaved], [d for _, d in interleaved] if len(datasets) > 1 else None
 
 
 def _open_storage(s: OptimizeSettings) -> tuple[optuna.storages.BaseStorage, Heartbeat]:

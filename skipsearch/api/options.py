@@ -8,7 +8,6 @@ from pathlib import Path
 
 import optuna
 
-from ..decode.kvcache import check_cache_memory
 from ..decode.policy import DraftPolicy
 from ..io import models
 from ..search.records import STUDY_ATTR, read_label
@@ -78,18 +77,6 @@ class StudyOptions:
 def not_made_by_skipsearch(name: str) -> ValueError:
     return ValueError(f"study {name!r} was not made by skipsearch (it has no {STUDY_ATTR!r} attribute): "
                       "give another --study-name")
-
-
-def encoded_prompts(loaded: models.LoadedModel, texts: list[str], raw: bool, max_new_tokens: int,
-                    max_draft_tokens: int) -> list[list[int]]:
-    """The prompts as token ids, each checked to leave the model room for its new and drafted tokens, in its context
-    and in the device's memory."""
-    encoded = [models.encode_prompt(loaded.tokenizer, text, raw=raw) for text in texts]
-    for ids in encoded:
-        models.check_context(loaded.model, len(ids), max_new_tokens, max_draft_tokens)
-    # Before the study or the benchmark starts: the longest prompt's cache must fit the device as well as the context.
-    check_cache_memory(loaded.model, max(map(len, encoded)) + max_new_tokens + max_draft_tokens)
-    return encoded
 
 
 def special_token_ids(loaded: models.LoadedModel) -> list[int]:

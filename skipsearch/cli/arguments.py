@@ -188,11 +188,19 @@ def add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_
                                f"dataset too, so best.json carries each dataset's best set (default: {BUILTIN})")
     else:
         data.add_argument("--dataset", default=BUILTIN, help=kinds)
-    data.add_argument("--field", default="prompt", help="the dataset field holding the prompt text")
+    data.add_argument("--field", default="prompt",
+                      help="the dataset field holding the prompt: text, or a list of user turns (a conversation: "
+                           "each later turn is asked after the model's own answer to the one before)")
     data.add_argument("--split", default="train", help="the split of a Hub dataset")
     data.add_argument("--num-prompts", type=positive_int, default=num_prompts, help="prompts to decode")
     data.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens, help="tokens decoded per prompt")
     data.add_argument("--raw", action="store_true", help="tokenize prompts as is, without the chat template")
+    data.add_argument("--category-field", default=None, metavar="NAME",
+                      help="the field naming each prompt's category, which every row must then have; the draw takes "
+                           "prompts of every category in turn (default: 'category' where the rows have it)")
+    data.add_argument("--too-long", choices=("refuse", "skip"), default="refuse",
+                      help="a prompt whose answers do not fit the model's context (checked before any decoding): "
+                           "refuse the run, or skip that prompt with a line saying so")
 
 
 def add_compile_flag(parser: argparse.ArgumentParser,

@@ -11,7 +11,8 @@ from .arguments import (add_compile_flag, add_model_flags, add_number_flags, add
 
 HELP = "compare skipsearch with HF greedy and its training-free peers"
 DESCRIPTION = ("Decode the same prompts with HF greedy (the baseline), HF prompt lookup, HF early exit, "
-               "skipsearch plain and skipsearch with --config; print a table, write JSON and a bar chart.")
+               "skipsearch plain and skipsearch with --config; print a table, write JSON and a bar chart. Prompts "
+               "with a category field are drawn stratified and reported per category too.")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -19,7 +20,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     result = benchmark(settings_of(BenchSettings, args))
     print("\n".join(result.lines()))
-    print(f"wrote {result.json_path} and {result.png_path}")
+    charts = f"{result.png_path} and {result.categories_png}" if result.categories_png else str(result.png_path)
+    print(f"wrote {result.json_path}{', ' if result.categories_png else ' and '}{charts}")
     return 0
 
 

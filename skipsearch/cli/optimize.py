@@ -35,6 +35,10 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 def add_optimize_flags(opt: argparse.ArgumentParser) -> None:
     add_prompt_flags(opt, num_prompts=4, max_new_tokens=32, several_datasets=True)
     add_search_flags(opt.add_argument_group("search"))
+    opt.add_argument("--per-category", action="store_true",
+                     help="one study per category of the dataset (named <study-name>-<category>, --num-prompts "
+                          "prompts of each), their confirmed sets exported together in <study-name>/best.json, "
+                          "labelled by category, among which decoding chooses per prompt")
     add_worker_flags(opt.add_argument_group("workers and crash recovery (SQLite / PostgreSQL storages)"))
     out = opt.add_argument_group("output")
     out.add_argument("--no-plots", action="store_true", help="do not write plots")

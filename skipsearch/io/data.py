@@ -1,41 +1,109 @@
-"""Calibration prompts through `datasets`: the built-in set, a local JSON/JSONL file, or a Hub dataset."""
+"""Calibration prompts through `datasets`: the built-in set, a local JSON/JSONL file, or a Hub dataset.
+
+A prompt field may hold text or a list of user turns (a conversation, as Spec-Bench's `turns`); a `category` field
+(or another, named) is kept with each prompt, and then the draw is stratified: every category is represented.
+"""
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
 from .files import read_json
 
 BUILTIN = "builtin"
 BUILTIN_PATH = Path(__file__).parent.parent / "prompts" / "builtin.jsonl"
+CATEGORY_FIELD = "category"  # read without a flag when the rows have it
+# Spec-Bench reports MT-bench's eight subcategories together, as "multi-turn conversation", and its tasks in this order.
+MT_BENCH = "mt_bench"
+MT_BENCH_SUBCATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+SPEC_BENCH_ORDER = (MT_BENCH, "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One prompt: its user turns (one, or several: each after the model's own answer to the one before), its
+    category (None: the dataset has none) and where it was read ("line 3"), for messages about it."""
+
+    turns: tuple[str, ...]
+    category: str | None = None
+    where: str = ""
 
 
 def load_prompts(
     dataset: str = BUILTIN, field: str = "prompt", split: str = "train", num_prompts: int | None = 8, seed: int = 0
 ) -> list[str]:
-    """`num_prompts` prompts (all when None), chosen by a seeded shuffle so a seed always picks the same ones.
+    """`num_prompts` prompts' first turns (all when None), chosen by a seeded shuffle so a seed always picks the same
+    ones; `load_rows` keeps every turn and the category."""
+    return [row.turns[0] for row in load_rows(dataset, field, split, num_prompts, seed)]
+
+
+def load_rows(dataset: str = BUILTIN, field: str = "prompt", split: str = "train", num_prompts: int | None = 8,
+              seed: int = 0, category_field: str | None = None) -> list[PromptRow]:
+    """`num_prompts` rows (all when None), drawn by a seeded shuffle, stratified by category when the rows have one.
 
     `dataset` is "builtin" (32 prompts shipped with skipsearch: chat, explanation,
-    summarization of a given passage, code), a local .json / .jsonl file, or a Hub name.
+    summarization of a given passage, code), a local .json / .jsonl file, or a Hub name. `category_field`: the field
+    naming each row's category, which every row must then have (None: "category" where the rows have it).
     """
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     path = BUILTIN_PATH if dataset == BUILTIN else Path(dataset)
     if dataset == BUILTIN or path.suffix in (".json", ".jsonl") or path.exists():
-        prompts = _local_prompts(path, dataset, field)
+        records = _json_records(path, dataset)
     else:
-        prompts = _hub_prompts(dataset, field, split)
-    if not prompts:
+        records = _hub_records(dataset, split)
+    rows = _rows(records, dataset, field, category_field)
+    if not rows:
         raise ValueError(f"dataset {dataset!r} has no non-empty text in field {field!r}")
-    if num_prompts is not None and num_prompts > len(prompts):
-        raise ValueError(f"asked for {num_prompts} prompts, but dataset {dataset!r} has {len(prompts)}")
-    random.Random(seed).shuffle(prompts)
-    return prompts[:num_prompts]
+    if num_prompts is not None and num_prompts > len(rows):
+        raise ValueError(f"asked for {num_prompts} prompts, but dataset {dataset!r} has {len(rows)}")
+    return draw(rows, num_prompts, seed)
 
 
-def _hub_prompts(dataset: str, field: str, split: str) -> list[str]:
+def categories_of(rows: list[PromptRow]) -> list[str]:
+    """The rows' categories in Spec-Bench's order (its tasks first, then the others as they first appear)."""
+    present = dict.fromkeys(row.category for row in rows if row.category is not None)
+    return [c for c in SPEC_BENCH_ORDER if c in present] + [c for c in present if c not in SPEC_BENCH_ORDER]
+
+
+def shuffled_by_category(rows: list[PromptRow], seed: int) -> dict[str | None, list[PromptRow]]:
+    """Each category's rows (one group, None, without categories) in a seeded shuffle: every draw takes from the front,
+    so a seed always picks the same rows and a larger draw holds a smaller one."""
+    generator = random.Random(seed)
+    groups = {c: [row for row in rows if row.category == c] for c in categories_of(rows) or [None]}
+    for group in groups.values():
+        generator.shuffle(group)
+    return groups
+
+
+def draw(rows: list[PromptRow], num_prompts: int | None, seed: int) -> list[PromptRow]:
+    """`num_prompts` rows (None: all), taken in turn from each category's shuffle, so that every category is
+    represented and a trial stopped early has measured each; refused when there are more categories than prompts."""
+    groups = shuffled_by_category(rows, seed)
+    if num_prompts is not None and num_prompts < len(groups):
+        raise ValueError(f"--num-prompts {num_prompts} cannot represent the dataset's {len(groups)} categories "
+                         f"({', '.join(map(str, groups))}): give at least {len(groups)}")
+    interleaved = [group[i] for i in range(max(map(len, groups.values()))) for group in groups.values()
+                   if i < len(group)]
+    return interleaved[:num_prompts]
+
+
+def draw_per_category(rows: list[PromptRow], per_category: int, seed: int) -> dict[str, list[PromptRow]]:
+    """`per_category` rows of each category (the front of its shuffle, as `draw` takes them)."""
+    groups = shuffled_by_category(rows, seed)
+    if None in groups:
+        raise ValueError("the dataset's rows have no category: name the field with --category-field")
+    short = next((c for c, group in groups.items() if len(group) < per_category), None)
+    if short is not None:
+        raise ValueError(f"category {short!r} has {len(groups[short])} prompts, fewer than --num-prompts "
+                         f"{per_category}")
+    return {c: group[:per_category] for c, group in groups.items()}
+
+
+def _hub_records(dataset: str, split: str) -> list[tuple[str, dict]]:
     import datasets
 
     from .models import hub_unreachable  # here: models imports torch, which reading the builtin prompts does without
@@ -49,32 +117,60 @@ def _hub_prompts(dataset: str, field: str, split: str) -> list[str]:
     except Exception as error:  # datasets raises many kinds; the user needs one line
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"cannot read dataset {dataset!r}: {reason}") from None
-    if field not in rows.column_names:
-        raise ValueError(f"dataset {dataset!r} has no field {field!r}: its fields are {', '.join(rows.column_names)}")
-    return [text for text in rows[field] if isinstance(text, str) and text.strip()]
+    return [(f"row {number}", record) for number, record in enumerate(rows.to_list(), start=1)]
 
 
-def _local_prompts(path: Path, name: str, field: str) -> list[str]:
-    """The non-empty texts of `field` in a local .json (a list of records, or an object of columns) or .jsonl
-    file; a record whose field holds anything but text (or null) is refused, naming its line or index.
+def _rows(records: list[tuple[str, dict]], name: str, field: str, category_field: str | None) -> list[PromptRow]:
+    """The rows whose `field` holds non-empty text or a list of turns; a record whose field holds anything else (or
+    a list with an empty or non-text turn, or no category where one is read) is refused, naming its line or index.
 
-    Read here rather than by `datasets.load_dataset("json")`, which would leave an Arrow cache under HF_HOME even
-    for a file it rejects, and logs a second line beside its error.
+    Local files are read here rather than by `datasets.load_dataset("json")`, which would leave an Arrow cache under
+    HF_HOME even for a file it rejects, and logs a second line beside its error.
     """
-    records = _json_records(path, name)
-    if not any(field in record for _, record in records):
-        fields = sorted({key for _, record in records for key in record})
-        raise ValueError(f"dataset {name!r} has no field {field!r}: its fields are {', '.join(fields)}")
-    prompts = []
+    for wanted in (field, category_field):
+        if wanted is not None and not any(wanted in record for _, record in records):
+            fields = sorted({key for _, record in records for key in record})
+            raise ValueError(f"dataset {name!r} has no field {wanted!r}: its fields are {', '.join(fields)}")
+    if category_field is None and any(CATEGORY_FIELD in record for _, record in records):
+        category_field = CATEGORY_FIELD
+    rows = []
     for where, record in records:
-        text = record.get(field)
-        if text is not None and not isinstance(text, str):
-            kind = "a number" if isinstance(text, (int, float)) and not isinstance(text, bool) else \
-                f"a {type(text).__name__}"
-            raise ValueError(f"dataset {name!r}, {where}: {field!r} is {kind} ({json.dumps(text)[:40]}), not text")
-        if text is not None and text.strip():
-            prompts.append(text)
-    return prompts
+        turns = _turns(record.get(field), f"dataset {name!r}, {where}: {field!r}")
+        if turns:
+            category = _category(record, category_field, f"dataset {name!r}, {where}") if category_field else None
+            rows.append(PromptRow(turns, category, where))
+    return rows
+
+
+def _kind(value: object) -> str:
+    return "a number" if isinstance(value, (int, float)) and not isinstance(value, bool) else \
+        f"a {type(value).__name__}"
+
+
+def _turns(value: object, where: str) -> tuple[str, ...]:
+    """A prompt's turns: text (none when empty or null: the row is left out), or a list of non-empty texts."""
+    if value is None or isinstance(value, str):
+        return (value,) if value is not None and value.strip() else ()
+    if not isinstance(value, list):
+        raise ValueError(f"{where} is {_kind(value)} ({json.dumps(value)[:40]}), not text or a list of turns")
+    if not value:
+        raise ValueError(f"{where} is an empty list: a conversation needs at least one turn")
+    for number, turn in enumerate(value, start=1):
+        if not isinstance(turn, str):
+            raise ValueError(f"{where}: turn {number} is {_kind(turn)} ({json.dumps(turn)[:40]}), not text")
+        if not turn.strip():
+            raise ValueError(f"{where}: turn {number} is empty")
+    return tuple(value)
+
+
+def _category(record: dict, field: str, where: str) -> str:
+    """The row's category; MT-bench's subcategories are one, as Spec-Bench reports them."""
+    value = record.get(field)
+    if not isinstance(value, str) or not value.strip():
+        found = "no" if value is None else f"{_kind(value)} in its"
+        raise ValueError(f"{where}: {found} {field!r} field (a category is read from each row; name another field "
+                         "with --category-field)")
+    return MT_BENCH if value in MT_BENCH_SUBCATEGORIES else value
 
 
 def _json_records(path: Path, name: str) -> list[tuple[str, dict]]:

@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -384,14 +385,28 @@ def model_from_config(source: str | None = None, device: str | None = None,
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, raw: bool = False) -> list[int]:
     """Token ids for one user prompt: through the chat template when the tokenizer has one, unless `raw`."""
+    return encode_conversation(tokenizer, [text], raw=raw)
+
+
+def encode_conversation(tokenizer: PreTrainedTokenizerBase, turns: Sequence[str], answers: Sequence[str] = (),
+                        raw: bool = False) -> list[int]:
+    """Token ids for user `turns`, each but the last followed by the model's answer to it (`answers`), ready for the
+    answer to the last: through the chat template when the tokenizer has one, unless `raw`; otherwise the texts
+    joined by blank lines (a model without a template reads the conversation as one plain text)."""
+    if len(answers) != len(turns) - 1:
+        raise ValueError(f"{len(turns)} turns need {len(turns) - 1} answers, got {len(answers)}")
     if not raw and tokenizer.chat_template:
+        messages = [{"role": "user", "content": turns[0]}]
+        for answer, turn in zip(answers, turns[1:]):
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": turn}]
         try:  # transformers renders it in jinja's sandbox, which stops a template reaching for Python's internals
-            encoded = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=True)
+            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)
         except Exception as error:  # noqa: BLE001 - jinja's errors, and a template's own raise_exception
             raise load_error(error, template_refusal(tokenizer, error)) from None
         return list(encoded["input_ids"])
-    return list(tokenizer(text)["input_ids"])
+    texts = [turns[0]] + [text for pair in zip(answers, turns[1:]) for text in pair]
+    return list(tokenizer("\n\n".join(texts))["input_ids"])
 
 
 def check_context(model: PreTrainedModel, prompt_tokens: int, max_new_tokens: int, max_draft_tokens: int = 0,

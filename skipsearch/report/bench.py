@@ -13,7 +13,7 @@ import json
 import textwrap
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -34,6 +34,7 @@ from ..search.measure import ratio_interval
 from .plots import save_figure
 
 Decoder = Callable[[list[int]], tuple[list[int], DecodeStats | None]]
+BASELINE = "hf greedy"  # every speedup's baseline: plain autoregressive decoding, as Spec-Bench's
 
 
 @dataclass
@@ -67,7 +68,8 @@ def hf_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int]
     return decode
 
 
-def skipsearch_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, skip: SkipSet | None,
+def skipsearch_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None,
+                       skip: SkipSet | Sequence[SkipSet] | None,
                        policy: DraftPolicy, time_drafts: bool = False, compile: bool = False,
                        compile_mode: str | None = None, compile_backend: str = "inductor") -> Decoder:
     # One memory across the decoder's calls, as a server keeps one per model: the guard's plain speed and back-off
@@ -92,6 +94,18 @@ class Runs:
     prefill_seconds: list[float]  # 0 where the method does not report it
     outputs: list[list[int]]  # of the first repeat, one per prompt
     stats: DecodeStats  # of the first repeat, summed over prompts
+    prompt_stats: list[DecodeStats | None] = field(default_factory=list)  # of the first repeat, one per prompt
+
+    def subset(self, prompts: list[int], num_prompts: int) -> Runs:
+        """These runs of the prompts at `prompts` alone (of `num_prompts`), in the same order: a category's."""
+        picks = [r * num_prompts + i for r in range(len(self.seconds) // num_prompts) for i in prompts]
+        stats = DecodeStats()
+        for i in prompts:
+            if self.prompt_stats[i] is not None:
+                stats.add(self.prompt_stats[i])
+        return Runs([self.seconds[k] for k in picks], [self.tokens[k] for k in picks],
+                    [self.prefill_seconds[k] for k in picks], [self.outputs[i] for i in prompts], stats,
+                    [self.prompt_stats[i] for i in prompts])
 
     def ratios_over(self, base: Runs, decode_only: bool = False) -> list[float]:
         """Per-run tokens/s over `base`'s tokens/s on the same prompt and repeat."""
@@ -125,10 +139,26 @@ def timed_runs(
                 run.prefill_seconds.append(stats.prefill_time_s if stats is not None else 0.0)
                 if repeat == 0:
                     run.outputs.append(tokens)
+                    run.prompt_stats.append(stats)
                     if stats is not None:
                         run.stats.add(stats)
     # Each method's runs in (repeat, prompt) order, so that the i-th runs of two methods are a pair.
     return runs
+
+
+@dataclass
+class Measured:
+    """Every method's timed runs of the same prompts, and whether each skip-set row ran with the guard."""
+
+    prompts: list[list[int]]
+    runs: dict[str, Runs]
+    guarded: dict[str, bool | None]
+
+    def subset(self, prompts: list[int]) -> Measured:
+        """The runs of the prompts at `prompts` alone (a category's), still paired run by run."""
+        return Measured([self.prompts[i] for i in prompts],
+                        {name: run.subset(prompts, len(self.prompts)) for name, run in self.runs.items()},
+                        self.guarded)
 
 
 def run_bench(
@@ -137,7 +167,18 @@ def run_bench(
     repeats: int = 3, profile: CostProfile | None = None, show_progress: bool = True,
     project_with: Sequence[tuple[str, CostProfile]] = (), compile: bool = False,
 ) -> list[BenchRow]:
-    methods: dict[str, Decoder] = {"hf greedy": hf_decoder(model, max_new_tokens, eos)}
+    measured = measure_methods(model, prompts, max_new_tokens, eos, config, early_exit_layer, prompt_lookup_tokens,
+                               repeats, show_progress, compile)
+    return bench_rows(model, measured, config, profile, project_with)
+
+
+def measure_methods(
+    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, eos: int | list[int] | None,
+    config: SkipConfig | None = None, early_exit_layer: int | None = None, prompt_lookup_tokens: int = 10,
+    repeats: int = 3, show_progress: bool = True, compile: bool = False,
+) -> Measured:
+    """Every method's timed runs: HF greedy, its peers, skipsearch's plain loop and the config's rows."""
+    methods: dict[str, Decoder] = {BASELINE: hf_decoder(model, max_new_tokens, eos)}
     if prompt_lookup_tokens:
         methods[f"hf prompt lookup ({prompt_lookup_tokens})"] = hf_decoder(
             model, max_new_tokens, eos, prompt_lookup_num_tokens=prompt_lookup_tokens)
@@ -147,32 +188,42 @@ def run_bench(
     methods["skipsearch plain"] = skipsearch_decoder(model, max_new_tokens, eos, None, DraftPolicy(), compile=compile)
     guarded = {}
     if config is not None:
+        skip = config.skip_sets if config.others else config.skip  # several: the prefill chooses one per prompt
         for label, policy in config_decoders(config).items():
-            methods[label] = skipsearch_decoder(model, max_new_tokens, eos, config.skip, policy, compile=compile)
-            guarded[label] = policy.guard if config.skip.drafts else None
+            methods[label] = skipsearch_decoder(model, max_new_tokens, eos, skip, policy, compile=compile)
+            guarded[label] = policy.guard if config.skip.drafts or config.others else None
+    return Measured(prompts, timed_runs(methods, prompts, repeats, model.device, show_progress), guarded)
 
-    runs = timed_runs(methods, prompts, repeats, model.device, show_progress)
-    hf, plain = runs["hf greedy"], runs["skipsearch plain"]
+
+def bench_rows(model: torch.nn.Module, measured: Measured, config: SkipConfig | None = None,
+               profile: CostProfile | None = None, project_with: Sequence[tuple[str, CostProfile]] = (),
+               divergences: bool = True) -> list[BenchRow]:
+    """A row per method, paired with HF greedy (and skipsearch's rows with its plain loop) run by run;
+    `divergences`: also the top-2 logit gap where an output differs from HF greedy's (a forward per such output)."""
+    runs, prompts = measured.runs, measured.prompts
+    hf, plain = runs[BASELINE], runs["skipsearch plain"]
+    predicts = config is not None and not config.others  # the cost model prices one skip set
     rows = []
     for name, run in runs.items():
         speedup = ratio_interval(run.ratios_over(hf))
         row = BenchRow(method=name, tokens_per_second=sum(run.tokens) / sum(run.seconds), speedup=speedup.estimate,
                        identical=run.outputs == hf.outputs, speedup_low=speedup.low,
-                       speedup_high=_finite(speedup.high), guarded=guarded.get(name))
+                       speedup_high=_finite(speedup.high), guarded=measured.guarded.get(name))
         if name.startswith("skipsearch"):
             over_plain = ratio_interval(run.ratios_over(plain, decode_only=True))
             row.speedup_over_plain_loop = over_plain.estimate
             row.speedup_over_plain_low, row.speedup_over_plain_high = over_plain.low, _finite(over_plain.high)
             stats = run.stats
             row.identical_share = sum(o == r for o, r in zip(run.outputs, hf.outputs)) / len(hf.outputs)
-            row.divergence_gaps = [first_divergence(r, o, reference_logits(model, p, r)).top2_gap
-                                   for p, r, o in zip(prompts, hf.outputs, run.outputs) if o != r]
+            if divergences:
+                row.divergence_gaps = [first_divergence(r, o, reference_logits(model, p, r)).top2_gap
+                                       for p, r, o in zip(prompts, hf.outputs, run.outputs) if o != r]
             if stats.drafted:
                 row.acceptance_rate = stats.acceptance_rate
                 row.mean_accepted_tokens = stats.mean_accepted_tokens
-            if profile is not None and config is not None and name != "skipsearch plain":
+            if profile is not None and predicts and name != "skipsearch plain":
                 row.predicted_speedup = profile.predict_speedup(config.skip, stats, adaptive=config.draft.adaptive)
-            if project_with and config is not None and name != "skipsearch plain":
+            if project_with and predicts and name != "skipsearch plain":
                 row.projected_speedups = {label: other.predict_speedup(config.skip, stats, adaptive=config.draft.adaptive)
                                           for label, other in project_with}
         rows.append(row)
@@ -182,12 +233,14 @@ def run_bench(
 def config_decoders(config: SkipConfig) -> dict[str, DraftPolicy]:
     """The config's rows, by label: its skip set as deployed (its own policy, the guard on unless the config turns it
     off) and, where the guard is on, also without it, which is what a study's trial measures: like with like."""
-    if not config.skip.drafts:
+    if not config.skip.drafts and not config.others:
         return {"skipsearch config (skips nothing)": config.draft}
+    name = config.skip if not config.others else \
+        f"{len(config.entries)} sets chosen per prompt ({', '.join(str(e.label) for e in config.entries)})"
     if not config.draft.guard:
-        return {f"skipsearch {config.skip} (unguarded)": config.draft}
-    return {f"skipsearch {config.skip} (guarded)": config.draft,
-            f"skipsearch {config.skip} (unguarded, as its study measured)": replace(config.draft, guard=False)}
+        return {f"skipsearch {name} (unguarded)": config.draft}
+    return {f"skipsearch {name} (guarded)": config.draft,
+            f"skipsearch {name} (unguarded, as its study measured)": replace(config.draft, guard=False)}
 
 
 def _finite(value: float) -> float | None:
@@ -203,7 +256,8 @@ def bench_verdict(rows: list[BenchRow], config: SkipConfig | None = None) -> str
     row, unguarded = ours[0], next((r for r in ours if r.guarded is False), None)
     recorded = config.metrics.get("verdict") if config is not None else None
     if row.acceptance_rate is None:
-        text = "the config skips nothing: it decodes plainly"
+        text = "the config skips nothing: it decodes plainly" if config is None or not config.others else \
+            "the config's sets drafted nothing: the prefill chose plain decoding for every prompt"
         return f"{text} (its study's verdict: {recorded})" if recorded else text
     figure = _figure(row)
     guard = {True: " with the run-time guard", False: " without the run-time guard", None: ""}[row.guarded]
@@ -238,11 +292,13 @@ def format_table(rows: list[BenchRow]) -> str:
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in [header, *lines])
 
 
-def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: str | None = None) -> tuple[Path, Path]:
+def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: str | None = None,
+                  categories: list[dict] | None = None) -> tuple[Path, Path]:
+    """bench.json (with `categories`, one entry per category) and bench.png."""
     folder.mkdir(parents=True, exist_ok=True)
     json_path, png_path = folder / "bench.json", folder / "bench.png"
-    write_atomic(json_path, json.dumps({"settings": settings, "rows": [asdict(r) for r in rows],
-                                        "verdict": verdict}, indent=2) + "\n")
+    write_atomic(json_path, json.dumps({"settings": settings, "rows": [asdict(r) for r in rows], "verdict": verdict,
+                                        **({"categories": categories} if categories else {})}, indent=2) + "\n")
     ordered = rows[::-1]
     fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 0.25 * sum(len(r.method) // 28 for r in rows) + 1.5),
                            constrained_layout=True)

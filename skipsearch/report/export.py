@@ -207,6 +207,30 @@ def _dataset_entries(study: optuna.Study, label: StudyLabel) -> list[SkipEntry]:
     return entries
 
 
+def category_config(configs: dict[str, SkipConfig], study_name: str) -> SkipConfig:
+    """One config of each category's exported skip set (one study per category), labelled with the categories it
+    won (joined by ", ") and carrying its study's figures; a category whose study exported plain decoding is left
+    out, since decoding always weighs plain decoding. None won: plain decoding, each category's verdict quoted."""
+    won: dict[SkipSet, list[tuple[str, SkipConfig]]] = {}
+    for category, config in configs.items():
+        if config.skip.size and not config.others:
+            won.setdefault(config.skip, []).append((category, config))
+    first = next(iter(configs.values()))
+    search = {**first.search, "study_name": study_name, "trial_number": None, "categories": list(configs),
+              "category_studies": {c: config.search.get("study_name") for c, config in configs.items()}}
+    verdicts = "; ".join(f"{c}: {config.metrics.get('verdict')}" for c, config in configs.items())
+    if not won:
+        metrics = {"objective": first.metrics.get("objective"), "score": 1.0, "speedup": 1.0, "acceptance_rate": None,
+                   "mean_accepted_tokens": None, "confirmed": False,
+                   "verdict": f"no category's skip set was confirmed faster than plain decoding ({verdicts}); plain "
+                              "decoding is exported"}
+        return SkipConfig(model=first.model, skip=SkipSet(), draft=first.draft, metrics=metrics, search=search)
+    entries = [SkipEntry(skip, ", ".join(c for c, _ in wins), {
+        **wins[0][1].metrics, "verdict": "; ".join(f"{c}: {w.metrics.get('verdict')}" for c, w in wins)})
+        for skip, wins in won.items()]
+    return SkipConfig.of_entries(first.model, entries, first.draft, search)
+
+
 def _search_settings(study: optuna.Study, label: StudyLabel, trial_number: int | None) -> dict:
     confirmation = read_confirmation(study)
     return {

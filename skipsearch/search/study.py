@@ -31,8 +31,8 @@ from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord,
                       read_confirmation, read_label)
 from .settings import StudySettings, check_measurable
 from .space import SearchSpace
+from .storage import make_storage, storage_place, worker_tag
 from .vocabulary import rank_vocabulary
-from .storage import FAIL_REASON_ATTR, make_storage, storage_place, worker_tag
 from .worker import Interrupted, StopRequest, SurplusTrial, TrialLost, ends_the_study, stop_on_signals, work
 
 Value = float | tuple[float, float]  # a trial's value: one objective, or (speedup, acceptance rate) for pareto
@@ -207,7 +207,7 @@ def _finished_elsewhere(trial: optuna.Trial) -> str | None:
         return None
     if not stored.state.is_finished():
         return None
-    reason = stored.user_attrs.get(FAIL_REASON_ATTR, "no reason given")
+    reason = TrialRecord.of(stored).fail_reason or "no reason given"
     return (f"trial {trial.number} was ended by another worker while this one ran it ({stored.state.name}: "
             f"{reason}); its result is dropped and the study goes on")
 

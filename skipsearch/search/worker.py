@@ -282,7 +282,10 @@ def _progress(study: optuna.Study, total: int, enabled: bool) -> Iterator[Callba
                dynamic_ncols=True, desc="skip sets")
 
     def callback(study: optuna.Study, trial: FrozenTrial) -> None:
-        bar.n = min(total, len(distinct_trials(study)))
+        measured = min(total, len(distinct_trials(study)))
+        if measured == bar.n:  # a repeated proposal (or a failed trial) measures nothing: no redraw, no line in a log
+            return
+        bar.n = measured
         # Plain decoding's own trial scores about 1 by construction: the bar shows the best set that skips something.
         best = next(iter(ranked(study)), None)
         if best is not None:

@@ -1,0 +1,86 @@
+"""The benchmark per category, as Spec-Bench reports it: each category's prompts alone and all together, every
+figure still paired run by run with HF greedy (Spec-Bench's baseline, plain autoregressive decoding) and with
+skipsearch's own plain loop; a table, JSON entries and a chart with a bar per category and its interval."""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from ..decode.config import SkipConfig
+from .bench import BASELINE, BenchRow, Measured, bench_rows
+from .plots import save_figure
+
+OVERALL = "overall"
+
+
+@dataclass(frozen=True)
+class CategoryRows:
+    """A category's rows (or all prompts': `OVERALL`), over its `num_prompts` prompts."""
+
+    category: str
+    num_prompts: int
+    rows: list[BenchRow]
+
+    def to_json(self) -> dict:
+        return {"category": self.category, "num_prompts": self.num_prompts, "rows": [asdict(r) for r in self.rows]}
+
+
+def category_rows(model: torch.nn.Module, measured: Measured, categories: list[str | None], order: list[str],
+                  config: SkipConfig | None = None) -> list[CategoryRows]:
+    """Each category's rows, in `order`, from the runs of its prompts alone (no divergence gaps: the overall rows
+    carry them)."""
+    grouped = []
+    for category in order:
+        indices = [i for i, c in enumerate(categories) if c == category]
+        if indices:
+            rows = bench_rows(model, measured.subset(indices), config, divergences=False)
+            grouped.append(CategoryRows(category, len(indices), rows))
+    return grouped
+
+
+def format_category_table(groups: list[CategoryRows]) -> str:
+    """One line per category and method (HF greedy, the baseline, left out): tok/s, speedup over HF greedy with its
+    interval, acceptance, mean accepted tokens, and skipsearch's rows over its own plain loop."""
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    def span(low: float | None, high: float | None) -> str:
+        return "-" if low is None else f"{low:.2f}-{'inf' if high is None else format(high, '.2f')}"
+
+    header = ["category", "prompts", "method", "tok/s", "vs HF greedy", "95% interval", "acceptance", "mean acc.",
+              "vs our plain loop", "95% interval"]
+    lines = [[g.category, str(g.num_prompts), r.method, fmt(r.tokens_per_second, ".1f"), f"{r.speedup:.2f}x",
+              span(r.speedup_low, r.speedup_high), fmt(r.acceptance_rate, ".2f"), fmt(r.mean_accepted_tokens, ".2f"),
+              fmt(r.speedup_over_plain_loop, ".2f"), span(r.speedup_over_plain_low, r.speedup_over_plain_high)]
+             for g in groups for r in g.rows if r.method != BASELINE]
+    widths = [max(len(x) for x in column) for column in zip(header, *lines)]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header, *lines])
+
+
+def plot_categories(groups: list[CategoryRows], path: Path, title: str) -> Path:
+    """Speedup over HF greedy per category (a bar per category for each method, its 95% interval as whiskers)."""
+    methods = [r.method for r in groups[0].rows if r.method != BASELINE]
+    labels = [f"{g.category} ({g.num_prompts})" for g in groups][::-1]
+    height = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(groups) * len(methods) ** 0.5 + 2), constrained_layout=True)
+    positions = np.arange(len(groups))
+    for k, method in enumerate(methods):
+        rows = [next(r for r in g.rows if r.method == method) for g in groups][::-1]
+        errors = [[r.speedup - r.speedup_low for r in rows],
+                  [(r.speedup_high or r.speedup) - r.speedup for r in rows]]
+        ax.barh(positions + (k - (len(methods) - 1) / 2) * height, [r.speedup for r in rows], height=height,
+                xerr=errors, error_kw={"capsize": 2, "elinewidth": 1}, label=textwrap.fill(method, 40))
+    ax.set_yticks(positions, labels)
+    ax.axvline(1.0, color="gray", linestyle="--", linewidth=1, zorder=0)
+    ax.set_xlabel("speedup over HF greedy (x; geometric mean of paired runs, whiskers: 95% interval)")
+    ax.set_ylabel("category (prompts)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_title(title, fontsize=9)
+    save_figure(fig, path)
+    return path

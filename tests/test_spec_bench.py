@@ -1,0 +1,243 @@
+"""Spec-Bench as users bring it (a small file in its format, written here; not the real data): conversations of two
+turns, categories kept, the stratified draw, the report per category, one study per category exported together, and
+the refusals."""
+
+import json
+
+import pytest
+
+from conftest import tiny_model
+from skipsearch.api.optimize import category_study_name
+from skipsearch.api.prompts import encode_rows
+from skipsearch.cli import main
+from skipsearch.decode.config import ModelInfo, SkipConfig, load_skip_config, save_skip_config
+from skipsearch.decode.loop import generate
+from skipsearch.decode.skipset import SkipSet
+from skipsearch.io.data import MT_BENCH, PromptRow, categories_of, draw, draw_per_category, load_rows
+from skipsearch.io.models import LoadedModel, encode_conversation
+from skipsearch.report.export import category_config
+
+# Spec-Bench's categories: MT-bench's subcategories (two turns), then its five tasks of one turn.
+CATEGORIES = ["writing", "coding", "translation", "summarization", "qa", "math_reasoning", "rag"]
+
+
+def spec_bench_file(folder, per_category=2, rag_words=0):
+    """question.jsonl in Spec-Bench's format; `rag_words` makes the rag prompts that long."""
+    rows, qid = [], 80
+    for category in CATEGORIES:
+        for i in range(per_category):
+            qid += 1
+            if category in ("writing", "coding"):
+                turns = [f"Write about {category} {i}.", f"Now shorten it ({i})."]
+            elif category == "rag":
+                turns = [" ".join(["context"] * rag_words) + f" Question {i}?"]
+            else:
+                turns = [f"{category} question {i}?"]
+            rows.append({"question_id": qid, "category": category, "turns": turns})
+    path = folder / "question.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    return path
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_turns_and_categories_are_read_as_they_are(tmp_path):
+    rows = load_rows(str(spec_bench_file(tmp_path)), field="turns", num_prompts=None)
+    assert len(rows) == 14 and {len(r.turns) for r in rows if r.category == MT_BENCH} == {2}
+    # MT-bench's subcategories are one category, reported first as Spec-Bench does.
+    assert categories_of(rows) == [MT_BENCH, "translation", "summarization", "qa", "math_reasoning", "rag"]
+    assert all(r.where.startswith("line ") for r in rows)
+    renamed = tmp_path / "renamed.jsonl"
+    renamed.write_text('{"turns": ["a"], "task": "x"}\n{"turns": ["b", "c"], "task": "y"}\n')
+    assert [r.category for r in load_rows(str(renamed), "turns", num_prompts=None, category_field="task")] == \
+        ["x", "y"]
+    assert [r.category for r in load_rows(str(renamed), "turns", num_prompts=None)] == [None, None]
+
+
+def test_the_draw_is_stratified_and_seeded():
+    rows = [PromptRow((f"{c}{i}",), c) for c in "abc" for i in range(5)]
+    six = draw(rows, 6, seed=1)
+    assert sorted(r.category for r in six) == ["a", "a", "b", "b", "c", "c"]
+    assert six == draw(rows, 6, seed=1) and six != draw(rows, 6, seed=2)
+    assert draw(rows, 9, seed=1)[:6] == six  # a larger draw holds a smaller one
+    assert [r.category for r in draw(rows, 3, seed=0)] == ["a", "b", "c"]  # in turn: a short trial measures each
+    with pytest.raises(ValueError, match="--num-prompts 2 cannot represent the dataset's 3 categories"):
+        draw(rows, 2, seed=0)
+    per = draw_per_category(rows, 2, seed=1)
+    assert list(per) == ["a", "b", "c"] and all(len(group) == 2 for group in per.values())
+    with pytest.raises(ValueError, match="category 'a' has 5 prompts, fewer than --num-prompts 6"):
+        draw_per_category(rows, 6, seed=1)
+    with pytest.raises(ValueError, match="have no category"):
+        draw_per_category([PromptRow(("x",))], 1, seed=0)
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"turns": [], "category": "qa"}', r"line 2: 'turns' is an empty list"),
+    ('{"turns": ["a", ""], "category": "qa"}', r"line 2: 'turns': turn 2 is empty"),
+    ('{"turns": ["a", 3], "category": "qa"}', r"line 2: 'turns': turn 2 is a number \(3\), not text"),
+    ('{"turns": {"a": 1}, "category": "qa"}', r"line 2: 'turns' is a dict .*not text or a list of turns"),
+    ('{"turns": ["a"]}', r"line 2: no 'category' field"),
+    ('{"turns": ["a"], "category": 7}', r"line 2: a number in its 'category' field"),
+])
+def test_bad_rows_are_refused_naming_the_row(tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"turns": ["fine"], "category": "qa"}\n' + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_rows(str(path), field="turns", num_prompts=None)
+
+
+def test_a_conversation_goes_through_the_chat_template_or_joins_as_text(default_model):
+    tokenizer = default_model.tokenizer
+    ids = encode_conversation(tokenizer, ["Hi", "And then?"], ["Hello!"])
+    text = tokenizer.decode(ids)
+    assert text.index("Hi") < text.index("Hello!") < text.index("And then?")
+    assert text.count("<|im_start|>assistant") == 2  # the answer's turn, and the one to come
+    raw = encode_conversation(tokenizer, ["Hi", "And then?"], ["Hello!"], raw=True)
+    assert tokenizer.decode(raw) == "Hi\n\nHello!\n\nAnd then?"
+    with pytest.raises(ValueError, match="2 turns need 1 answers"):
+        encode_conversation(tokenizer, ["Hi", "And then?"])
+
+
+def test_the_second_turn_is_asked_after_the_models_own_answer(default_model):
+    model = tiny_model(vocab_size=len(default_model.tokenizer))
+    loaded = LoadedModel(model, default_model.tokenizer, "tiny")
+    rows = [PromptRow(("Tell me a story.", "Shorter, please."), MT_BENCH, "line 1"), PromptRow(("Hi",), "qa")]
+    encoded = encode_rows(loaded, rows, raw=False, max_new_tokens=6, max_draft_tokens=4)
+    first = encode_conversation(loaded.tokenizer, ["Tell me a story."], [])
+    answer = loaded.tokenizer.decode(generate(model, first, max_new_tokens=6).tokens, skip_special_tokens=True)
+    assert encoded.ids[0] == encode_conversation(loaded.tokenizer, rows[0].turns, [answer.strip()])
+    assert encoded.categories == [MT_BENCH, "qa"] and encoded.kept == [0, 1]
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_or_skipped_before_any_decoding(default_model, monkeypatch):
+    model = tiny_model(vocab_size=len(default_model.tokenizer))  # a context of 256 tokens
+    loaded = LoadedModel(model, default_model.tokenizer, "tiny")
+    rows = [PromptRow(("short",), "qa", "line 1"), PromptRow((" ".join(["word"] * 300),), "rag", "line 2")]
+    monkeypatch.setattr("skipsearch.api.prompts.generate", lambda *a, **k: pytest.fail("decoded before the checks"))
+    with pytest.raises(ValueError, match=r"line 2 \(rag\): prompt \(\d+ tokens\).*exceed the model's context of 256 "
+                                         r"tokens.*--too-long skip"):
+        encode_rows(loaded, [*rows, PromptRow(("a", "b"), MT_BENCH)], False, 8, 4)
+    said = []
+    encoded = encode_rows(loaded, rows, False, 8, 4, too_long="skip", say=said.append)
+    assert encoded.kept == [0] and encoded.categories == ["qa"]
+    assert len(said) == 1 and said[0].startswith("skipped line 2 (rag): prompt (")
+    with pytest.raises(ValueError, match="every prompt is too long"):
+        encode_rows(loaded, rows[1:], False, 8, 4, too_long="skip", say=said.append)
+
+
+def test_bench_reports_per_category(capsys, tmp_path, tiny_model_dir):
+    path = spec_bench_file(tmp_path, rag_words=400)
+    common = ["bench", "--model", tiny_model_dir, "--dataset", path, "--field", "turns", "--max-new-tokens", 3,
+              "--repeats", 2, "--prompt-lookup-tokens", 0, "--no-progress", "--output-dir", tmp_path / "out"]
+    code, _, err = run(capsys, *common, "--num-prompts", 12)
+    assert code == 2 and "(rag): prompt (" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+    code, out, _ = run(capsys, *common, "--num-prompts", 12, "--too-long", "skip")
+    assert code == 0
+    assert out.count("skipped line ") == 2 and "per category:" in out
+    data = json.loads((tmp_path / "out" / "bench.json").read_text())
+    entries = data["categories"]
+    assert [e["category"] for e in entries] == [MT_BENCH, "translation", "summarization", "qa", "math_reasoning"]
+    assert all(e["num_prompts"] == 2 for e in entries) and data["settings"]["num_prompts"] == 10
+    assert [r["method"] for r in entries[0]["rows"]] == ["hf greedy", "skipsearch plain"]
+    plain = entries[0]["rows"][1]
+    assert plain["speedup_low"] <= plain["speedup"] <= (plain["speedup_high"] or float("inf"))
+    table = out[out.index("per category:"):].splitlines()
+    assert table[1].split()[:3] == ["category", "prompts", "method"]
+    assert [line.split()[0] for line in table[2:8]] == [MT_BENCH, "translation", "summarization", "qa",
+                                                       "math_reasoning", "overall"]
+    assert (tmp_path / "out" / "bench_categories.png").stat().st_size > 0
+
+
+def test_bench_measures_a_config_of_several_sets(capsys, tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    info = ModelInfo.of(model, "tiny")
+    config = category_config({"qa": SkipConfig(info, SkipSet.of([1])), "rag": SkipConfig(info, SkipSet.of([], [2]))},
+                             "s")
+    save_skip_config(config, tmp_path / "c.json")
+    code, out, _ = run(capsys, "bench", "--model", tiny_model_dir, "--config", tmp_path / "c.json", "--num-prompts", 1,
+                       "--max-new-tokens", 3, "--repeats", 1, "--prompt-lookup-tokens", 0, "--no-progress",
+                       "--output-dir", tmp_path / "out")
+    assert code == 0 and "skipsearch 2 sets chosen per prompt (qa, rag) (guarded)" in out
+
+
+def test_the_categories_winners_are_exported_together():
+    info = ModelInfo("tiny", "LlamaForCausalLM", 4, 32)
+
+    def won(attn, verdict):
+        return SkipConfig(info, SkipSet.of(attn), metrics={"speedup": 1.2, "verdict": verdict},
+                          search={"study_name": f"s-{verdict}"})
+
+    plain = SkipConfig(info, SkipSet(), metrics={"speedup": 1.0, "verdict": "lost"}, search={"study_name": "s-c"})
+    config = category_config({"a": won([1], "a won"), "b": won([2], "b won"), "c": plain, "d": won([1], "d won")},
+                             "s")
+    assert [(e.label, e.skip) for e in config.entries] == [("a, d", SkipSet.of([1])), ("b", SkipSet.of([2]))]
+    assert config.entries[0].metrics["verdict"] == "a: a won; d: d won"
+    assert config.search["category_studies"] == {"a": "s-a won", "b": "s-b won", "c": "s-c", "d": "s-d won"}
+    assert config.to_json()["version"] == 2
+    one = category_config({"a": won([1], "a won"), "c": plain}, "s")
+    assert one.to_json()["version"] == 2 and one.label == "a"  # a labelled set, even alone
+    nothing = category_config({"c": plain}, "s")
+    assert not nothing.skip.size and nothing.to_json()["version"] == 1 and "c: lost" in nothing.metrics["verdict"]
+
+
+def test_optimize_runs_one_study_per_category(capsys, tmp_path, tiny_model_dir):
+    path = tmp_path / "two.jsonl"
+    path.write_text("\n".join(json.dumps({"turns": turns, "category": c}) for c, turns in [
+        ("writing", ["Write a poem.", "Shorter."]), ("qa", ["Why is the sky blue?"]),
+        ("writing", ["Write a song.", "Longer."]), ("qa", ["What is rain?"])]) + "\n")
+    code, out, err = run(capsys, "optimize", "--model", tiny_model_dir, "--dataset", path, "--field", "turns",
+                         "--per-category", "--num-prompts", 1, "--n-trials", 2, "--max-new-tokens", 4,
+                         "--confirm-top", 1, "--no-plots", "--no-progress", "--no-warm-starts", "--min-match", 0,
+                         "--studies-dir", tmp_path / "studies", "--study-name", "sb")
+    assert code == 0, err
+    assert "category mt_bench: study sb-mt_bench on 1 prompts" in out and "category qa: study sb-qa" in out
+    assert {p.name for p in (tmp_path / "studies").iterdir()} >= {"sb-mt_bench.db", "sb-qa.db", "sb"}
+    config = load_skip_config(tmp_path / "studies" / "sb" / "best.json")
+    assert config.search["categories"] == [MT_BENCH, "qa"]
+    assert f"exported {tmp_path / 'studies' / 'sb' / 'best.json'}" in out
+    assert category_study_name("sb", "math reasoning/x") == "sb-math-reasoning-x"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--per-category", "--num-prompts", "3"], "category 'translation' has 2 prompts, fewer than --num-prompts 3"),
+    (["--num-prompts", "5"], "--num-prompts 5 cannot represent the dataset's 6 categories"),
+    (["--category-field", "task"], "has no field 'task'"),
+    (["--field", "question_id"], r"'question_id' is a number"),
+])
+def test_optimize_refuses_in_one_line_and_writes_nothing(capsys, tmp_path, tiny_model_dir, extra, message):
+    path = spec_bench_file(tmp_path)
+    studies = tmp_path / "studies"
+    code, out, err = run(capsys, "optimize", "--model", tiny_model_dir, "--dataset", path, "--field", "turns",
+                         "--studies-dir", studies, *extra)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err.replace("\\", ""), err
+    assert not studies.exists()
+
+
+def test_the_split_script_keeps_held_out_prompts_out_of_calibration(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    script, env = root / "benchmarks" / "spec_bench_split.py", {**os.environ, "PYTHONPATH": str(root)}  # this tree's
+    path = spec_bench_file(tmp_path, per_category=3)
+    result = subprocess.run([sys.executable, str(script), str(path), "--calibration", "2", "--held-out", "1",
+                             "--output-dir", str(tmp_path / "split")], capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    calibration = load_rows(str(tmp_path / "split" / "calibration.jsonl"), "turns", num_prompts=None)
+    held_out = load_rows(str(tmp_path / "split" / "held_out.jsonl"), "turns", num_prompts=None)
+    assert len(calibration) == 12 and len(held_out) == 6  # mt_bench's two subcategories are one category
+    assert not {r.turns for r in calibration} & {r.turns for r in held_out}
+    assert categories_of(held_out) == categories_of(calibration) == categories_of(load_rows(str(path), "turns", None))
+    short = subprocess.run([sys.executable, str(script), str(path), "--calibration", "3", "--held-out", "1",
+                            "--output-dir", str(tmp_path / "no")], capture_output=True, text=True, env=env)
+    assert short.returncode == 2 and "category 'translation' has 3 prompts" in short.stderr
+    assert not (tmp_path / "no").exists()
