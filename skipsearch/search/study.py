@@ -26,13 +26,13 @@ from ..decode.skipset import SkipSet
 from ..io.errors import ResourceExhausted, exhausted_resource, resource_error
 from . import records
 from .evaluation import Evaluation, Evaluator
+from .heads import with_ranking
 from .ranking import best_candidates, score, screened_score
 from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord, distinct_trials, finished_trials,
                       read_confirmation, read_label)
 from .settings import StudySettings, check_measurable
 from .space import SearchSpace
 from .storage import make_storage, storage_place, worker_tag
-from .vocabulary import rank_vocabulary
 from .worker import Interrupted, StopRequest, SurplusTrial, TrialLost, ends_the_study, stop_on_signals, work
 
 Value = float | tuple[float, float]  # a trial's value: one objective, or (speedup, acceptance rate) for pareto
@@ -274,28 +274,10 @@ def run_study(
                           timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar,
                           compile=settings.compile if settings.compile is not None else model.device.type == "cuda",
                           datasets=prompt_datasets)
-    space = _with_ranking(study, space, evaluator, special_token_ids)
+    space = with_ranking(study, space, evaluator, special_token_ids)
     _enqueue_first_trials(study, settings, space, new=existing is None)
     _search(study, storage, evaluator, settings, space, stop if stop is not None else StopRequest())
     return study
-
-
-def _with_ranking(study: optuna.Study, space: SearchSpace, evaluator: Evaluator, special_token_ids: Sequence[int]
-                  ) -> SearchSpace:
-    """The space with the study's vocabulary ranking, where it tries trimmed heads: the one the study keeps (a
-    resumed study, a second worker: every trial of a study reads the same rows), else one made from the plain
-    reference decoding of the calibration prompts (vocabulary.py), then kept."""
-    if not space.head_rows:
-        return space
-    ranking = records.read_vocabulary(study)
-    if ranking is None:
-        ranking = rank_vocabulary(evaluator.model, evaluator.prompts, evaluator.reference_tokens(),
-                                  first=special_token_ids, keep=max(space.head_rows))
-        records.write_vocabulary(study, ranking)
-    if len(ranking.ids) < max(space.head_rows):
-        raise ValueError(f"study {study.study_name!r} ranked {len(ranking.ids)} tokens, fewer than the largest head "
-                         f"asked for ({max(space.head_rows)}): use a new --study-name")
-    return replace(space, ranking=ranking)
 
 
 def _open(settings: StudySettings) -> tuple[optuna.Study, optuna.storages.BaseStorage]:
