@@ -146,6 +146,25 @@ def test_touchpoint_logits_to_keep(model):
                                                      logits_to_keep=torch.tensor([1])), full[:, 1:2])
 
 
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_touchpoint_output_head(family):
+    """Every family holds its LM head as a direct submodule and calls it on the final hidden states: a module put in
+    its place (as a trimmed draft head is) computes the logits."""
+    model = family_model(family, seed=1)
+    name, weight, bias = adapter.output_head(model)
+    assert getattr(model, name) is model.get_output_embeddings() and weight.shape[0] == model.config.vocab_size
+    ids, calls = torch.tensor([PROMPT]), []
+    head = getattr(model, name)
+    hook = head.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    try:
+        model(ids)
+    finally:
+        hook.remove()
+    assert calls == [(1, len(PROMPT), model.config.vocab_size)]
+    with pytest.raises(AdapterError, match="output head"):
+        adapter.output_head(nn.Module())
+
+
 def test_touchpoint_attention_implementation():
     model = tiny_model("llama", attn_implementation="eager")
     assert adapter.attn_implementation(model.config) == "eager"

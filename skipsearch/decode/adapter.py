@@ -125,8 +125,8 @@ def output_head(model: nn.Module) -> tuple[str, torch.Tensor, torch.Tensor | Non
     """The LM head as a draft may replace it: the name under which `model` holds it as a direct submodule, its
     weight (vocab, hidden) and bias. Every tested family computes its logits as `self.<name>(hidden)` after the final
     norm (a soft cap, where a family has one, applies after it)."""
-    head = model.get_output_embeddings()
-    names = [name for name, child in model._modules.items() if child is head]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = [name for name, child in model._modules.items() if head is not None and child is head]
     weight = getattr(head, "weight", None)
     if not names or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise AdapterError("output head", f"{type(model).__name__}: the LM head is not a direct submodule with a 2-D "

@@ -110,17 +110,26 @@ class SearchSpace:
         return self.skip_set({(kind, i): params[self.param_name(kind, i)] for kind, i in self.sublayers()},
                              int(params.get(HEAD_PARAM, 0)))
 
-    def params_for(self, skip: SkipSet) -> dict[str, float]:
-        """Parameters that make `suggest` return `skip` (for enqueued warm starts)."""
+    def params_for(self, skip: SkipSet, head_rows: int | None = None) -> dict[str, float]:
+        """Parameters that make `suggest` return `skip` (for enqueued warm starts); `head_rows` names its head by size
+        where the ranking is not made yet (None: `skip`'s own head)."""
         skipped = {("attn", i) for i in skip.attn} | {("mlp", i) for i in skip.mlp}
         params = {self.param_name(kind, i): 0.0 if (kind, i) in skipped else 1.0 for kind, i in self.sublayers()}
         if self.head_rows:
-            params[HEAD_PARAM] = skip.head_rows or 0
+            params[HEAD_PARAM] = (skip.head_rows or 0) if head_rows is None else head_rows
         return params
 
     def warm_starts(self) -> list[SkipSet]:
         """No skip; the full model drafting through each trimmed head, largest first (nothing skipped: acceptance is
         the head's coverage); then structured sets that tend to be cheap to draft and often accepted."""
+        return [SkipSet(skip.attn, skip.mlp, self.head(rows)) for skip, rows in self._warm_start_points()]
+
+    def warm_start_params(self) -> list[dict[str, float]]:
+        """The parameters of `warm_starts`, which need no ranking: a study queues them before it has made one."""
+        return [self.params_for(skip, rows) for skip, rows in self._warm_start_points()]
+
+    def _warm_start_points(self) -> list[tuple[SkipSet, int]]:
+        """The warm starts as sublayer sets and head sizes (0: the full head)."""
         allowed = set(self.sublayers())
         n, half = self.num_layers, self.num_layers // 2
 
@@ -130,15 +139,15 @@ class SearchSpace:
         upper_attn = keep("attn", range(half, n, 2))
         # From sparse to dense: small models accept only a few skipped sublayers, large ones many.
         candidates = [
-            SkipSet(),
-            *(SkipSet(head=self.head(rows)) for rows in reversed(self.head_rows)),
-            SkipSet.of(keep("attn", range(n - 3, n - 1)), (), n),
-            SkipSet.of(keep("attn", range(half, n, 4)), (), n),
-            SkipSet.of(upper_attn, (), n),
-            SkipSet.of(upper_attn, keep("mlp", range(half + 1, n, 4)), n),
+            (SkipSet(), 0),
+            *((SkipSet(), rows) for rows in reversed(self.head_rows)),
+            (SkipSet.of(keep("attn", range(n - 3, n - 1)), (), n), 0),
+            (SkipSet.of(keep("attn", range(half, n, 4)), (), n), 0),
+            (SkipSet.of(upper_attn, (), n), 0),
+            (SkipSet.of(upper_attn, keep("mlp", range(half + 1, n, 4)), n), 0),
         ]
         unique = []
-        for skip in candidates:
-            if skip not in unique and skip.size <= self.max_skipped:
-                unique.append(skip)
+        for point in candidates:
+            if point not in unique and point[0].size <= self.max_skipped:
+                unique.append(point)
         return unique

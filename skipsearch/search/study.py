@@ -201,13 +201,14 @@ def _finished_elsewhere(trial: optuna.Trial) -> str | None:
     its journal's dead worker's (a retry is queued too), or took it too and finished it first."""
     try:
         stored = trial.study._storage.get_trial(trial._trial_id)
+        ranking = records.read_vocabulary(trial.study) if stored.state.is_finished() else None
     except Interrupted:
         raise
     except Exception:  # a storage that cannot be read now: the trial's own error (if any) must be the one raised
         return None
     if not stored.state.is_finished():
         return None
-    reason = TrialRecord.of(stored).fail_reason or "no reason given"
+    reason = TrialRecord.of(stored, ranking).fail_reason or "no reason given"
     return (f"trial {trial.number} was ended by another worker while this one ran it ({stored.state.name}: "
             f"{reason}); its result is dropped and the study goes on")
 
@@ -274,8 +275,8 @@ def run_study(
                           timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar,
                           compile=settings.compile if settings.compile is not None else model.device.type == "cuda",
                           datasets=prompt_datasets)
-    space = with_ranking(study, space, evaluator, special_token_ids)
     _enqueue_first_trials(study, settings, space, new=existing is None)
+    space = with_ranking(study, space, evaluator, special_token_ids)
     _search(study, storage, evaluator, settings, space, stop if stop is not None else StopRequest())
     return study
 
@@ -302,8 +303,8 @@ def _enqueue_first_trials(study: optuna.Study, settings: StudySettings, space: S
     for name, skip in settings.first_trials:
         records.enqueue(study, space.params_for(skip), TrialRecord(warm_start=name), skip_if_exists=True)
     if new and settings.warm_starts:
-        for skip in space.warm_starts()[: max(0, settings.n_trials - len(settings.first_trials))]:
-            records.enqueue(study, space.params_for(skip), TrialRecord(warm_start=True), skip_if_exists=True)
+        for params in space.warm_start_params()[: max(0, settings.n_trials - len(settings.first_trials))]:
+            records.enqueue(study, params, TrialRecord(warm_start=True), skip_if_exists=True)
 
 
 def _search(study: optuna.Study, storage: optuna.storages.BaseStorage, evaluator: Evaluator,
