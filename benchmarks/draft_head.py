@@ -10,6 +10,10 @@ Three measurements on one model, each named with its machine by the caller:
    model), and the draft step of an empty skip set with the head trimmed to each size, paired and interleaved.
 
     python benchmarks/draft_head.py --model gemma-3-270m --rows 4096,8192,16384,32768 --repeats 30
+    python benchmarks/draft_head.py --config-only benchmarks/configs/gemma-3-270m.json --device cuda --dtype bfloat16
+
+With --config-only (random weights: the GPU machine has no model files) only the timings run, with the lowest ids as
+the head's rows: timing does not depend on which rows, only on how many.
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ import time
 
 import torch
 
-from skipsearch.decode.engine import CompileSettings, engine_for
+from skipsearch.decode.engine import CompileSettings, engine_for, synchronize
 from skipsearch.decode.loop import generate
 from skipsearch.decode.skipset import SkipSet
 from skipsearch.io.data import load_prompts
-from skipsearch.io.models import encode_prompt, load_model
+from skipsearch.io.models import encode_prompt, load_model, model_from_config
 from skipsearch.search.measure import ratio_interval
 from skipsearch.search.vocabulary import VocabularyRanking, rank_vocabulary
 
@@ -38,9 +42,18 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="greedy tokens per prompt (default: 64)")
     parser.add_argument("--repeats", type=int, default=30, help="paired timings of each kind (default: 30)")
     parser.add_argument("--skip-timing", action="store_true", help="coverage only")
+    parser.add_argument("--config-only", default=None, help="a config to build with random weights: timings only")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 (default: bfloat16 on CUDA, else float32)")
     args = parser.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    loaded = load_model(args.model)
+    if args.config_only:
+        model = model_from_config(args.config_only, device=args.device, dtype=args.dtype).eval()
+        print(f"{args.config_only} (random weights) on {model.device}, {model.dtype}: timings only")
+        ranking = VocabularyRanking(tuple(range(model.get_output_embeddings().weight.shape[0])))
+        timings(model, list(range(1, 33)), ranking, rows, args.repeats)
+        return
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     model, tokenizer = loaded.model, loaded.tokenizer
     texts = load_prompts(num_prompts=args.calibration + args.held_out, seed=0)
     prompts = [encode_prompt(tokenizer, text) for text in texts]
@@ -52,9 +65,14 @@ def main() -> None:
           f"{args.calibration} prompts, judged on {args.held_out} others, {args.max_new_tokens} greedy tokens each")
     coverage(model, tokenizer, prompts[calibration], greedy[calibration], greedy[held_out], rows, vocab_size)
     if not args.skip_timing:
-        ranking = rank_vocabulary(model, prompts[calibration], greedy[calibration], tokenizer.all_special_ids)
-        head_matmul(model, ranking, rows, args.repeats)
-        one_token_steps(model, prompts[0], ranking, rows, args.repeats)
+        timings(model, prompts[0], rank_vocabulary(model, prompts[calibration], greedy[calibration],
+                                                   tokenizer.all_special_ids), rows, args.repeats)
+
+
+def timings(model, prompt, ranking, rows, repeats) -> None:
+    print(f"device: {model.device}, {str(model.dtype).removeprefix('torch.')}")
+    head_matmul(model, ranking, rows, repeats)
+    one_token_steps(model, prompt, ranking, rows, repeats)
 
 
 def coverage(model, tokenizer, prompts, continuations, held_out, rows, vocab_size) -> None:
@@ -71,7 +89,7 @@ def coverage(model, tokenizer, prompts, continuations, held_out, rows, vocab_siz
         print(f"{name:36}" + "".join(f"{ranking.coverage(tokens, r):9.3f}" for r in rows))
 
 
-def _paired(baseline, candidates: dict, repeats: int) -> dict:
+def _paired(baseline, candidates: dict, repeats: int, device: torch.device) -> dict:
     """Per candidate: baseline time over its time, paired and interleaved (order alternating), with intervals."""
     ratios = {name: [] for name in candidates}
     seconds = {name: [] for name in ("baseline", *candidates)}
@@ -80,8 +98,10 @@ def _paired(baseline, candidates: dict, repeats: int) -> dict:
             pair = [("baseline", baseline), (name, run)][:: 1 if i % 2 else -1]
             times = {}
             for label, fn in pair:
+                synchronize(device)
                 start = time.perf_counter()
                 fn()
+                synchronize(device)
                 times[label] = time.perf_counter() - start
             ratios[name].append(times["baseline"] / times[name])
             seconds["baseline"].append(times["baseline"])
@@ -93,9 +113,10 @@ def _paired(baseline, candidates: dict, repeats: int) -> dict:
 @torch.inference_mode()
 def head_matmul(model, ranking, rows, repeats) -> None:
     weight = model.get_output_embeddings().weight
-    hidden = torch.randn(1, weight.shape[1], dtype=weight.dtype)
-    trimmed = {r: weight[torch.tensor(ranking.ids[:r])].contiguous() for r in rows}
-    runs = _paired(lambda: hidden @ weight.T, {r: (lambda m=m: hidden @ m.T) for r, m in trimmed.items()}, repeats)
+    hidden = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    trimmed = {r: weight[torch.tensor(ranking.ids[:r], device=weight.device)].contiguous() for r in rows}
+    runs = _paired(lambda: hidden @ weight.T, {r: (lambda m=m: hidden @ m.T) for r, m in trimmed.items()}, repeats,
+                   weight.device)
     print(f"\nthe head's matmul, one token: full {runs['baseline'][1] * 1e3:.2f} ms (median)")
     for r in rows:
         interval, median = runs[r]
@@ -113,8 +134,8 @@ def one_token_steps(model, prompt, ranking, rows, repeats) -> None:
     drafts = {r: engine.prepare(length, skip, settings, 1).draft for r, skip in skips.items()}
     cache = engine.cache
     cache.seek(0)
-    plain.prefill(torch.tensor([prompt]))
-    one = torch.tensor([[prompt[-1]]])
+    plain.prefill(torch.tensor([prompt], device=model.device))
+    one = torch.tensor([[prompt[-1]]], device=model.device)
     position = int(cache.position)
 
     def step(run):
@@ -126,11 +147,11 @@ def one_token_steps(model, prompt, ranking, rows, repeats) -> None:
     for run in (plain.plain, *drafts.values()):  # compile and warm every step before timing
         for _ in range(3):
             step(run)()
-    runs = _paired(step(plain.plain), {r: step(d) for r, d in drafts.items()}, repeats)
+    runs = _paired(step(plain.plain), {r: step(d) for r, d in drafts.items()}, repeats, model.device)
     full = runs["baseline"][1]
     weight = model.get_output_embeddings().weight
-    head = torch.randn(1, weight.shape[1], dtype=weight.dtype)
-    head_s = min(_timed(lambda: head @ weight.T) for _ in range(repeats))
+    head = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    head_s = min(_timed(lambda: head @ weight.T, model.device) for _ in range(repeats))
     print(f"\none-token forwards, regional compiled steps: plain step {full * 1e3:.2f} ms (median); the head's "
           f"matmul alone (fastest of {repeats}) {head_s * 1e3:.2f} ms, {head_s / full:.0%} of it")
     for r in rows:
@@ -139,9 +160,11 @@ def one_token_steps(model, prompt, ranking, rows, repeats) -> None:
               f"{interval.estimate:.2f}x ({interval.low:.2f}-{interval.high:.2f})")
 
 
-def _timed(fn) -> float:
+def _timed(fn, device: torch.device) -> float:
+    synchronize(device)
     start = time.perf_counter()
     fn()
+    synchronize(device)
     return time.perf_counter() - start
 
 

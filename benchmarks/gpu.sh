@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results and the method).
 #
-#   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host kernels prefill speed
-#                                       speed-8b profiles guard
+#   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host kernels head prefill
+#                                       speed speed-8b profiles guard
 # (each stage fits one 10-minute call, several fit together; the stages' timeouts are their worst cases)
 #
 # A lease of 15 minutes of device time (starting the machine included) holds about two calls, and 64 MiB travel per
@@ -10,7 +10,7 @@
 # default model's shape with random weights (benchmarks/configs/smollm2-135m.json; prefill then on made-up prompts of
 # 37-300 tokens, labelled so in its log): timing does not depend on weights. So a lease runs, in this order (it
 # departs from ../shared/gpu.md's, which assumed longer leases: what needs no model file comes first):
-# Call 1, wheels only:  info cuda-tests kernels prefill     (the 2026-11-25 run's cuda-tests took 31 s)
+# Call 1, wheels only:  info cuda-tests kernels head prefill (the 2026-11-25 run's cuda-tests took 31 s; head ~2 min)
 # Call 2:               profiles                            (a shape stops measuring again at 60 s; 95 s a shape)
 # Later leases: speed-8b (no model file either), then the model in parts: host speed trials setup guard study tests
 # Give each call the run tool's longest timeout: what a stage wrote under $OUT before the limit still comes back.
@@ -80,6 +80,12 @@ for stage in "$@"; do
       for model in "$default_model" "--config-only benchmarks/configs/llama-3-8b.json"; do
         timeout 280 python3 benchmarks/kernel_count.py --device cuda --dtype bfloat16 --compile $model 2>&1 \
           | tee -a "$OUT/kernels.log" | grep -v "it/s\]$\|USDT"
+      done
+      ;;
+    head)  # the trimmed draft head: the LM head's share of a step, a draft step by head size (random weights)
+      for shape in smollm2-135m gemma-3-270m; do
+        timeout 240 python3 benchmarks/draft_head.py --config-only benchmarks/configs/$shape.json --device cuda \
+          --dtype bfloat16 --repeats 30 2>&1 | tee "$OUT/head-$shape.log" | grep -v "it/s\]$"
       done
       ;;
     prefill)  # the compiled prefill (padded widths, CUDA graphs) against the eager one, paired

@@ -29,6 +29,7 @@ STAGE_SCRIPTS = {
     "study": "-m skipsearch optimize", "host": "benchmarks/host_overhead.py", "kernels": "benchmarks/kernel_count.py",
     "prefill": "benchmarks/prefill.py", "speed": "benchmarks/engine_speed.py",
     "speed-8b": "benchmarks/engine_speed.py", "profiles": "-m skipsearch profile", "guard": "benchmarks/guard.py",
+    "head": "benchmarks/draft_head.py",
 }
 
 # Inductor's code generation takes minutes on two cores. The scripts run through this wrapper, which gives
@@ -185,6 +186,17 @@ def test_kernel_count():  # stage "kernels"
     rows = re.findall(r"^(plain step|draft step attn=\[1\] mlp=\[2\]) +(\d+)   most frequent: (.*)$", out, re.M)
     assert [name for name, _, _ in rows] == ["plain step", "draft step attn=[1] mlp=[2]"]
     assert 0 < int(rows[1][1]) < int(rows[0][1])  # the draft skips sublayers: fewer operators
+
+
+def test_draft_head():  # stage "head"
+    out = run_script("benchmarks/draft_head.py", *SMALL, "--config-only", TINY_CONFIG, "--rows", "8,16", "--repeats", 3)
+    assert re.search(r"^benchmarks/configs/tiny-llama.json \(random weights\) on cpu, torch.float32: timings only$", out,
+                     re.M)
+    assert len(re.findall(r"^ +(8|16) rows: [\d.]+ ms, full over trimmed [\d.]+x \([\d.]+-[\d.]+\)$", out, re.M)) == 2
+    assert re.search(r"^one-token forwards, regional compiled steps: plain step [\d.]+ ms \(median\); the head's matmul", out,
+                     re.M)
+    assert len(re.findall(r"^  draft step, nothing skipped, head of +(8|16) rows: [\d.]+ ms; plain over draft", out,
+                          re.M)) == 2
 
 
 def test_prefill():  # stage "prefill"

@@ -43,3 +43,24 @@ def test_a_draft_head_round_trips_through_its_compact_form_and_refuses_bad_ids()
         DraftHead.from_json({**data, "sha256": "0" * 64})
     with pytest.raises(ValueError, match="needs 'rows'"):
         DraftHead.from_json({"rows": 4})
+
+
+def test_the_ranking_prompts_are_the_datasets_others_never_calibration_prompts(tmp_path, default_model):
+    import json
+
+    from skipsearch.api.optimize import OptimizeSettings, _ranking_prompts
+    from skipsearch.io.data import load_rows
+    from skipsearch.io.models import encode_prompt
+
+    texts = [f"Question number {i}: what is {i} plus {i}?" for i in range(6)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    settings = OptimizeSettings(dataset=[str(tmp_path / "d.jsonl")], num_prompts=2, head_prompts=3)
+    calibration = load_rows(str(tmp_path / "d.jsonl"), num_prompts=2, seed=0)
+    said = []
+    ranked = _ranking_prompts(settings, [str(tmp_path / "d.jsonl")], calibration, default_model, said.append)
+    encoded = {tuple(encode_prompt(default_model.tokenizer, t)): t for t in texts}
+    names = [encoded[tuple(ids)] for ids in ranked]
+    assert len(names) == 3 and not set(names) & {row.turns[0] for row in calibration} and not said
+    every = load_rows(str(tmp_path / "d.jsonl"), num_prompts=None, seed=0)
+    assert _ranking_prompts(settings, [str(tmp_path / "d.jsonl")], every, default_model, said.append) == []
+    assert "ranked on the calibration prompts" in said[0]

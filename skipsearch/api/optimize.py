@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -52,6 +53,7 @@ class OptimizeSettings(ModelOptions, DraftOptions, StudyOptions):
     skip_prior: float = 0.15
     max_skip_fraction: float = 0.5
     head_rows: tuple[int, ...] | None = None  # trimmed draft heads to try (None: `default_head_rows`; (): none)
+    head_prompts: int = 16  # prompts the heads' ranking is made from: the dataset's, never calibration prompts
     allow_first_last: bool = False
     min_match: float = 0.5
     no_pruning: bool = False
@@ -100,6 +102,7 @@ class _Prepared:
     first_trials: tuple[tuple[str, SkipSet], ...]
     profile: CostProfile | None
     projections: list[tuple[str, CostProfile]]
+    ranking_prompts: list[list[int]]  # what a trimmed head's ranking is made from (none: the calibration prompts)
 
 
 def optimize(settings: OptimizeSettings, say: Callable[[str], None] = print) -> Optimization:
@@ -125,7 +128,8 @@ def _optimize(s: OptimizeSettings, run: _Prepared, say: Callable[[str], None]) -
     model, stop = run.loaded.model, StopRequest()
     study = run_study(model, run.model_info, run.loaded.dtype_name, run.prompts, studied, run.space, run.policy,
                       model.generation_config.eos_token_id, profile=run.profile, stop=stop,
-                      prompt_datasets=run.prompt_datasets, special_token_ids=special_token_ids(run.loaded))
+                      prompt_datasets=run.prompt_datasets, special_token_ids=special_token_ids(run.loaded),
+                      ranking_prompts=run.ranking_prompts)
     config = export_trial(study, s.folder / "best.json")
     result = Optimization(study, config, f"exported {s.folder / 'best.json'}: {exported_text(config)}")
     say(f"study {s.study_name} in {redact_url(s.storage_url(must_exist=False))}: {study_summary(study)}")
@@ -203,8 +207,25 @@ def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
     if prompt_datasets is not None:  # each prompt kept, with its dataset
         prompt_datasets = [prompt_datasets[i] for i in encoded.kept]
     projections = load_projections(s.project_with or (), loaded.model)
+    ranking = _ranking_prompts(s, datasets, rows, loaded, say) if space.head_rows else []
     return _Prepared(loaded, model_info, space, policy, encoded.ids, encoded.categories, datasets, prompt_datasets,
-                     first_trials, profile, projections)
+                     first_trials, profile, projections, ranking)
+
+
+def _ranking_prompts(s: OptimizeSettings, datasets: list[str], calibration: list[PromptRow],
+                     loaded: models.LoadedModel, say: Callable[[str], None]) -> list[list[int]]:
+    """The prompts a trimmed head's ranking is made from: up to --head-prompts rows of the datasets, in their seeded
+    order, that are not calibration prompts, so that the trials measure a head's acceptance on prompts its ranking
+    never saw (ranked on the calibration prompts themselves, every head holds their greedy tokens: acceptance 1)."""
+    chosen = {row.turns for row in calibration}
+    every = [load_rows(d, s.field, s.split, None, s.seed, s.category_field) for d in datasets]
+    others = [row for rows in itertools.zip_longest(*every) for row in rows if row is not None
+              and row.turns not in chosen][: s.head_prompts]
+    if not others:
+        say("the draft heads' vocabulary is ranked on the calibration prompts (the dataset has no others): the "
+            "trials' acceptance of a trimmed head is measured on the prompts that ranked it, and flatters it")
+        return []
+    return encode_rows(loaded, others, s.raw, s.max_new_tokens, 0, "skip", lambda line: None).ids
 
 
 DEFAULT_HEAD_ROWS = (4096, 8192, 16384, 32768)

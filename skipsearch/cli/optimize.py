@@ -72,6 +72,9 @@ def add_search_flags(search: argparse._ArgumentGroup) -> None:
                         help="draft head sizes to search beside the full head: the top rows of the model's vocabulary "
                              "as it ranks it on the calibration prompts (auto: 4096 to 32768 rows, those under half "
                              "the vocabulary; none: the full head only) (default: auto)")
+    search.add_argument("--head-prompts", type=positive_int, default=16,
+                        help="prompts of the dataset, never calibration prompts, that the draft heads' vocabulary is "
+                             "ranked on (the trials then measure a head's acceptance on prompts it was not made from)")
     search.add_argument("--allow-first-last", action="store_true",
                         help="let the search skip sublayers of the first and last layers (kept by default)")
     search.add_argument("--min-match", type=unit_float, default=0.5,

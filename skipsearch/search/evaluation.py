@@ -162,9 +162,9 @@ class Evaluator:
         """
         reference = self.reference_tokens()
         repeats = repeats or self.repeats
-        if self.compile and self.timed:
-            # Setting up a new skip set's steps (and compiling, for the first) must not land in a timed run; one
-            # round with a draft is enough to set everything up.
+        if self.timed and (self.compile or skip.head is not None):
+            # Setting up a new skip set's steps (compiling, for the first; gathering a trimmed head's rows) must not
+            # land in a timed run; one round with a draft is enough to set everything up.
             self._decode(self.prompts[0], skip, max_new_tokens=min(self.max_new_tokens, 3))
         runs = []
         for index, prompt in enumerate(self.prompts):

@@ -237,11 +237,13 @@ def run_study(
     stop: StopRequest | None = None,
     prompt_datasets: list[str] | None = None,
     special_token_ids: Sequence[int] = (),
+    ranking_prompts: Sequence[Sequence[int]] = (),
 ) -> optuna.Study:
     """Run (or resume) the study until it has evaluated `settings.n_trials` distinct skip sets (or until
     timeout, a stop signal or an exhausted space), then confirm its best candidates (see `confirm_candidates`).
     `prompt_datasets`: the dataset of each prompt, in a study of several (`settings.dataset` their list).
-    `special_token_ids`: what a trimmed head always holds (the tokenizer's special tokens, EOS first).
+    `special_token_ids`: what a trimmed head always holds (the tokenizer's special tokens, EOS first);
+    `ranking_prompts`: what the vocabulary is ranked on for trimmed heads (none: the calibration prompts).
 
     Ctrl-C or SIGTERM finishes the running trial or confirmation, then returns; a second one abandons it (worker.py's
     `stop_on_signals`). Either way the study keeps what finished for the export. Pass `stop` to learn whether a
@@ -276,7 +278,7 @@ def run_study(
                           compile=settings.compile if settings.compile is not None else model.device.type == "cuda",
                           datasets=prompt_datasets)
     _enqueue_first_trials(study, settings, space, new=existing is None)
-    space = with_ranking(study, space, evaluator, special_token_ids)
+    space = with_ranking(study, space, evaluator, special_token_ids, ranking_prompts)
     _search(study, storage, evaluator, settings, space, stop if stop is not None else StopRequest())
     return study
 
