@@ -6,8 +6,9 @@ Three measurements on one model, each named with its machine by the caller:
    probabilities over the calibration prompts and their continuations, special tokens first) and, for comparison,
    rankings by the count of greedy tokens and by lowest id;
 2. the head's matmul alone, full and trimmed, paired and interleaved;
-3. one-token forwards in the engine a study runs (regional compiled steps, eager prefill): the plain step (full
-   model), and the draft step of an empty skip set with the head trimmed to each size, paired and interleaved.
+3. one-token forwards in the engine's steps, eager (what a study runs on a CPU by default) and regional compiled
+   (`optimize --compile`, and CUDA's default): the plain step (full model), and the draft step of an empty skip set
+   with the head trimmed to each size, paired and interleaved.
 
     python benchmarks/draft_head.py --model gemma-3-270m --rows 4096,8192,16384,32768 --repeats 30
     python benchmarks/draft_head.py --config-only benchmarks/configs/gemma-3-270m.json --device cuda --dtype bfloat16
@@ -45,13 +46,15 @@ def main() -> None:
     parser.add_argument("--config-only", default=None, help="a config to build with random weights: timings only")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 (default: bfloat16 on CUDA, else float32)")
+    parser.add_argument("--modes", default="eager,regional", help="step modes timed (default: %(default)s)")
     args = parser.parse_args()
+    modes = args.modes.split(",")
     rows = [int(r) for r in args.rows.split(",")]
     if args.config_only:
         model = model_from_config(args.config_only, device=args.device, dtype=args.dtype).eval()
         print(f"{args.config_only} (random weights) on {model.device}, {model.dtype}: timings only")
         ranking = VocabularyRanking(tuple(range(model.get_output_embeddings().weight.shape[0])))
-        timings(model, list(range(1, 33)), ranking, rows, args.repeats)
+        timings(model, list(range(1, 33)), ranking, rows, args.repeats, modes)
         return
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -66,13 +69,14 @@ def main() -> None:
     coverage(model, tokenizer, prompts[calibration], greedy[calibration], greedy[held_out], rows, vocab_size)
     if not args.skip_timing:
         timings(model, prompts[0], rank_vocabulary(model, prompts[calibration], greedy[calibration],
-                                                   tokenizer.all_special_ids), rows, args.repeats)
+                                                   tokenizer.all_special_ids), rows, args.repeats, modes)
 
 
-def timings(model, prompt, ranking, rows, repeats) -> None:
+def timings(model, prompt, ranking, rows, repeats, modes) -> None:
     print(f"device: {model.device}, {str(model.dtype).removeprefix('torch.')}")
     head_matmul(model, ranking, rows, repeats)
-    one_token_steps(model, prompt, ranking, rows, repeats)
+    for mode in modes:
+        one_token_steps(model, prompt, ranking, rows, repeats, mode)
 
 
 def coverage(model, tokenizer, prompts, continuations, held_out, rows, vocab_size) -> None:
@@ -125,14 +129,14 @@ def head_matmul(model, ranking, rows, repeats) -> None:
 
 
 @torch.inference_mode()
-def one_token_steps(model, prompt, ranking, rows, repeats) -> None:
-    """The engine's regional steps, as a study runs them: the plain step against draft steps trimmed to each size."""
-    settings, engine = CompileSettings(mode="regional"), engine_for(model)
+def one_token_steps(model, prompt, ranking, rows, repeats, mode) -> None:
+    """The engine's steps (eager, or compiled in `mode`): the plain step against draft steps trimmed to each size."""
+    settings, engine = None if mode == "eager" else CompileSettings(mode=mode), engine_for(model)
     length = len(prompt) + 64
     skips = {r: SkipSet(head=ranking.head(r)) for r in rows}
     plain = engine.prepare(length, None, settings, 1)
-    drafts = {r: engine.prepare(length, skip, settings, 1).draft for r, skip in skips.items()}
-    cache = engine.cache
+    cache = plain.cache  # eager steps get a fresh cache: every step below writes this one
+    drafts = {r: engine.steps_for(cache, skip, settings, 1).draft for r, skip in skips.items()}
     cache.seek(0)
     plain.prefill(torch.tensor([prompt], device=model.device))
     one = torch.tensor([[prompt[-1]]], device=model.device)
@@ -152,7 +156,7 @@ def one_token_steps(model, prompt, ranking, rows, repeats) -> None:
     weight = model.get_output_embeddings().weight
     head = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
     head_s = min(_timed(lambda: head @ weight.T, model.device) for _ in range(repeats))
-    print(f"\none-token forwards, regional compiled steps: plain step {full * 1e3:.2f} ms (median); the head's "
+    print(f"\none-token forwards, {mode} steps: plain step {full * 1e3:.2f} ms (median); the head's "
           f"matmul alone (fastest of {repeats}) {head_s * 1e3:.2f} ms, {head_s / full:.0%} of it")
     for r in rows:
         interval, median = runs[r]

@@ -9,6 +9,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from conftest import tiny_model
 from skipsearch import DraftPolicy, SkipSet, self_speculative
+from skipsearch.decode.skipset import DraftHead
 from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
 from skipsearch.decode.skipping import draft_mode
 
@@ -32,6 +33,8 @@ class Recorder(BaseStreamer):
 @pytest.mark.parametrize("skip, policy", [
     (SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4, adaptive=False)),
     (SkipSet.of([0, 3], [1], NUM_LAYERS), DraftPolicy(max_draft_tokens=6)),
+    # A trimmed draft head: processors see the full vocabulary, every row but the head's at the lowest logit.
+    (SkipSet.of([1], [], NUM_LAYERS, DraftHead(tuple(range(0, 96, 2)))), DraftPolicy(max_draft_tokens=4)),
 ])
 @pytest.mark.parametrize("options", [{}, {"repetition_penalty": 1.8},
                                      {"repetition_penalty": 0.7, "no_repeat_ngram_size": 2},
