@@ -70,7 +70,7 @@ def add_search_flags(search: argparse._ArgumentGroup) -> None:
     search.add_argument("--max-skip-fraction", type=unit_float, default=0.5, help="never skip more than this share")
     search.add_argument("--head-rows", type=head_sizes, default=None, metavar="auto|none|N,N,...",
                         help="draft head sizes to search beside the full head: the top rows of the model's vocabulary "
-                             "as it ranks it on the calibration prompts (auto: 4096 to 32768 rows, those under half "
+                             "as it ranks it on --head-prompts prompts (auto: 4096 to 32768 rows, those at most half "
                              "the vocabulary; none: the full head only) (default: auto)")
     search.add_argument("--head-prompts", type=positive_int, default=16,
                         help="prompts of the dataset, never calibration prompts, that the draft heads' vocabulary is "
