@@ -6,7 +6,7 @@ sublayers (15% by default) instead of half of them, which small and mid-size mod
 accept. `skip_prior=0.5` is the plain 2L-switch space of Draft & Verify.
 
 With `head_rows`, one categorical parameter more picks the draft's LM head: the full head (0) or the top rows of the
-study's vocabulary ranking (`ranking`, set once the study has ranked its calibration decoding; vocabulary.py).
+study's vocabulary ranking (`ranking`, set once the study has ranked it; heads.py, vocabulary.py).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""The draft head's vocabulary: the model's tokens ranked by how much probability the model itself gives them on the
-calibration prompts, so that a head of the top rows covers what the model goes on to say.
+"""The draft head's vocabulary: the model's tokens ranked by how much probability the model itself gives them on a
+study's ranking prompts (heads.py: prompts of its dataset beside the calibration prompts), so that a head of the top
+rows covers what the model goes on to say.
 
-The ranking sums the model's next-token distributions over every position of each calibration prompt and of its
-plain greedy continuation (the study's reference decoding, teacher-forced in one forward per prompt): a token the
+The ranking sums the model's next-token distributions over every position of each prompt and of its plain greedy
+continuation (teacher-forced in one forward per prompt): a token the
 model puts weight on anywhere counts, not only the tokens its argmax picked. The tokenizer's special tokens (EOS
 above all: a draft that cannot propose the end stops no round) come first whatever their weight. A head of the top N
 rows is `VocabularyRanking.head(N)`. Coverage on prompts that did not make the ranking is measured by
