@@ -29,9 +29,9 @@ from skipsearch.search.measure import ratio_interval
 
 
 def parse_skip_sets(text: str, num_layers: int) -> list[SkipSet]:
-    """'a20;a16,20,24|m22' -> attention 20; attention 16, 20, 24 and MLP 22."""
+    """'a20;a16,20,24|m22' -> attention 20; attention 16, 20, 24 and MLP 22; '' -> no sets (plain rows only)."""
     sets = []
-    for spec in text.split(";"):
+    for spec in filter(None, text.split(";")):
         attn, mlp = [], []
         for part in spec.split("|"):
             ids = [int(i) for i in part[1:].split(",") if i]

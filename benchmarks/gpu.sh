@@ -2,17 +2,19 @@
 # The GPU measurements on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results and the method).
 #
 #   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host kernels head prefill
-#                                       speed speed-8b profiles guard
+#                                       speed speed-shape speed-8b profiles guard
 # (each stage fits one 10-minute call, several fit together; the stages' timeouts are their worst cases)
 #
 # A lease of 15 minutes of device time (starting the machine included) holds about two calls, and 64 MiB travel per
 # call, so the model's file (94 MiB in parts) costs a call of its own. Without it, `kernels` and `prefill` time the
 # default model's shape with random weights (benchmarks/configs/smollm2-135m.json; prefill then on made-up prompts of
-# 37-300 tokens, labelled so in its log): timing does not depend on weights. So a lease runs, in this order (it
-# departs from ../shared/gpu.md's, which assumed longer leases: what needs no model file comes first):
-# Call 1, wheels only:  info cuda-tests kernels head prefill (the 2026-11-25 run's cuda-tests took 31 s; head ~2 min)
-# Call 2:               profiles                            (a shape stops measuring again at 60 s; 95 s a shape)
-# Later leases: speed-8b (no model file either), then the model in parts: host speed trials setup guard study tests
+# 37-300 tokens, labelled so in its log): timing does not depend on weights. The lease of 2026-11-26 ran call 1 below
+# without prefill, plus speed-shape, in 466 s, then three profiles (none finished in 80 s; BENCHMARKS.md, "Thirteenth
+# session"). So the next lease runs, in this order (what needs no model file first):
+# Call 1, wheels only:  info kernels speed-shape prefill    (after a kernel cut: its count and tok/s, paired with HF's)
+# Call 2:               speed-8b, with gpt-fast's generate.py in the same call (../shared/anchors/gpt-fast/)
+# Later leases: profiles once `profile` finishes on CUDA in 60 s; the model in parts: host speed trials setup guard study
+# tests. cuda-tests (6 of 6 on 2026-11-26, 58 s) again whenever CUDA code changed.
 # Give each call the run tool's longest timeout: what a stage wrote under $OUT before the limit still comes back.
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
@@ -96,6 +98,11 @@ for stage in "$@"; do
       timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 4 \
         --max-new-tokens 128 --repeats 3 --skip-sets "a20;a16,20,24;a8,12,16,20,24|m22" 2>&1 | tee "$OUT/speed.log" \
         | grep -v "it/s\]$"
+      ;;
+    speed-shape)  # plain decoding on the default model's shape (random weights, no model file), paired against HF's
+      timeout 300 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 2 \
+        --max-new-tokens 128 --repeats 4 --skip-sets "" --config-only benchmarks/configs/smollm2-135m.json 2>&1 \
+        | tee "$OUT/speed-shape.log" | grep -v "it/s\]$"
       ;;
     speed-8b)  # a Llama-3-8B shape with random weights: bandwidth and host time per token
       timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 2 \

@@ -28,7 +28,7 @@ STAGE_SCRIPTS = {
     "setup": "benchmarks/skip_set_setup.py", "trials": "benchmarks/trial_vs_bench.py",
     "study": "-m skipsearch optimize", "host": "benchmarks/host_overhead.py", "kernels": "benchmarks/kernel_count.py",
     "prefill": "benchmarks/prefill.py", "speed": "benchmarks/engine_speed.py",
-    "speed-8b": "benchmarks/engine_speed.py", "profiles": "-m skipsearch profile", "guard": "benchmarks/guard.py",
+    "speed-8b": "benchmarks/engine_speed.py", "speed-shape": "benchmarks/engine_speed.py", "profiles": "-m skipsearch profile", "guard": "benchmarks/guard.py",
     "head": "benchmarks/draft_head.py",
 }
 
@@ -209,13 +209,15 @@ def test_prefill():  # stage "prefill"
     assert re.search(r"^eager / compiled: [\d.]+x \(95% interval [\d.]+-[\d.]+\)$", out, re.M)
 
 
-@pytest.mark.parametrize("stage", ["speed", "speed-8b"])
+@pytest.mark.parametrize("stage", ["speed", "speed-8b", "speed-shape"])
 def test_engine_speed(stage, request):
-    # "speed" decodes the built-in prompts with a model and its tokenizer, "speed-8b" random prompts, random weights.
+    # "speed" decodes the built-in prompts with a model and its tokenizer, "speed-8b" random prompts, random weights;
+    # "speed-shape" too, with plain rows only (no skip sets).
     model = (["--model", request.getfixturevalue("tiny_model_dir")] if stage == "speed"
              else ["--config-only", TINY_CONFIG])
+    sets = "" if stage == "speed-shape" else TINY_SET
     out = run_script("benchmarks/engine_speed.py", *SMALL, "--num-prompts", 1, "--max-new-tokens", 8, "--repeats", 1,
-                     *model, "--skip-sets", TINY_SET)
+                     *model, "--skip-sets", sets)
     assert re.search(r"^weights read per forward [\d.]+ GB; measured read bandwidth [\d.]+ GB/s$", out, re.M)
     header, rows = table_after(out, "method ")
     for column in ("tok/s", "vs HF eager (95% interval)", "vs HF static+compile", "vs ours plain compiled", "GB/s",
@@ -223,10 +225,10 @@ def test_engine_speed(stage, request):
         assert column in header
     skip = "attn=[1, 2] mlp=[2]"
     # On a CPU with inductor (the default backend) the regional rows are there too.
-    assert [row[:48].rstrip() for row in rows] == [
-        "HF eager greedy", "HF static cache + compile", "skipsearch plain eager", "skipsearch plain compiled",
-        "skipsearch plain compiled, regional (studies)", f"self-spec {skip} eager", f"self-spec {skip} compiled",
-        f"self-spec {skip} compiled, regional"]
+    plain = ["HF eager greedy", "HF static cache + compile", "skipsearch plain eager", "skipsearch plain compiled",
+             "skipsearch plain compiled, regional (studies)"]
+    drafts = [f"self-spec {skip} eager", f"self-spec {skip} compiled", f"self-spec {skip} compiled, regional"]
+    assert [row[:48].rstrip() for row in rows] == plain + ([] if stage == "speed-shape" else drafts)
 
 
 def test_guard(tiny_model_dir):  # stage "guard"
