@@ -38,7 +38,12 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=4, help="built-in prompts (default: 4)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: 64)")
     parser.add_argument("--repeats", type=int, default=3, help="paired runs per prompt, both sides (default: 3)")
+    parser.add_argument("--bench-mode", choices=["deployed", "regional"], default="deployed",
+                        help="bench's compiled steps: those `bench --compile` runs (on a CPU frozen, one compile per "
+                             "set), or the regional ones a study runs, to tell the engine's share of a disagreement "
+                             "from the rest (default: %(default)s)")
     args = parser.parse_args()
+    bench_mode = "regional" if args.bench_mode == "regional" else None
 
     loaded = load_model(args.model, device=args.device, dtype=args.dtype)
     model, eos = loaded.model, loaded.model.generation_config.eos_token_id
@@ -46,13 +51,14 @@ def main() -> None:
     policy = DraftPolicy(guard=False)  # what a trial measures (evaluation.py): like with like
     evaluator = Evaluator(model, prompts, args.max_new_tokens, policy, eos, repeats=args.repeats, compile=True)
     print(f"{loaded.name_or_path} on {model.device} ({loaded.dtype_name}), {len(prompts)} prompts x "
-          f"{args.max_new_tokens} tokens, {args.repeats} paired runs per prompt, default policy, guard off on both sides")
+          f"{args.max_new_tokens} tokens, {args.repeats} paired runs per prompt, default policy, guard off on both sides; "
+          f"bench's steps: {args.bench_mode}")
     print(f"{'skip set':44} {'study (95% interval)':>24} {'bench (95% interval)':>24}  overlap")
-    plain = skipsearch_decoder(model, args.max_new_tokens, eos, None, policy, compile=True)
+    plain = skipsearch_decoder(model, args.max_new_tokens, eos, None, policy, compile=True, compile_mode=bench_mode)
     for skip in parse_skip_sets(args.skip_sets, model.config.num_hidden_layers):
         study = evaluator.evaluate(skip).speedup
         decoders = {"plain": plain, "set": skipsearch_decoder(model, args.max_new_tokens, eos, skip, policy,
-                                                               compile=True)}
+                                                               compile=True, compile_mode=bench_mode)}
         runs = timed_runs(decoders, prompts, args.repeats, model.device)
         bench = ratio_interval(runs["set"].ratios_over(runs["plain"]))
         overlap = study.low <= bench.high and bench.low <= study.high

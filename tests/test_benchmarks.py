@@ -150,9 +150,11 @@ def test_skip_set_setups_sets_are_distinct_and_refused_beyond_what_exists():
         sparse_sets(4, 16)  # drew forever before
 
 
-def test_trial_vs_bench(tiny_model_dir):  # stage "trials"
+@pytest.mark.parametrize("mode", ["deployed", "regional"])
+def test_trial_vs_bench(tiny_model_dir, mode):  # stage "trials"
     out = run_script("benchmarks/trial_vs_bench.py", *SMALL, "--model", tiny_model_dir, "--num-prompts", 1,
-                     "--max-new-tokens", 8, "--repeats", 1, "--skip-sets", TINY_SET)
+                     "--max-new-tokens", 8, "--repeats", 1, "--skip-sets", TINY_SET, "--bench-mode", mode)
+    assert f"bench's steps: {mode}" in out
     header, rows = table_after(out, "skip set")
     assert header.split() == ["skip", "set", "study", "(95%", "interval)", "bench", "(95%", "interval)", "overlap"]
     assert len(rows) == 1 and re.fullmatch(r"attn=\[1, 2\] mlp=\[2\] .*x \(.*\) .*x \(.*\)  (yes|NO)", rows[0])

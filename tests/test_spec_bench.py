@@ -12,7 +12,7 @@ from skipsearch.api.prompts import encode_rows
 from skipsearch.cli import main
 from skipsearch.decode.config import ModelInfo, SkipConfig, load_skip_config, save_skip_config
 from skipsearch.decode.loop import generate
-from skipsearch.decode.skipset import SkipSet
+from skipsearch.decode.skipset import DraftHead, SkipSet
 from skipsearch.io.data import MT_BENCH, PromptRow, categories_of, draw, draw_per_category, load_rows
 from skipsearch.io.models import LoadedModel, encode_conversation
 from skipsearch.report.export import category_config
@@ -185,6 +185,17 @@ def test_the_categories_winners_are_exported_together():
     assert one.to_json()["version"] == 2 and one.label == "a"  # a labelled set, even alone
     nothing = category_config({"c": plain}, "s")
     assert not nothing.skip.size and nothing.to_json()["version"] == 1 and "c: lost" in nothing.metrics["verdict"]
+
+
+def test_a_categorys_trimmed_head_alone_is_exported():
+    """A category whose study confirmed a draft that skips nothing but reads a trimmed head (what Gemma 3 270M's
+    studies export) won: it is not taken for plain decoding."""
+    info = ModelInfo("tiny", "LlamaForCausalLM", 4, 32, vocab_size=8)
+    head = SkipSet(head=DraftHead((0, 1, 2)))
+    won = SkipConfig(info, head, metrics={"speedup": 1.2, "verdict": "a won"}, search={"study_name": "s-a"})
+    plain = SkipConfig(info, SkipSet(), metrics={"speedup": 1.0, "verdict": "lost"}, search={"study_name": "s-c"})
+    config = category_config({"a": won, "c": plain}, "s")
+    assert [(e.label, e.skip) for e in config.entries] == [("a", head)]
 
 
 def test_optimize_runs_one_study_per_category(capsys, tmp_path, tiny_model_dir):

@@ -213,7 +213,7 @@ def category_config(configs: dict[str, SkipConfig], study_name: str) -> SkipConf
     out, since decoding always weighs plain decoding. None won: plain decoding, each category's verdict quoted."""
     won: dict[SkipSet, list[tuple[str, SkipConfig]]] = {}
     for category, config in configs.items():
-        if config.skip.size and not config.others:
+        if config.skip.drafts and not config.others:  # a trimmed head alone drafts too
             won.setdefault(config.skip, []).append((category, config))
     first = next(iter(configs.values()))
     search = {**first.search, "study_name": study_name, "trial_number": None, "categories": list(configs),
