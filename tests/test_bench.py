@@ -69,6 +69,28 @@ def test_bench_verdict_quotes_the_paired_figure_and_the_studys_own_verdict():
         "0.99x (95% interval 0.95-1.03) (without it, as its study measures: 0.86x (95% interval 0.80-0.93))")
 
 
+def test_bench_verdict_of_several_sets_gives_the_end_to_end_figure_too():
+    """Choosing among several sets costs a draft forward per set in each prefill, which the decode-time figure leaves
+    out: a config of several sets (Gemma's per-category export: 1.18x decode time, 1.03x HF greedy end to end) is
+    quoted both ways."""
+    from skipsearch.report.bench import BenchRow
+    from skipsearch.report.export import category_config
+
+    info = ModelInfo("tiny", "LlamaForCausalLM", 4, 32)
+    config = category_config({c: SkipConfig(info, SkipSet.of([i + 1]), metrics={"speedup": 1.2, "verdict": "won"},
+                                            search={"study_name": c}) for i, c in enumerate("ab")}, "s")
+    rows = [BenchRow("hf greedy", 10.0, 1.0, True), BenchRow("skipsearch plain", 10.0, 1.0, True),
+            BenchRow("skipsearch 2 sets chosen per prompt (a, b)", 10.3, 1.03, True, speedup_low=0.98,
+                     speedup_high=1.08, acceptance_rate=0.9, speedup_over_plain_loop=1.18, speedup_over_plain_low=1.13,
+                     speedup_over_plain_high=1.24)]
+    text = bench_verdict(rows, config)
+    assert text.startswith("in this run the config's skip set decodes 1.18x (95% interval 1.13-1.24)")
+    assert ("end to end, the prefill's choice among the sets included: 1.03x HF greedy (95% interval 0.98-1.08), "
+            "our plain loop 1.00x") in text
+    one = SkipConfig(info, SkipSet.of([1]))
+    assert "end to end" not in bench_verdict(rows, one)
+
+
 def test_a_config_is_benched_as_deployed_and_as_its_study_measured_it():
     from skipsearch.report.bench import config_decoders
 
