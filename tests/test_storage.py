@@ -71,3 +71,27 @@ def test_a_stale_trial_failed_by_optuna_itself_says_why(tmp_path):
     assert not study.get_trials(states=(TrialState.RUNNING,))
     explain_stale_trials(study)  # nothing left to fail; the reasons stay
     assert {t.user_attrs.get("fail_reason") for t in study.get_trials()} == set(reasons.values())
+
+
+def test_a_trial_whose_worker_died_before_its_first_heartbeat_is_stale_too(tmp_path):
+    """A worker killed between creating its trial and its first heartbeat left the trial running forever (Optuna
+    skips trials without a heartbeat), and a re-run waited on it: once it began longer ago than the grace period, it
+    is failed with a reason like any stale trial. A trial that beats, or began within the grace, is left alone."""
+    import time
+
+    from optuna.trial import TrialState
+
+    storage = make_storage(f"sqlite:///{tmp_path}/s.db", Heartbeat(interval_s=1, grace_s=1, max_retries=0))
+    study = optuna.create_study(study_name="s", storage=storage)
+    silent = study.ask()  # ask() records no heartbeat: the killed worker's trial
+    silent.set_user_attr("worker", "elsewhere:1")
+    beating = study.ask()
+    time.sleep(2.5)
+    storage.record_heartbeat(beating._trial_id)
+    fresh = study.ask()
+    optuna.storages.fail_stale_trials(study)
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states == {silent.number: TrialState.FAIL, beating.number: TrialState.RUNNING,
+                      fresh.number: TrialState.RUNNING}
+    [lost] = study.get_trials(states=(TrialState.FAIL,))
+    assert lost.user_attrs["fail_reason"] == "worker lost: elsewhere:1 sent no heartbeat for 1 s (killed?)"

@@ -11,7 +11,7 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +114,9 @@ class _RDBStorage(optuna.storages.RDBStorage):
     got a `fail_reason`."""
 
     def _get_stale_trial_ids(self, study_id: int) -> list[int]:
-        stale = super()._get_stale_trial_ids(study_id)
         grace = self.grace_period or 2 * self.get_heartbeat_interval()
+        stale = super()._get_stale_trial_ids(study_id)
+        stale += [i for i in self._never_beating(study_id, grace) if i not in stale]
         for trial_id in stale:
             worker = self.get_trial_user_attrs(trial_id).get(WORKER_ATTR, "an unknown worker")
             try:
@@ -124,6 +125,26 @@ class _RDBStorage(optuna.storages.RDBStorage):
             except optuna.exceptions.UpdateFinishedTrialError:
                 pass  # another worker failed it first
         return stale
+
+    def _never_beating(self, study_id: int, grace: float) -> list[int]:
+        """Running trials that began over `grace` seconds ago and never sent a heartbeat: their worker was killed
+        between creating the trial and its first beat. Optuna never counts a trial without a heartbeat stale, so a
+        re-run would wait on it forever (seen under load in tests/test_faults.py). A live worker beats within
+        moments of creating its trial, so the creating worker's clock (`datetime_start`) is precise enough here."""
+        from optuna.storages._rdb.models import TrialHeartbeatModel
+
+        began_before = datetime.now() - timedelta(seconds=grace)
+        old = [t._trial_id for t in self.get_all_trials(study_id, deepcopy=False, states=(TrialState.RUNNING,))
+               if t.datetime_start is not None and t.datetime_start < began_before]
+        if not old:
+            return []
+        session = self.scoped_session()
+        try:
+            beating = {row.trial_id for row in session.query(TrialHeartbeatModel.trial_id)
+                       .filter(TrialHeartbeatModel.trial_id.in_(old))}
+        finally:
+            session.close()
+        return [i for i in old if i not in beating]
 
 
 def _begin_immediately(engine: Any) -> None:
