@@ -10,6 +10,7 @@
 import collections
 import gc
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -305,3 +306,43 @@ def test_a_compiled_step_does_not_recompile_when_another_family_is_used():
     out = generate(model, [5, 9, 14], **decode)
     assert out.tokens == hf_greedy(model, [5, 9, 14], 6, eos=None) and out.stats.compile_time_s == 0.0
     assert counters["stats"]["unique_graphs"] == graphs and sum(counters["recompiles"].values()) == recompiles
+
+
+def test_the_packed_head_computes_the_heads_logits_for_any_number_of_rows():
+    """The verification's head on a CPU (packed.py): the same logits as the model's linear head, to fp32 rounding, for
+    one row and for a round's worth, with and without a bias; None where it does not apply."""
+    from skipsearch.decode.packed import PackedHead, packed_head
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(300, 48), torch.randn(300)
+    for given in (None, bias):
+        head = packed_head(weight, given)
+        assert isinstance(head, PackedHead)  # a CPU build of torch with oneDNN (CI's) packs: a newer one must too
+        for rows in (1, 3, 9):
+            hidden = torch.randn(1, rows, 48)
+            expected = torch.nn.functional.linear(hidden, weight, given)
+            assert head(hidden).shape == (1, rows, 300)
+            torch.testing.assert_close(head(hidden), expected, rtol=1e-5, atol=1e-5)
+    assert packed_head(weight.double(), None) is None  # measured and tested for float32 only
+
+
+def test_eager_verification_runs_the_packed_head_and_plain_steps_the_models_own(monkeypatch):
+    from skipsearch.decode.packed import PackedHead
+
+    model = tiny_model("llama", seed=3)  # float32: the packed path
+    engine = engine_for(model)
+    steps = engine.prepare(40, SkipSet.of([1], [], 4), None, 5)
+    assert isinstance(engine.verifier.lm_head, PackedHead) and steps.verify is not steps.plain
+    assert isinstance(model.lm_head, torch.nn.Linear)  # the model itself, which plain steps run, is untouched
+    with mock.patch.object(PackedHead, "forward", autospec=True, side_effect=PackedHead.forward) as packed:
+        steps.verify(torch.tensor([[5, 9, 14]]))
+        steps.plain(torch.tensor([[3]]))
+    assert packed.call_count == 1
+    prompt = [5, 9, 14, 3, 7]
+    out = generate(model, prompt, skip=SkipSet.of([1], [], 4), max_new_tokens=24, eos_token_id=None,
+                   policy=DraftPolicy(max_draft_tokens=4, adaptive=False, guard=False))
+    assert out.tokens == hf_greedy(model, prompt, 24, eos=None) and max(out.stats.verify_sizes) == 5
+    unpacked = tiny_model("llama", seed=3)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    engine_for(unpacked).prepare(40, None, None, 5)
+    assert engine_for(unpacked).verifier is unpacked

@@ -12,7 +12,8 @@ from conftest import VirtualTimer, tiny_model
 from skipsearch.decode import loop as decoding
 from skipsearch.decode.controller import (FIRST_BACKOFF_TOKENS, KEEP_ABOVE, PLAIN_SAMPLE_TOKENS, ROUNDS_PER_CHECK,
                                           DraftController, DraftMemory)
-from skipsearch.decode.economics import Acceptance, PriceFit, RoundCosts, best_draft_length, committed_tokens
+from skipsearch.decode.economics import (Acceptance, ConfidenceBins, Cut, PriceFit, RoundCosts, best_draft_length,
+                                         committed_tokens)
 from skipsearch.decode.loop import generate
 from skipsearch.decode.policy import DraftPolicy
 from skipsearch.decode.skipset import SkipSet
@@ -82,6 +83,31 @@ def test_where_drafts_do_not_pay_it_drafts_nothing_with_back_off_kept_in_the_cal
     assert controller(0.5, memory=memory).plan(room=100) > 0 and memory.plain_s == {}
 
 
+def test_a_call_starts_from_the_acceptance_earlier_calls_with_the_memory_learned():
+    """A first call starts from the prior and drafts short; one with the memory of calls whose drafts were all accepted
+    drafts long from its first round; a file without acceptance (an earlier release's) reads as knowing none."""
+    memory = DraftMemory()
+
+    def fresh() -> DraftController:
+        made = DraftController(DraftPolicy(max_draft_tokens=8, guard=False), memory)
+        made.use(SET, RoundCosts(draft=0.1))
+        return made
+
+    first = fresh()
+    first_plan = first.plan(room=100)
+    for _ in range(12):
+        first.observe(8, 8, 9, 1.8)
+    assert memory.acceptance["eager " + str(SET)] > 0.95
+    assert first_plan < 8 == fresh().plan(room=100)
+    assert DraftMemory.from_dict(memory.as_dict()) == memory
+    assert DraftMemory.from_dict({"plain_s": {}, "backoffs": {}}).acceptance == {}
+    for rate in (1.5, -0.1, True, "0.9"):
+        with pytest.raises(ValueError, match="acceptance must map skip sets to rates from 0 to 1"):
+            DraftMemory.from_dict({"acceptance": {"eager attn=[1] mlp=[]": rate}})
+    memory.reset()
+    assert memory.acceptance == {} and fresh().plan(room=100) == first_plan
+
+
 def test_a_probe_that_pays_again_resets_the_back_off():
     made = controller(acceptance=0.5, shape=RoundCosts(draft=0.9), memory=DraftMemory(plain_s={"eager": 1.0}))
     rounds(made, ROUNDS_PER_CHECK, False, lambda drafts: 1.0 + 0.9 * drafts)
@@ -141,12 +167,14 @@ def test_a_memory_saved_after_any_call_loads_back(tmp_path):
 
 def test_the_cut_weighs_the_acceptance_estimate_against_the_price_of_a_draft():
     made = controller(acceptance=0.8, shape=RoundCosts(draft=0.25), guard=False)
-    assert made.cut() == (pytest.approx(0.8), pytest.approx(0.25), None)  # the shape's price until rounds are timed
+    first = made.cut()  # the shape's price until rounds are timed; every confidence at the set's rate until judged
+    assert (first.acceptance, first.price, first.chances) == (pytest.approx(0.8), pytest.approx(0.25), (0.8,) * 4)
     for drafts in [1, 3, 2, 5, 4, 1, 2, 6] * 3:
-        # A draft costs an eighth of a verification; its confidence reads 0.6.
-        made.observe(drafts, drafts, drafts + 1, 2.0 + 0.25 * drafts, confidence=0.6 * drafts)
-    acceptance, price, typical = made.cut()
-    assert price == pytest.approx(0.125, rel=0.05) and acceptance > 0.95 and typical == pytest.approx(0.6)
+        # A draft costs an eighth of a verification; every draft is accepted.
+        made.observe(drafts, drafts, drafts + 1, 2.0 + 0.25 * drafts, confidences=[0.6] * drafts)
+    cut = made.cut()
+    assert cut.price == pytest.approx(0.125, rel=0.05) and cut.acceptance > 0.95
+    assert cut.chance(0.6) > 0.95 and cut.chance(0.99) == pytest.approx(cut.acceptance)  # only 0.5-0.8 was judged
 
     class Confident:  # a draft step whose top-1 probabilities are given
         def __init__(self, confidences):
@@ -159,13 +187,32 @@ def test_the_cut_weighs_the_acceptance_estimate_against_the_price_of_a_draft():
     def drafted(confidences, cut):
         return decoding.draft_round(Confident(confidences), torch.tensor([0]), 4, cut, decoding.Sampling(), None).count
 
-    assert drafted([0.9] * 4, (0.8, 0.3, None)) == 4  # 0.8^k * 0.8 stays above 0.3 for three drafts: the fourth runs
-    assert drafted([0.9] * 4, (0.8, 0.6, None)) == 2  # 0.8^2 * 0.8 < 0.6: no third
-    assert drafted([0.9, 0.2, 0.9, 0.9], (0.8, 0.3, 0.9)) == 2  # an unsure second draft: 0.8 * 0.8 * 0.2 / 0.9 < 0.3
+    assert drafted([0.9] * 4, Cut(0.8, 0.3, (0.8,) * 4)) == 4  # 0.8^k * 0.8 stays above 0.3 for three drafts
+    assert drafted([0.9] * 4, Cut(0.8, 0.6, (0.8,) * 4)) == 2  # 0.8^2 * 0.8 < 0.6: no third
+    unsure_rejected = Cut(0.8, 0.3, (0.2, 0.8, 0.8, 0.8))  # drafts under 0.5 were seldom accepted
+    assert drafted([0.9, 0.2, 0.9, 0.9], unsure_rejected) == 2  # an unsure second draft: 0.8 * 0.2 * 0.8 < 0.3
+    assert drafted([0.9, 0.2, 0.9, 0.9], Cut(0.95, 0.3, (0.95,) * 4)) == 4  # unsure, but such drafts were accepted
     assert drafted([0.9, 0.2, 0.9, 0.9], None) == 4  # no cut: the planned length
-    draft = decoding.draft_round(Confident([0.9, 0.5]), torch.tensor([0]), 2, (1.0, 0.0, None), decoding.Sampling(),
-                                 None)
-    assert draft.confidence == pytest.approx(1.4)
+    draft = decoding.draft_round(Confident([0.9, 0.5]), torch.tensor([0]), 2, Cut(1.0, 0.0, (1.0,) * 4),
+                                 decoding.Sampling(), None)
+    assert draft.confidences == [pytest.approx(0.9), pytest.approx(0.5)]
+    ticks = iter([10.0, 10.5])
+    timed = decoding.draft_round(Confident([0.9, 0.5]), torch.tensor([0]), 2, Cut(1.0, 0.0, (1.0,) * 4),
+                                 decoding.Sampling(), None, clock=lambda: next(ticks))
+    assert timed.seconds == pytest.approx(0.5)
+    assert decoding.draft_round(Confident([0.9]), torch.tensor([0]), 1, None, decoding.Sampling(), None).seconds is None
+
+
+def test_confidence_bins_learn_which_confidences_are_accepted():
+    """Drafts under 0.5 rejected, drafts over 0.95 accepted: the bins learn it, drafts after a rejection are not
+    judged, and a bin never seen keeps the set's rate."""
+    bins = ConfidenceBins()
+    for _ in range(20):
+        bins.observe([0.99, 0.99, 0.3, 0.99], accepted=2)  # the unsure third rejected; the fourth never judged
+    low, middle, high, top = bins.chances(rate=0.7)
+    assert low < 0.2 and top > 0.9 and middle == high == pytest.approx(0.7)
+    bins.observe([0.6, 0.6], accepted=2)
+    assert bins.chances(rate=0.7)[1] > 0.7
 
 
 def test_the_price_fit_scales_the_shape_to_seconds_and_separates_its_parts_once_rounds_vary():
@@ -177,6 +224,15 @@ def test_the_price_fit_scales_the_shape_to_seconds_and_separates_its_parts_once_
     for drafts in [1, 3, 2, 5, 4, 1, 2, 6] * 8:
         fit.observe(drafts, 2.0 + 0.5 * drafts)  # truly: a verification 2 s, a draft 0.5 s; the old rounds fade
     assert fit.round_s(0) == pytest.approx(2.0, rel=0.05) and fit.draft_price() == pytest.approx(0.25, rel=0.05)
+    timed_apart = PriceFit(RoundCosts(draft=0.25))
+    for drafts in (4, 1, 4, 1):  # truly: a verification 2 s, a draft 0.75 s; the drafts' seconds read apart
+        timed_apart.observe(drafts, 2.0 + 0.75 * drafts + (0.3 if drafts == 1 else -0.3), draft_seconds=0.75 * drafts)
+    # Noise on the totals lands on the verification alone: the draft's price is what its own seconds say.
+    assert timed_apart.draft_price() == pytest.approx(0.375, rel=0.05)
+    joint = PriceFit(RoundCosts(draft=0.25))
+    for drafts in (4, 1, 4, 1):
+        joint.observe(drafts, 2.0 + 0.75 * drafts + (0.3 if drafts == 1 else -0.3))
+    assert joint.draft_price() < 0.3  # the totals alone mistook the noise for a cheaper draft
     widths = PriceFit(RoundCosts(draft=0.1, verify=(1.0, 1.6, 1.9, 1.5)))
     for drafts in (1, 2, 3) * 8:
         widths.observe(drafts, 10.0 * widths.shape.round(drafts))

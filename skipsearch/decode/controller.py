@@ -12,10 +12,12 @@ The guard is that choice with 0 on the menu and plain decoding's speed measured:
 rounds, when the planned length's expected speed is below `KEEP_ABOVE` of plain speed, the controller decodes plainly
 for a stretch, then probes drafting again, each failed probe doubling the stretch (back-off). Where plain speed is not
 known yet it is measured first (`PLAIN_SAMPLE_TOKENS`). CPU and CUDA run the same plan; where a draft's confidence can
-be read for free (a CPU), `cut` lets the round stop early inside it, by the same acceptance estimate.
+be read for free (a CPU), `cut` lets the round stop early inside it, by the chance of acceptance that drafts of
+that confidence have had (`economics.ConfidenceBins`).
 
-What the controller learns across calls (plain speed, each set's back-off) lives in a `DraftMemory` that the caller
-holds: a server keeps one per model and passes it to every call, a study keeps none (each call starts afresh).
+What the controller learns across calls (plain speed, each set's back-off and acceptance) lives in a `DraftMemory`
+that the caller holds: a server keeps one per model and passes it to every call, as bench does; a study's trial keeps
+one across its prompts, so that it measures what they deliver. Without one, each call starts from the prior.
 
 Switching between drafting and plain steps changes no token: greedy output is plain greedy output either way, and
 sampling keeps the full model's distribution either way.
@@ -30,7 +32,7 @@ from pathlib import Path
 
 from ..io.files import read_json, write_atomic
 
-from .economics import Acceptance, PriceFit, RoundCosts, best_draft_length, committed_tokens
+from .economics import Acceptance, ConfidenceBins, Cut, PriceFit, RoundCosts, best_draft_length, committed_tokens
 from .policy import DraftPolicy
 from .skipset import SkipSet
 
@@ -40,7 +42,6 @@ FIRST_BACKOFF_TOKENS = 32  # plain tokens after a first failed verdict; doubled 
 MAX_BACKOFF_TOKENS = 1024
 PLAIN_SAMPLE_TOKENS = 8  # plain tokens decoded to measure plain speed when none is known yet
 PLAIN_FADE = 0.8  # per plain token: plain speed follows the last few tokens
-CONFIDENCE_FADE = 0.9  # per round: a draft's typical confidence follows the last ten rounds or so
 
 
 @dataclass
@@ -79,32 +80,41 @@ class Backoff:
 @dataclass
 class DraftMemory:
     """What drafting learned across calls, held by the caller: plain decoding's seconds per token by how the steps run
-    (`plain_s`) and each skip set's back-off (`backoffs`), keyed by strings (`DraftController.key`). One per model:
-    pass it to every call of a server (`generate(memory=...)`); `reset` forgets; `as_dict` / `from_dict` persist."""
+    (`plain_s`), each skip set's back-off (`backoffs`) and acceptance rate (`acceptance`: a call starts from it rather
+    than from the prior), keyed by strings (`DraftController.key`). One per model: pass it to every call of a server
+    (`generate(memory=...)`); `reset` forgets; `as_dict` / `from_dict` persist (files without `acceptance` read as
+    having none)."""
 
     plain_s: dict[str, float] = field(default_factory=dict)
     backoffs: dict[str, Backoff] = field(default_factory=dict)
+    acceptance: dict[str, float] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.plain_s.clear()
         self.backoffs.clear()
+        self.acceptance.clear()
 
     def as_dict(self) -> dict:
-        return {"plain_s": dict(self.plain_s), "backoffs": {k: asdict(v) for k, v in self.backoffs.items()}}
+        return {"plain_s": dict(self.plain_s), "backoffs": {k: asdict(v) for k, v in self.backoffs.items()},
+                "acceptance": dict(self.acceptance)}
 
     @classmethod
     def from_dict(cls, data: dict) -> DraftMemory:
         """The memory from `as_dict`'s form; a ValueError of one line where a value is not what it must be."""
         if not isinstance(data, dict):
             raise ValueError("a draft memory is a JSON object")
-        plain_s, backoffs = data.get("plain_s", {}), data.get("backoffs", {})
+        plain_s, backoffs, acceptance = data.get("plain_s", {}), data.get("backoffs", {}), data.get("acceptance", {})
         if not isinstance(plain_s, dict) or not all(type(v) in (int, float) and 0 < v < math.inf
                                                     for v in plain_s.values()):
             raise ValueError("plain_s must map step kinds to seconds per token, positive and finite")
         if not isinstance(backoffs, dict):
             raise ValueError("backoffs must map skip sets to back-offs")
+        if not isinstance(acceptance, dict) or not all(type(v) in (int, float) and 0 <= v <= 1
+                                                       for v in acceptance.values()):
+            raise ValueError("acceptance must map skip sets to rates from 0 to 1")
         return cls({str(k): float(v) for k, v in plain_s.items()},
-                   {str(k): _backoff(k, v) for k, v in backoffs.items()})
+                   {str(k): _backoff(k, v) for k, v in backoffs.items()},
+                   {str(k): float(v) for k, v in acceptance.items()})
 
     def save(self, path: str | Path, learned_by: str) -> None:
         """Persist to `path` (JSON, replaced atomically); `learned_by` names the model and device it was learned on."""
@@ -168,11 +178,11 @@ class DraftController:
         self.stats = GuardStats()
         self.skip: SkipSet | None = None
         self.acceptance: dict[SkipSet, Acceptance] = {}  # one estimate per skip set
+        self.by_confidence: dict[SkipSet, ConfidenceBins] = {}  # and its drafts' acceptance by confidence (the cut)
         self.fit = PriceFit(RoundCosts(draft=1.0))
         self.backoff: Backoff | None = None  # None: no guard
         self.timed_rounds = 0  # timed drafting rounds since the last verdict
         self.guarding_plain = False  # the latest plan was a plain stretch of the guard's
-        self.confidence = [0.0, 0.0]  # faded sums of the confidences read and of the drafts they were read for
 
     def key(self, skip: SkipSet | None = None) -> str:
         """The memory's key of plain speed (no `skip`) or of a skip set's back-off, with these steps."""
@@ -183,9 +193,10 @@ class DraftController:
         self.skip = skip
         if skip is None:
             return
+        learned = self.memory.acceptance.get(self.key(skip)) if skip not in self.acceptance else None
         estimate = self.acceptance.setdefault(skip, Acceptance())
-        if agreement is not None:
-            estimate.seed(agreement)
+        if agreement is not None or learned is not None:  # this prompt's agreement says more than earlier calls
+            estimate.seed(agreement if agreement is not None else learned)
         self.fit = PriceFit(shape or RoundCosts(draft=1.0))
         self.backoff = self.memory.backoffs.setdefault(self.key(skip), Backoff()) if self.policy.guard else None
 
@@ -228,33 +239,32 @@ class DraftController:
         self.acceptance[self.skip].seed(self.rate)  # the probe after the stretch is judged mostly on its own rounds
         return 0
 
-    def cut(self) -> tuple[float, float, float | None] | None:
-        """For a cut inside the round where a draft's confidence is free to read: (the acceptance estimate, the price
-        of a draft in plain steps, a draft's typical confidence so far or None). A draft's chance of acceptance is the
-        estimate scaled by its confidence over the typical one (at most 1); the next token is drafted only while its
-        chance of being accepted with every draft before it is above its price (`rounds.draft_round`). None:
-        drafting runs the planned length (fixed-length policies, plain decoding)."""
+    def cut(self) -> Cut | None:
+        """For a cut inside the round where a draft's confidence is free to read: the acceptance estimate, the price
+        of a draft in plain steps, and the chance of acceptance that drafts of each confidence have had. The next
+        token is drafted only while its chance of being accepted with every draft before it is above its price
+        (`rounds.draft_round`). None: drafting runs the planned length (fixed-length policies, plain decoding)."""
         if not self.policy.adaptive or self.skip is None:
             return None
-        summed, count = self.confidence
-        return self.rate, self.fit.draft_price(), summed / count if count else None
+        bins = self.by_confidence.setdefault(self.skip, ConfidenceBins())
+        return Cut(self.rate, self.fit.draft_price(), bins.chances(self.rate))
 
     def width(self, n_tokens: int) -> int:
         """The width to verify `n_tokens` at: the cheapest priced width at least as wide, within the largest round."""
         return self.fit.shape.width(n_tokens, self.policy.max_draft_tokens + 1)
 
     def observe(self, drafted: int, accepted: int, tokens: int, seconds: float | None,
-                confidence: float | None = None) -> None:
+                confidences: list[float] | None = None, draft_seconds: float | None = None) -> None:
         """A round (or a batch of plain steps) that drafted `drafted`, kept `accepted` of them and committed `tokens`
-        in `seconds` of wall time (None: untimed, as a compiled step's first call is); `confidence`: the drafts'
-        summed confidence, where it was read (the cut)."""
-        if confidence is not None:
-            self.confidence = [CONFIDENCE_FADE * self.confidence[0] + confidence,
-                               CONFIDENCE_FADE * self.confidence[1] + drafted]
+        in `seconds` of wall time (None: untimed, as a compiled step's first call is); `confidences` and
+        `draft_seconds`: each draft's confidence and the drafts' part of `seconds`, where they were read (the cut)."""
+        if confidences and self.skip is not None:
+            self.by_confidence.setdefault(self.skip, ConfidenceBins()).observe(confidences, accepted)
         if drafted:
             self.acceptance[self.skip].observe(accepted, drafted)
+            self.memory.acceptance[self.key(self.skip)] = self.rate
             if seconds is not None:
-                self.fit.observe(drafted, seconds)
+                self.fit.observe(drafted, seconds, draft_seconds)
                 self.timed_rounds += 1
         elif self.guarding_plain:
             self._observe_plain(tokens, seconds)

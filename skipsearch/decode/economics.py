@@ -9,12 +9,15 @@
   the cheapest measured width j >= n, and is padded to j (`RoundCosts.width`).
 - `PriceFit`: that shape in seconds, fit from the rounds' wall times (faded least squares of a round's time on its
   verification and its draft forwards).
+- `ConfidenceBins`, `Cut`: where a draft's confidence is free to read (a CPU), how often drafts of each confidence
+  are accepted, and what a round needs to stop at an unsure one.
 - `best_draft_length`: the drafts per round that commit the most tokens per unit of time (Leviathan et al. 2023,
   section 3.4), priced; 0 (a plain step) on the menu where the caller puts it there.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -99,6 +102,49 @@ class Acceptance:
         return self.accepted / (self.accepted + self.rejected)
 
 
+# A draft's confidence (its top probability) binned at these edges: each bin learns how often its drafts are accepted.
+CONFIDENCE_EDGES = (0.5, 0.8, 0.95)
+
+
+def confidence_bin(confidence: float) -> int:
+    return bisect.bisect_right(CONFIDENCE_EDGES, confidence)
+
+
+@dataclass
+class ConfidenceBins:
+    """How often a skip set's drafts are accepted, by their confidence (`CONFIDENCE_EDGES`), where the cut reads it:
+    per bin, faded counts of accepted and rejected drafts, shrunk toward the set's overall rate by the prior's weight.
+    Whether confidence predicts acceptance is measured, not assumed: a draft that reads the full model through a
+    trimmed head agrees with it at any confidence, one that skips layers less often when it is unsure."""
+
+    counts: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(len(CONFIDENCE_EDGES) + 1)])
+
+    def observe(self, confidences: list[float], accepted: int) -> None:
+        """A round whose drafts had `confidences` and whose first `accepted` were accepted: those, and the rejected
+        one after them, are counted in their bins; drafts after a rejection were never judged."""
+        for index, confidence in enumerate(confidences[: accepted + 1]):
+            counts = self.counts[confidence_bin(confidence)]
+            counts[0] = ACCEPTANCE_FADE * counts[0] + (index < accepted)
+            counts[1] = ACCEPTANCE_FADE * counts[1] + (index >= accepted)
+
+    def chances(self, rate: float) -> tuple[float, ...]:
+        """Each bin's chance that a draft is accepted, given the set's overall `rate`."""
+        return tuple((kept + PRIOR_DRAFTS * rate) / (kept + rejected + PRIOR_DRAFTS) for kept, rejected in self.counts)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """What a round needs to stop at an unsure draft where a draft's confidence is free to read (`rounds.draft_round`):
+    the acceptance estimate, a draft's price in plain steps, and each confidence bin's chance (`ConfidenceBins`)."""
+
+    acceptance: float
+    price: float
+    chances: tuple[float, ...]
+
+    def chance(self, confidence: float) -> float:
+        return self.chances[confidence_bin(confidence)]
+
+
 def committed_tokens(acceptance: float, drafts: int) -> float:
     """The tokens a round of `drafts` commits on average, its accepted drafts and the full model's next token, when
     each draft is accepted with probability `acceptance` once the ones before it were: 1 + a + ... + a^drafts."""
@@ -149,14 +195,21 @@ class RoundCosts:
 class PriceFit:
     """A round's seconds as `v * shape.verification(k + 1) + d * k * shape.draft` for k drafts: the shape's two parts,
     each scaled by a unit fit from the rounds' times (least squares faded by `PRICE_FADE`, pulled toward one common
-    unit by `PULL`, so that until the rounds vary in length the shape's ratio of draft to verification stands)."""
+    unit by `PULL`, so that until the rounds vary in length the shape's ratio of draft to verification stands).
+    Where the drafts were timed apart (a CPU's cut reads each draft back, so its clock needs no sync), each part is
+    fit from its own seconds: a round's total alone cannot tell a dearer draft from a verification that grows with
+    its width, and over a few dozen noisy rounds of one to four drafts it mistook one for the other."""
 
     shape: RoundCosts
     sums: list[float] = field(default_factory=lambda: [0.0] * 6)  # weight, x1x1, x1x2, x2x2, x1t, x2t
 
-    def observe(self, drafts: int, seconds: float) -> None:
+    def observe(self, drafts: int, seconds: float, draft_seconds: float | None = None) -> None:
+        """A round of `drafts` that took `seconds`, `draft_seconds` of them drafting where the drafts were timed."""
         x1, x2 = self.shape.verification(drafts + 1), drafts * self.shape.draft
-        terms = (1.0, x1 * x1, x1 * x2, x2 * x2, x1 * seconds, x2 * seconds)
+        if draft_seconds is None:
+            terms = (1.0, x1 * x1, x1 * x2, x2 * x2, x1 * seconds, x2 * seconds)
+        else:  # each part's own equation: verification = v * x1, drafts = d * x2
+            terms = (1.0, x1 * x1, 0.0, x2 * x2, x1 * max(seconds - draft_seconds, 0.0), x2 * draft_seconds)
         self.sums = [PRICE_FADE * s + t for s, t in zip(self.sums, terms)]
 
     def units(self) -> tuple[float, float] | None:

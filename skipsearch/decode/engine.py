@@ -36,7 +36,8 @@ from torch import nn
 from . import adapter
 from .adapter import decoder_layers
 from .kvcache import SpeculativeCache
-from .skipping import SkippedLayer, draft_layers, draft_model, forget_draft, model_with_layers
+from .packed import packed_head
+from .skipping import SkippedLayer, draft_layers, draft_model, forget_draft, model_with_head, model_with_layers
 from .skipset import SkipSet
 
 CACHE_BLOCK = 256  # capacities round up to this, so calls of similar lengths share one cache and one graph
@@ -297,6 +298,7 @@ class Engine:
         self.prefill_row: torch.Tensor | None = None  # the row a compiled prefill step keeps (Prefill)
         self.layers: dict[str, CompiledLayers] = {}  # by backend
         self.graph_pool = None
+        self.verifier: nn.Module | None = None  # the eager verify step's model (`_eager_verifier`)
         self._kept_skip_sets = DRAFT_STEPS_KEPT
 
     @property
@@ -340,7 +342,8 @@ class Engine:
         if settings is None:
             draft = Step(_step(draft_model(self.model, skip), cache), cache, compiled=False) if skip else None
             full = Step(_step(self.model, cache), cache, compiled=False)
-            return Steps(cache, draft, full, full, Prefill(self.model, cache))
+            verify = Step(_step(self._eager_verifier(), cache), cache, compiled=False)
+            return Steps(cache, draft, verify, full, Prefill(self.model, cache))
         if cache is not self.cache:
             raise ValueError("compiled steps write the engine's own cache: get it from cache_for")
         for width in {verify_width, 1}:
@@ -349,6 +352,15 @@ class Engine:
         return Steps(cache, self._draft_step(skip, settings) if skip else None,
                      self.verify_steps[verify_width, settings], self.verify_steps[1, settings],
                      self._prefill(settings))
+
+    def _eager_verifier(self) -> nn.Module:
+        """The model as eager verification runs it: with its head packed where that applies (packed.py), made once;
+        else the model itself."""
+        if self.verifier is None:
+            _, weight, bias = adapter.output_head(self.model)
+            head = packed_head(weight, bias)
+            self.verifier = self.model if head is None else model_with_head(self.model, head)
+        return self.verifier
 
     def _prefill(self, settings: CompileSettings) -> Prefill:
         """Compiled prefill steps where layers compile per width (regional: one compile per width, then a CUDA graph

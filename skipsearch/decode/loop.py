@@ -158,7 +158,8 @@ class _Round:
     stopped: bool  # a stopping hook fired
     drafted: int = 0
     accepted: int = 0
-    confidence: float | None = None  # the drafts' summed confidence, where it was read (the cut)
+    confidences: list[float] | None = None  # each draft's confidence, where it was read (the cut)
+    draft_seconds: float | None = None  # the drafts' wall time, where it was read (the cut)
 
 
 def _decode(run: _Run, steps: Steps, controller: DraftController, prompt: torch.Tensor, max_new_tokens: int
@@ -197,7 +198,8 @@ def _observe(controller: DraftController, done: _Round, since: float, cold: bool
     """The iteration's wall time, from the previous iteration's end (its host read) to now, to the controller;
     returns now. The clock is a host read of the host's: no device sync."""
     now = ROUND_CLOCK()
-    controller.observe(done.drafted, done.accepted, len(done.tokens), None if cold else now - since, done.confidence)
+    controller.observe(done.drafted, done.accepted, len(done.tokens), None if cold else now - since, done.confidences,
+                       done.draft_seconds)
     return now
 
 
@@ -296,7 +298,7 @@ def _round(run: _Run, steps: Steps, controller: DraftController, stats: DecodeSt
         committed = torch.cat([draft.ids[0, 1 : 1 + accepted], last.view(-1)])[: len(new_tokens)]
         history = torch.cat([history, committed])
         stopped, new_tokens = _hooks_commit(run, history, new_tokens)
-    return _Round(new_tokens, last, history, stopped, draft.count, accepted, draft.confidence)
+    return _Round(new_tokens, last, history, stopped, draft.count, accepted, draft.confidences, draft.seconds)
 
 
 def _draft(run: _Run, steps: Steps, controller: DraftController, stats: DecodeStats, last: torch.Tensor,
@@ -307,7 +309,7 @@ def _draft(run: _Run, steps: Steps, controller: DraftController, stats: DecodeSt
         synchronize(last.device)
         start = time.perf_counter()
     cut = None if run.read_once else controller.cut()
-    draft = draft_round(steps.draft, last, drafts, cut, run.sampling, run.generator, run.hooks, history)
+    draft = draft_round(steps.draft, last, drafts, cut, run.sampling, run.generator, run.hooks, history, ROUND_CLOCK)
     if run.time_drafts:
         synchronize(last.device)
         stats.draft_time_s += time.perf_counter() - start

@@ -4,11 +4,13 @@ criteria in the loop."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from .economics import Cut
 from .engine import Step
 from .sampling import Sampling, rejection_sample
 
@@ -40,20 +42,22 @@ class Draft:
     ids: torch.Tensor  # (1, k + 1)
     count: int
     probs: torch.Tensor | None = None  # (k, vocab)
-    confidence: float | None = None  # the drafts' summed confidence, where it was read back (the cut)
+    confidences: list[float] | None = None  # each draft's confidence, where it was read back (the cut)
+    seconds: float | None = None  # the drafts' wall time, where each was read back (the cut): no sync needed
 
 
 def draft_round(
-    step: Step, last: torch.Tensor, budget: int, cut: tuple[float, float, float | None] | None, sampling: Sampling,
+    step: Step, last: torch.Tensor, budget: int, cut: Cut | None, sampling: Sampling,
     generator: torch.Generator | None, hooks: DecodeHooks | None = None, history: torch.Tensor | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Draft:
-    """Draft up to `budget` tokens after `last` with the draft step. With `cut` (acceptance, price, typical confidence:
-    where a draft's confidence is free to read, `DraftController.cut`), a draft's chance of acceptance is taken as the
-    acceptance scaled by its confidence over the typical one (at most 1), and drafting stops once the chance that the
-    next draft is accepted with all before it (their chances' product times acceptance) is below its price: a host
-    read per drafted token. Without, every draft stays on the device. With `hooks`, each draft's logits are processed
-    with `history` (the committed ids, `last` included) and the drafts so far."""
-    tokens, probs, chance, summed = [last.view(1)], [], 1.0, 0.0
+    """Draft up to `budget` tokens after `last` with the draft step. With `cut` (where a draft's confidence is free to
+    read, `DraftController.cut`), a draft's chance of acceptance is the one drafts of its confidence have had, and
+    drafting stops once the chance that the next draft is accepted with all before it (their chances' product times
+    the acceptance estimate) is below its price: a host read per drafted token. Without, every draft stays on the
+    device. With `hooks`, each draft's logits are processed with `history` (the committed ids, `last` included) and
+    the drafts so far. With `cut`, the drafts are timed by `clock` too: each read ends its draft's work."""
+    tokens, probs, chance, confidences, start = [last.view(1)], [], 1.0, [], clock() if cut is not None else 0.0
     for _ in range(budget):
         logits = _draft_logits(step, tokens, hooks, history)
         if sampling.do_sample:
@@ -64,14 +68,14 @@ def draft_round(
         # The unsure token is kept: its forward is already paid, and verifying one
         # more token costs far less than a forward on memory-bound hardware.
         if cut is not None:
-            acceptance, price, typical = cut
-            confidence = float(probs[-1].max() if probs else torch.softmax(logits.float(), -1).max())  # the read
-            summed += confidence
-            chance *= min(1.0, acceptance * (confidence / typical if typical else 1.0))
-            if chance * acceptance < price:
+            confidences.append(float(probs[-1].max() if probs else torch.softmax(logits.float(), -1).max()))  # the read
+            chance *= cut.chance(confidences[-1])
+            if chance * cut.acceptance < cut.price:
                 break
-    return Draft(torch.cat(tokens).view(1, -1), len(tokens) - 1, torch.stack(probs) if probs else None,
-                 summed if cut is not None else None)
+    if cut is None:
+        return Draft(torch.cat(tokens).view(1, -1), len(tokens) - 1, torch.stack(probs) if probs else None)
+    return Draft(torch.cat(tokens).view(1, -1), len(tokens) - 1, torch.stack(probs) if probs else None, confidences,
+                 clock() - start)
 
 
 def _draft_logits(step: Step, tokens: list[torch.Tensor], hooks: DecodeHooks | None, history: torch.Tensor | None

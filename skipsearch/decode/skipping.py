@@ -177,6 +177,12 @@ def _with_modules(parent: nn.Module, children: dict[str, nn.Module]) -> nn.Modul
     return view
 
 
+def model_with_head(model: nn.Module, head: nn.Module) -> nn.Module:
+    """A view of `model` whose LM head is `head` (a module computing the logits from the final hidden states): same
+    parameters and layers, the model's own forward."""
+    return _with_modules(model, {adapter.output_head(model)[0]: head})
+
+
 def model_with_layers(model: nn.Module, layers: nn.ModuleList, head: DraftHead | None = None) -> nn.Module:
     """A view of `model` whose decoder runs `layers` (and whose LM head reads `head`'s rows only, where given): same
     parameters, the model's own forward."""

@@ -72,8 +72,8 @@ def skipsearch_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | l
                        skip: SkipSet | Sequence[SkipSet] | None,
                        policy: DraftPolicy, time_drafts: bool = False, compile: bool = False,
                        compile_mode: str | None = None, compile_backend: str = "inductor") -> Decoder:
-    # One memory across the decoder's calls, as a server keeps one per model: the guard's plain speed and back-off
-    # carry from prompt to prompt instead of being measured again in every call.
+    # One memory across the decoder's calls, as a server keeps one per model: the guard's plain speed and back-off and
+    # the set's acceptance carry from prompt to prompt instead of being learned again in every call.
     memory = DraftMemory()
 
     def decode(prompt: list[int]) -> tuple[list[int], DecodeStats]:

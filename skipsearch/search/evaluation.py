@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..decode.controller import DraftMemory
 from ..decode.cost_profile import CostProfile
 from ..decode.loop import generate
 from ..decode.policy import DraftPolicy
@@ -120,14 +121,16 @@ class Evaluator:
     datasets: list[str] | None = None
     _reference: list[list[int]] | None = field(default=None, repr=False)
 
-    def _decode(self, prompt: list[int], skip: SkipSet | None, max_new_tokens: int | None = None) -> GenerationOutput:
+    def _decode(self, prompt: list[int], skip: SkipSet | None, max_new_tokens: int | None = None,
+                memory: DraftMemory | None = None) -> GenerationOutput:
         # Regional steps: a new skip set compiles nothing (on CUDA it is captured as CUDA graphs in milliseconds),
         # and on CUDA they are what generate/bench --compile run. Frozen CPU steps (generate's CPU default) would
         # compile each set for minutes and keep a copy of the model per set.
         # The run-time guard off: a trial measures the skip set itself, not plain decoding standing in for it.
+        # `memory`: what the trial's earlier prompts taught the controller, as bench's and a server's calls share it.
         return generate(self.model, prompt, skip=skip, max_new_tokens=max_new_tokens or self.max_new_tokens,
                         policy=dataclasses.replace(self.policy, guard=False), eos_token_id=self.eos_token_id,
-                        compile=self.compile, compile_mode="regional")
+                        compile=self.compile, compile_mode="regional", memory=memory)
 
     def reference_tokens(self) -> list[list[int]]:
         """Plain greedy decoding of every prompt (untimed; it also warms the process up)."""
@@ -166,9 +169,9 @@ class Evaluator:
             # Setting up a new skip set's steps (compiling, for the first; gathering a trimmed head's rows) must not
             # land in a timed run; one round with a draft is enough to set everything up.
             self._decode(self.prompts[0], skip, max_new_tokens=min(self.max_new_tokens, 3))
-        runs = []
+        runs, memory = [], DraftMemory()
         for index, prompt in enumerate(self.prompts):
-            runs.append(self._runs(index, prompt, skip, repeats, reference[index]))
+            runs.append(self._runs(index, prompt, skip, repeats, reference[index], memory))
             if report is not None and report(index, objective_value(runs[-1].share(skip), objective)):
                 break
         num_layers = self.model.config.num_hidden_layers
@@ -179,12 +182,12 @@ class Evaluator:
                 evaluation.by_dataset[name] = _summary(skip, own, num_layers)
         return evaluation
 
-    def _runs(self, index: int, prompt: list[int], skip: SkipSet, repeats: int, reference: list[int]
-              ) -> _PromptRuns:
+    def _runs(self, index: int, prompt: list[int], skip: SkipSet, repeats: int, reference: list[int],
+              memory: DraftMemory) -> _PromptRuns:
         """Decode `prompt` with `skip`, `repeats` times paired with plain decoding (once, untimed, when not timed)."""
         stats, ratios, plain_rates, skip_rates = DecodeStats(), [], [], []
         if self.timed:
-            pairs = paired_runs(lambda: self._decode(prompt, None), lambda: self._decode(prompt, skip),
+            pairs = paired_runs(lambda: self._decode(prompt, None), lambda: self._decode(prompt, skip, memory=memory),
                                 repeats, first_index=index, clock=self.clock)
             outputs = [out for _, (out, _) in pairs]
             for (plain, plain_s), (out, out_s) in pairs:
@@ -192,7 +195,7 @@ class Evaluator:
                 skip_rates.append(len(out.tokens) / out_s)
                 ratios.append(skip_rates[-1] / plain_rates[-1])
         else:
-            outputs = [self._decode(prompt, skip)]
+            outputs = [self._decode(prompt, skip, memory=memory)]
         for out in outputs:
             stats.add(out.stats)
         return _PromptRuns(ratios, plain_rates, skip_rates, stats, all(out.tokens == reference for out in outputs),
