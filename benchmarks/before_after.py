@@ -6,15 +6,19 @@ the working tree's, each with its own copy of the model, and decodes every promp
 back in a rotating order (`bench.timed_runs`). For each method it prints both tokens/s and the paired ratio
 after / before (geometric mean of the per-run ratios, 95% interval; above 1 the working tree is faster), and
 whether both revisions' outputs are identical. Only the public API (`generate`, `SkipSet`, `DraftPolicy`,
-`load_model`) of the older revision is called. Methods: plain decoding and each skip set at a fixed draft length,
-guard off, eager steps (and compiled ones with `--compile`).
+`DraftMemory`, `load_model`, `load_skip_config`) of the older revision is called. Methods: plain decoding and each
+skip set at a fixed draft length, and with `--config` an exported config's set (its trimmed head included) under its
+own draft policy; the guard off, one `DraftMemory` per method across its calls (as `bench` keeps), eager steps (and
+compiled ones with `--compile`).
 
     python benchmarks/before_after.py --before 5f12c3b --skip-sets "a20;a16,20,24;a20|m18"
+    python benchmarks/before_after.py --before 4037b00 --model gemma-3-270m --skip-sets "" --config studies/gemma/best.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import subprocess
 import sys
@@ -54,14 +58,18 @@ def decoders_of(package, label: str, skip_sets: list[SkipSet], args: argparse.Na
     model, eos = loaded.model, loaded.model.generation_config.eos_token_id
     policy = package.DraftPolicy(max_draft_tokens=args.max_draft_tokens, adaptive=False, guard=False)
     # That revision's own SkipSet: a package's checks may refuse another's type.
-    methods = {"plain": None} | {spec: package.SkipSet.of(skip.attn, skip.mlp, model.config.num_hidden_layers)
-                                 for spec, skip in zip(args.skip_sets.split(";"), skip_sets)}
+    methods = {"plain": (None, policy)} | {
+        spec: (package.SkipSet.of(skip.attn, skip.mlp, model.config.num_hidden_layers), policy)
+        for spec, skip in zip(args.skip_sets.split(";"), skip_sets)}
+    if args.config:
+        config = package.load_skip_config(args.config, model, loaded.tokenizer)
+        methods["config"] = (config.skip, dataclasses.replace(config.draft, guard=False))
     decoders: dict[str, Decoder] = {}
     for compile in [False, True] if args.compile else [False]:
-        for name, skip in methods.items():
-            def decode(prompt, skip=skip, compile=compile):
+        for name, (skip, method_policy) in methods.items():
+            def decode(prompt, skip=skip, policy=method_policy, compile=compile, memory=package.DraftMemory()):
                 out = package.generate(model, prompt, skip=skip, max_new_tokens=args.max_new_tokens, policy=policy,
-                                       eos_token_id=eos, compile=compile)
+                                       eos_token_id=eos, compile=compile, memory=memory)
                 return out.tokens, out.stats
             decoders[f"{name} {'compiled' if compile else 'eager'} [{label}]"] = decode
     return decoders, loaded.tokenizer
@@ -80,6 +88,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="compiled steps too")
+    parser.add_argument("--config", default=None, help="also an exported skip config's set, under its draft policy")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as folder:

@@ -278,11 +278,28 @@ def test_optimize(tiny_model_dir, tmp_path):  # stage "study"
     assert f"exported {tmp_path / 'gpu30' / 'best.json'}" in out and (tmp_path / "gpu30" / "best.json").is_file()
 
 
-def test_before_after():  # not a stage: an engine change against the revision before it, on the CPU
+def test_before_after(tmp_path, default_model):  # not a stage: an engine change against the revision before it
+    from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
+    from skipsearch.decode.skipset import SkipSet
+
+    layers = default_model.model.config.num_hidden_layers
+    save_skip_config(SkipConfig(ModelInfo.of(default_model.model, "default"), SkipSet.of([2], [3], layers)),
+                     tmp_path / "best.json")  # the default (adaptive) draft policy
     out = run_script("benchmarks/before_after.py", "--before", "HEAD", "--device", "cpu", "--skip-sets", "a1",
-                     "--num-prompts", 1, "--max-new-tokens", 4, "--repeats", 2)
-    rows = re.findall(r"^(plain|a1) eager +([\d.]+) +([\d.]+) +([\d.]+)x \(([\d.]+)-([\d.]+)\) +([\d.]+)$", out, re.M)
-    assert [row[0] for row in rows] == ["plain", "a1"]
+                     "--num-prompts", 1, "--max-new-tokens", 4, "--repeats", 2, "--config", tmp_path / "best.json")
+    rows = re.findall(r"^(plain|a1|config) eager +([\d.]+) +([\d.]+) +([\d.]+)x \(([\d.]+)-([\d.]+)\) +([\d.]+)$", out,
+                      re.M)
+    assert [row[0] for row in rows] == ["plain", "a1", "config"]
     for _, before, after, ratio, low, high, same in rows:
         assert float(before) > 0 and float(after) > 0 and float(low) <= float(ratio) <= float(high)
         assert float(same) == 1.0  # the same revision's code: the same tokens
+
+
+def test_verify_head():  # not a stage: the packed head is a CPU's (decode/packed.py)
+    out = run_script("benchmarks/verify_head.py", "--config-only", TINY_CONFIG, "--widths", "1,3", "--repeats", 3)
+    assert re.search(r"^benchmarks/configs/tiny-llama.json: head \(\d+, 64\), float32", out, re.M)
+    ratio = r"[\d.]+x \([\d.]+-[\d.]+\)"
+    for what in ("the own head's one row", "a plain step"):
+        rows = re.findall(rf"^  (\d) rows: own [\d.]+ ms = {ratio} {what}; packed [\d.]+ ms = {ratio}; own over packed "
+                          rf"{ratio}$", out, re.M)
+        assert rows == ["1", "3"]

@@ -311,7 +311,7 @@ def test_a_compiled_step_does_not_recompile_when_another_family_is_used():
 def test_the_packed_head_computes_the_heads_logits_for_any_number_of_rows():
     """The verification's head on a CPU (packed.py): the same logits as the model's linear head, to fp32 rounding, for
     one row and for a round's worth, with and without a bias; None where it does not apply."""
-    from skipsearch.decode.packed import PackedHead, packed_head
+    from skipsearch.decode.packed import PACKED_FROM_ROWS, PackedHead, packed_head
 
     torch.manual_seed(0)
     weight, bias = torch.randn(300, 48), torch.randn(300)
@@ -324,6 +324,10 @@ def test_the_packed_head_computes_the_heads_logits_for_any_number_of_rows():
             assert head(hidden).shape == (1, rows, 300)
             torch.testing.assert_close(head(hidden), expected, rtol=1e-5, atol=1e-5)
     assert packed_head(weight.double(), None) is None  # measured and tested for float32 only
+    for rows, kernel in ((PACKED_FROM_ROWS - 1, "aten::linear"), (PACKED_FROM_ROWS, "mkldnn::_linear_pointwise")):
+        with torch.profiler.profile() as profile:
+            head(torch.randn(1, rows, 48))
+        assert kernel in {event.name for event in profile.events()}  # oneDNN from PACKED_FROM_ROWS rows on
 
 
 def test_eager_verification_runs_the_packed_head_and_plain_steps_the_models_own(monkeypatch):

@@ -177,6 +177,7 @@ class DraftController:
         self.policy, self.memory, self.steps_key = policy, memory if memory is not None else DraftMemory(), steps_key
         self.stats = GuardStats()
         self.skip: SkipSet | None = None
+        self.skip_key = ""  # the memory's key of the set drafting now (`key`)
         self.acceptance: dict[SkipSet, Acceptance] = {}  # one estimate per skip set
         self.by_confidence: dict[SkipSet, ConfidenceBins] = {}  # and its drafts' acceptance by confidence (the cut)
         self.fit = PriceFit(RoundCosts(draft=1.0))
@@ -185,7 +186,7 @@ class DraftController:
         self.guarding_plain = False  # the latest plan was a plain stretch of the guard's
 
     def key(self, skip: SkipSet | None = None) -> str:
-        """The memory's key of plain speed (no `skip`) or of a skip set's back-off, with these steps."""
+        """The memory's key of plain speed (no `skip`) or of a skip set's back-off and acceptance, with these steps."""
         return self.steps_key if skip is None else f"{self.steps_key} {skip}"
 
     def use(self, skip: SkipSet | None, shape: RoundCosts | None = None, agreement: float | None = None) -> None:
@@ -193,12 +194,13 @@ class DraftController:
         self.skip = skip
         if skip is None:
             return
-        learned = self.memory.acceptance.get(self.key(skip)) if skip not in self.acceptance else None
+        self.skip_key = self.key(skip)  # made once: observe stores the acceptance under it every round
+        learned = self.memory.acceptance.get(self.skip_key) if skip not in self.acceptance else None
         estimate = self.acceptance.setdefault(skip, Acceptance())
         if agreement is not None or learned is not None:  # this prompt's agreement says more than earlier calls
             estimate.seed(agreement if agreement is not None else learned)
         self.fit = PriceFit(shape or RoundCosts(draft=1.0))
-        self.backoff = self.memory.backoffs.setdefault(self.key(skip), Backoff()) if self.policy.guard else None
+        self.backoff = self.memory.backoffs.setdefault(self.skip_key, Backoff()) if self.policy.guard else None
 
     @property
     def rate(self) -> float:
@@ -262,7 +264,7 @@ class DraftController:
             self.by_confidence.setdefault(self.skip, ConfidenceBins()).observe(confidences, accepted)
         if drafted:
             self.acceptance[self.skip].observe(accepted, drafted)
-            self.memory.acceptance[self.key(self.skip)] = self.rate
+            self.memory.acceptance[self.skip_key] = self.rate
             if seconds is not None:
                 self.fit.observe(drafted, seconds, draft_seconds)
                 self.timed_rounds += 1
