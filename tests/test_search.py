@@ -252,8 +252,8 @@ def tiny_profile():
 def test_the_empty_set_is_plain_decoding_by_definition_and_never_exported(tmp_path, monkeypatch, objective, sampler):
     decoded = []
     original = Evaluator._decode
-    monkeypatch.setattr(Evaluator, "_decode", lambda self, prompt, skip: (decoded.append(skip),
-                                                                          original(self, prompt, skip))[1])
+    monkeypatch.setattr(Evaluator, "_decode", lambda self, prompt, skip, **options: (
+        decoded.append(skip), original(self, prompt, skip, **options))[1])
     model = tiny_model()
     study = run_study(model, ModelInfo.of(model, "tiny"), "float32", PROMPTS,
                       settings(tmp_path, n_trials=3, objective=objective, sampler=sampler, confirm_top=5),

@@ -115,9 +115,9 @@ def count_decodes(monkeypatch):
     calls = []
     original = Evaluator._decode
 
-    def counted(self, prompt, skip):
+    def counted(self, prompt, skip, **options):
         calls.append(skip)
-        return original(self, prompt, skip)
+        return original(self, prompt, skip, **options)
 
     monkeypatch.setattr(Evaluator, "_decode", counted)
     return calls

@@ -276,9 +276,10 @@ def _time_forwards(model: torch.nn.Module, runs: list[_ContextRuns], repeats: in
             # (stale ones masked), so a cache sized for the longest context would price every context alike.
             cache = SpeculativeCache(model.config, context + max_verify_tokens, device)
             adapter.model_forward(model, ids[:, :context], None, None, cache, logits_to_keep=1)
+            verifier = engine_for(model).eager_verifier()  # what eager verification runs (its head packed on a CPU)
 
             def forward(n_tokens: int) -> None:
-                adapter.model_forward(model, ids[:, context : context + n_tokens],
+                adapter.model_forward(verifier if n_tokens > 1 else model, ids[:, context : context + n_tokens],
                                       positions[:, context : context + n_tokens], None, cache,
                                       logits_to_keep=0 if n_tokens > 1 else 1)
 

@@ -3,9 +3,10 @@
 A step is one forward at the cache's write position that advances the position past what it wrote:
 the plain step (one token, full model), the draft step (one token, the draft path of a skip set)
 and the verify step (the full model over a round's tokens). How steps run (`CompileSettings`):
-- eager (no compile): the model's own forward on a fresh cache of exactly the call's length.
+- eager (no compile): the model's own forward on a fresh cache of exactly the call's length (on a CPU in float32,
+  verification's head packed for oneDNN: packed.py).
 - "regional" (CUDA's default, and what studies run on a CPU): every decoder layer runs through a
-  compiled function for its kind (its class and attention kind, and which of its sublayers the draft
+  compiled function (regional.py) for its kind (its class and attention kind, and which of its sublayers the draft
   skips) and width, shared by all layers and all skip sets (`CompiledLayers`), so a new skip set
   compiles nothing. On CUDA each step
   is then captured once as a CUDA graph over static buffers and replayed: one launch per step,
@@ -24,7 +25,6 @@ from __future__ import annotations
 import collections
 import functools
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -37,7 +37,8 @@ from . import adapter
 from .adapter import decoder_layers
 from .kvcache import SpeculativeCache
 from .packed import packed_head
-from .skipping import SkippedLayer, draft_layers, draft_model, forget_draft, model_with_head, model_with_layers
+from .regional import CompiledLayers, own_code, regional_view
+from .skipping import draft_model, forget_draft, model_with_head
 from .skipset import SkipSet
 
 CACHE_BLOCK = 256  # capacities round up to this, so calls of similar lengths share one cache and one graph
@@ -159,77 +160,6 @@ class Step:
         return self.logits
 
 
-def _run_layer(layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids, kv, keyword: str
-               ) -> torch.Tensor:
-    return adapter.run_decoder_layer(layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
-
-
-def _own_code(fn: Callable) -> Callable:
-    """`fn` with a code object of its own.
-
-    Dynamo keeps compiled graphs per code object and fails a fullgraph compile once one code
-    object has `recompile_limit` graphs: each compiled function here gets its own code, so each
-    holds one graph, however many skip sets, layer kinds and models a process compiles.
-    """
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
-class LayerKind(NamedTuple):
-    """What a layer's compiled code depends on besides its width: the layer's class, its attention kind (full or
-    sliding) and which sublayers the draft skips (a draft layer is a copy of the model's, of the same class)."""
-
-    cls: type
-    attention: str
-    skip_attn: bool
-    skip_mlp: bool
-
-
-class CompiledLayers:
-    """One compiled function per (layer kind, width), shared by every layer of a model and every skip set.
-
-    A layer is called with its own `PositionalLayer` as its cache, which ignores the layer index:
-    so no compiled code depends on which layer it runs, and dynamo does not specialise per layer.
-    """
-
-    def __init__(self, backend: str):
-        self.backend = backend
-        self.functions: dict[tuple[LayerKind, int], Callable] = {}
-        self.warmed = False  # every one-token kind compiled (Engine._warm_layer_kinds)
-
-    def __call__(self, kind: LayerKind, layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings,
-                 position_ids, kv, keyword: str):
-        key = (kind, hidden.shape[1])
-        if key not in self.functions:
-            self.functions[key] = torch.compile(_own_code(_run_layer), backend=self.backend, fullgraph=True,
-                                                dynamic=False)
-        return self.functions[key](layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
-
-
-class RegionalLayer(nn.Module):
-    """A decoder layer (or its draft copy) run by its kind's compiled function, with its own cache layer."""
-
-    def __init__(self, layer: nn.Module, kind: LayerKind, kv, compiled: CompiledLayers, keyword: str):
-        super().__init__()
-        self.inner, self.kind, self.kv, self.compiled, self.keyword = layer, kind, kv, compiled, keyword
-
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, position_ids=None, **kwargs):
-        return self.compiled(self.kind, self.inner, hidden_states, attention_mask, position_embeddings, position_ids,
-                             self.kv, self.keyword)
-
-
-def regional_view(model: nn.Module, skip: SkipSet | None, cache: SpeculativeCache, compiled: CompiledLayers
-                  ) -> nn.Module:
-    """The full model (`skip` None) or a draft path, every layer run through `compiled`."""
-    skip = skip or SkipSet()
-    layers = draft_layers(model, skip) if skip.size else decoder_layers(model)
-    keyword = adapter.cache_keyword(decoder_layers(model)[0])
-    return model_with_layers(model, nn.ModuleList(
-        layer if isinstance(layer, SkippedLayer) else
-        RegionalLayer(layer, LayerKind(type(layer), cache.layer_types[i], i in skip.attn, i in skip.mlp),
-                      cache.layers[i], compiled, keyword)
-        for i, layer in enumerate(layers)), skip.head)
-
-
 class Prefill:
     """The prompt's forward, returning the logits (1, vocab) that predict the first new token.
 
@@ -298,7 +228,7 @@ class Engine:
         self.prefill_row: torch.Tensor | None = None  # the row a compiled prefill step keeps (Prefill)
         self.layers: dict[str, CompiledLayers] = {}  # by backend
         self.graph_pool = None
-        self.verifier: nn.Module | None = None  # the eager verify step's model (`_eager_verifier`)
+        self.verifier: nn.Module | None = None  # the eager verify step's model (`eager_verifier`)
         self._kept_skip_sets = DRAFT_STEPS_KEPT
 
     @property
@@ -342,7 +272,7 @@ class Engine:
         if settings is None:
             draft = Step(_step(draft_model(self.model, skip), cache), cache, compiled=False) if skip else None
             full = Step(_step(self.model, cache), cache, compiled=False)
-            verify = Step(_step(self._eager_verifier(), cache), cache, compiled=False)
+            verify = Step(_step(self.eager_verifier(), cache), cache, compiled=False)
             return Steps(cache, draft, verify, full, Prefill(self.model, cache))
         if cache is not self.cache:
             raise ValueError("compiled steps write the engine's own cache: get it from cache_for")
@@ -353,9 +283,9 @@ class Engine:
                      self.verify_steps[verify_width, settings], self.verify_steps[1, settings],
                      self._prefill(settings))
 
-    def _eager_verifier(self) -> nn.Module:
-        """The model as eager verification runs it: with its head packed where that applies (packed.py), made once;
-        else the model itself."""
+    def eager_verifier(self) -> nn.Module:
+        """The model as eager verification runs it (and the profiler times it): with its head packed where that
+        applies (packed.py), made once; else the model itself."""
         if self.verifier is None:
             _, weight, bias = adapter.output_head(self.model)
             head = packed_head(weight, bias)
@@ -421,7 +351,7 @@ class Engine:
             return Step(_step(regional_view(self.model, skip, cache, compiled), cache), cache, compiled=True,
                         graph_pool=self.graph_pool)
         view = draft_model(self.model, skip) if skip else self.model
-        fn = torch.compile(_own_code(_step(view, cache)), backend=settings.backend,
+        fn = torch.compile(own_code(_step(view, cache)), backend=settings.backend,
                            mode=None if mode == "frozen" else mode, fullgraph=True, dynamic=False)
         return Step(fn, cache, compiled=True, inductor_config=CPU_INDUCTOR_CONFIG if mode == "frozen" else None,
                     tree_graphs=self.model.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune"))

@@ -1,0 +1,89 @@
+"""Regional compiled steps: every decoder layer run through one compiled function for its kind (its class, its
+attention kind and which of its sublayers the draft skips) and width, shared by all layers and all skip sets, so a
+new skip set compiles nothing (engine.py's "regional" mode)."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from . import adapter
+from .adapter import decoder_layers
+from .kvcache import SpeculativeCache
+from .skipping import SkippedLayer, draft_layers, model_with_layers
+from .skipset import SkipSet
+
+
+def _run_layer(layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings, position_ids, kv, keyword: str
+               ) -> torch.Tensor:
+    return adapter.run_decoder_layer(layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
+
+
+def own_code(fn: Callable) -> Callable:
+    """`fn` with a code object of its own.
+
+    Dynamo keeps compiled graphs per code object and fails a fullgraph compile once one code
+    object has `recompile_limit` graphs: each compiled function here gets its own code, so each
+    holds one graph, however many skip sets, layer kinds and models a process compiles.
+    """
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+class LayerKind(NamedTuple):
+    """What a layer's compiled code depends on besides its width: the layer's class, its attention kind (full or
+    sliding) and which sublayers the draft skips (a draft layer is a copy of the model's, of the same class)."""
+
+    cls: type
+    attention: str
+    skip_attn: bool
+    skip_mlp: bool
+
+
+class CompiledLayers:
+    """One compiled function per (layer kind, width), shared by every layer of a model and every skip set.
+
+    A layer is called with its own `PositionalLayer` as its cache, which ignores the layer index:
+    so no compiled code depends on which layer it runs, and dynamo does not specialise per layer.
+    """
+
+    def __init__(self, backend: str):
+        self.backend = backend
+        self.functions: dict[tuple[LayerKind, int], Callable] = {}
+        self.warmed = False  # every one-token kind compiled (Engine._warm_layer_kinds)
+
+    def __call__(self, kind: LayerKind, layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings,
+                 position_ids, kv, keyword: str):
+        key = (kind, hidden.shape[1])
+        if key not in self.functions:
+            self.functions[key] = torch.compile(own_code(_run_layer), backend=self.backend, fullgraph=True,
+                                                dynamic=False)
+        return self.functions[key](layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
+
+
+class RegionalLayer(nn.Module):
+    """A decoder layer (or its draft copy) run by its kind's compiled function, with its own cache layer."""
+
+    def __init__(self, layer: nn.Module, kind: LayerKind, kv, compiled: CompiledLayers, keyword: str):
+        super().__init__()
+        self.inner, self.kind, self.kv, self.compiled, self.keyword = layer, kind, kv, compiled, keyword
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, position_ids=None, **kwargs):
+        return self.compiled(self.kind, self.inner, hidden_states, attention_mask, position_embeddings, position_ids,
+                             self.kv, self.keyword)
+
+
+def regional_view(model: nn.Module, skip: SkipSet | None, cache: SpeculativeCache, compiled: CompiledLayers
+                  ) -> nn.Module:
+    """The full model (`skip` None) or a draft path, every layer run through `compiled`."""
+    skip = skip or SkipSet()
+    layers = draft_layers(model, skip) if skip.size else decoder_layers(model)
+    keyword = adapter.cache_keyword(decoder_layers(model)[0])
+    return model_with_layers(model, nn.ModuleList(
+        layer if isinstance(layer, SkippedLayer) else
+        RegionalLayer(layer, LayerKind(type(layer), cache.layer_types[i], i in skip.attn, i in skip.mlp),
+                      cache.layers[i], compiled, keyword)
+        for i, layer in enumerate(layers)), skip.head)
