@@ -72,10 +72,9 @@ def draft_round(
             chance *= cut.chance(confidences[-1])
             if chance * cut.acceptance < cut.price:
                 break
-    if cut is None:
-        return Draft(torch.cat(tokens).view(1, -1), len(tokens) - 1, torch.stack(probs) if probs else None)
-    return Draft(torch.cat(tokens).view(1, -1), len(tokens) - 1, torch.stack(probs) if probs else None, confidences,
-                 clock() - start)
+    timed = cut is not None
+    return Draft(torch.cat(tokens).view(1, -1), len(tokens) - 1, torch.stack(probs) if probs else None,
+                 confidences if timed else None, clock() - start if timed else None)
 
 
 def _draft_logits(step: Step, tokens: list[torch.Tensor], hooks: DecodeHooks | None, history: torch.Tensor | None
