@@ -50,10 +50,10 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def run_script(script: str, *flags) -> str:
+def run_script(script: str, *flags, inductor: bool = False) -> str:
     """Run `script` (a path, or "-m skipsearch COMMAND" as in STAGE_SCRIPTS) with `flags` from the repo root; its
-    stdout, after checking that it exited with 0."""
-    command = script.split() if script.startswith("-m ") else ["-c", RUNNER, script]
+    stdout, after checking that it exited with 0. `inductor`: compile with inductor, not through RUNNER."""
+    command = script.split() if script.startswith("-m ") else [script] if inductor else ["-c", RUNNER, script]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            # One thread: on a busy two-core machine OpenMP's two threads wait on each other, and a tiny model's matrix
            # products took 10 ms each (a decode of 8 tokens 2.5 s instead of 0.06 s).
@@ -183,11 +183,18 @@ def test_host_overhead():  # stage "host"
 
 def test_kernel_count():  # stage "kernels"
     out = run_script("benchmarks/kernel_count.py", *SMALL, "--compile", "--config-only", TINY_CONFIG,
-                     "--skip-set", "a1|m2")
+                     "--skip-set", "a1|m2", "--per-layer", "--top", 30, inductor=True)  # its kernels are counted
     assert re.search(r"^benchmarks/configs/tiny-llama.json on cpu \(float32\), regional compiled steps", out, re.M)
-    rows = re.findall(r"^(plain step|draft step attn=\[1\] mlp=\[2\]) +(\d+)   most frequent: (.*)$", out, re.M)
-    assert [name for name, _, _ in rows] == ["plain step", "draft step attn=[1] mlp=[2]"]
-    assert 0 < int(rows[1][1]) < int(rows[0][1])  # the draft skips sublayers: fewer operators
+    rows = re.findall(r"^(plain step|draft step attn=\[1\] mlp=\[2\]|no layer \(all skipped\)) +(\d+)   "
+                      r"most frequent: (.*)$", out, re.M)
+    assert [name for name, _, _ in rows] == ["plain step", "draft step attn=[1] mlp=[2]", "no layer (all skipped)"]
+    plain, draft, no_layer = (int(count) for _, count, _ in rows)
+    assert 0 < no_layer < draft < plain  # the draft skips sublayers: fewer launches
+    # Inductor's own C++ kernels are counted beside the operators: each layer's 7 matmuls, its attention and the
+    # fused kernels around them (norms, rotary embedding, the cache's writes, the activation, the residual adds).
+    assert "cpp_fused" in rows[0][2] and "aten::mm x28" in rows[0][2]
+    per_layer = float(re.search(r"^per decoder layer \(plain step\): ([\d.]+)$", out, re.M).group(1))
+    assert per_layer == (plain - no_layer) / 4 and per_layer > 8
 
 
 def test_draft_head():  # stage "head"
@@ -293,6 +300,17 @@ def test_before_after(tmp_path, default_model):  # not a stage: an engine change
     for _, before, after, ratio, low, high, same in rows:
         assert float(before) > 0 and float(after) > 0 and float(low) <= float(ratio) <= float(high)
         assert float(same) == 1.0  # the same revision's code: the same tokens
+
+
+def test_attention_speed():  # not a stage: on CUDA, kernel_count.py and engine_speed.py show the cut
+    out = run_script("benchmarks/attention_speed.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256,512",
+                     "--repeats", 3)
+    assert re.search(r"^benchmarks/configs/tiny-llama.json on cpu \(float32\), \d+ threads: 4 query heads over 2 "
+                     r"key/value heads$", out, re.M)
+    rows = re.findall(r"^(eager|regional) +(\d+) slots  (one-token step|verify step \(5 tokens\)) +transformers' SDPA "
+                      r"+[\d.]+ ms  grouped +[\d.]+ ms  SDPA over grouped [\d.]+x \([\d.]+-[\d.]+\)$", out, re.M)
+    assert rows == [(mode, slots, step) for mode in ("eager", "regional") for slots in ("256", "512")
+                    for step in ("one-token step", "verify step (5 tokens)")]
 
 
 def test_verify_head():  # not a stage: the packed head is a CPU's (decode/packed.py)

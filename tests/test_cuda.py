@@ -108,3 +108,20 @@ def test_cuda_memory_stays_flat_over_many_skip_sets():
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
     assert allocated[29] <= allocated[9] + 2**20, allocated
+
+
+@pytest.mark.parametrize("width", [1, 5])
+def test_cuda_grouped_attention_folds_the_query_heads(width):
+    """On CUDA the engine's attention folds query heads into the query length (SDPA's efficient kernels take no
+    grouped query with a mask): transformers' SDPA's output, keys and values never repeated."""
+    from test_attention import inputs
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from skipsearch.decode import attention
+
+    query, key, value, mask = (t.to("cuda", torch.float32) for t in inputs(width))
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    assert not attention._native_grouped_query(query.device)
+    out, _ = attention.grouped_sdpa(module, query, key, value, mask, scaling=0.25)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

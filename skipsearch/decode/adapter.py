@@ -11,10 +11,12 @@ forward. `.ci/newest` runs those tests against the newest releases.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +24,12 @@ import torch
 import transformers
 from packaging.version import Version
 from torch import nn
-from transformers import GenerationMixin
+from transformers import AttentionInterface, GenerationMixin
 from transformers import cache_utils
 from transformers.generation import configuration_utils as generation_configuration
 from transformers.generation import utils as generation_utils
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 # The minor releases CI tests: constraints.txt pins the newest, .ci/run checks the oldest with tests/test_adapter.py.
 TESTED_TRANSFORMERS = ("5.23", "5.24")
@@ -40,7 +44,10 @@ TOUCHPOINTS = {
                      "eager; a mapping by layer type where a model has several kinds",
     "logits to keep": "a model's forward takes `logits_to_keep` as a count of last rows or a tensor of row indices "
                       "(the compiled prefill keeps the row of a padded chunk's last real token)",
-    "attention implementation": "config._attn_implementation names the attention kernel",
+    "attention implementation": "config._attn_implementation names the attention kernel, read by every attention "
+                                "module (which holds the text config) at each forward from the AttentionInterface, "
+                                "where a function registered by name runs as transformers' SDPA does; "
+                                "integrations.sdpa_attention.sdpa_attention_forward is that SDPA",
     "decoder layers": "model.get_decoder().layers: decoder layers, each with its attention as `self_attn` and its "
                       "feed-forward block (dense or routed) as `mlp`, whose outputs reach the residual stream only "
                       "through the layer's own forward",
@@ -180,10 +187,40 @@ def attn_implementation(config: Any) -> str:
     return getattr(config, "_attn_implementation", None) or "sdpa"
 
 
+# The engine's own attention function (attention.py), registered under this name and switched to only while the
+# engine's steps run (`attention_switched`); it takes the masks SDPA takes.
+ENGINE_ATTENTION = "skipsearch_sdpa"
+
+
+def register_attention(name: str, function: Any) -> None:
+    """Make `function` an attention implementation by `name`, with SDPA's masks where transformers makes them."""
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def sdpa_attention(*args, **kwargs) -> tuple[torch.Tensor, Any]:
+    """transformers' own SDPA attention function."""
+    return sdpa_attention_forward(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def attention_switched(config: Any, name: str) -> Iterator[None]:
+    """While inside, a model whose attention modules hold `config` (its text config) and run SDPA runs the attention
+    function registered as `name` instead; any other implementation (eager) is left as it is."""
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
 def prepared_mask(allowed: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
     """A (width, capacity) boolean mask of allowed slots in the 4D form the model's forward takes as prepared."""
     allowed = allowed.view(1, 1, *allowed.shape)
-    if implementation == "sdpa":
+    if implementation in ("sdpa", ENGINE_ATTENTION):
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 

@@ -23,6 +23,7 @@ stays flat. The engine lives on the model (`engine_for`), not in a global.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import time
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from torch import nn
 
 from . import adapter
 from .adapter import decoder_layers
+from .attention import engine_attention
 from .kvcache import SpeculativeCache
 from .packed import packed_head
 from .regional import CompiledLayers, own_code, regional_view
@@ -112,8 +114,10 @@ class Step:
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], cache: SpeculativeCache, compiled: bool,
                  inductor_config: dict | None = None, graph_pool: tuple | None = None, tree_graphs: bool = False,
-                 prepare: Callable[[], None] | None = None):
+                 prepare: Callable[[], None] | None = None,
+                 attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.fn, self.cache = fn, cache
+        self.attention = attention  # entered around every forward this step runs or compiles (`engine_attention`)
         self.device = cache.position.device
         self.inductor_config = inductor_config or {}
         self.graph_pool, self.graph = graph_pool, None
@@ -127,10 +131,15 @@ class Step:
             self.ids.copy_(ids)
             self.graph.replay()
             return self.logits
-        if self.tree_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        if self.setup_time_s is not None:
-            return self.fn(ids)
+        with self.attention():
+            if self.tree_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            if self.setup_time_s is not None:
+                return self.fn(ids)
+            return self._set_up(ids)
+
+    def _set_up(self, ids: torch.Tensor) -> torch.Tensor:
+        """The first call: compiling, capturing, timed as the step's setup."""
         synchronize(self.device)
         start = time.perf_counter()
         with torch._inductor.config.patch(self.inductor_config):
@@ -170,12 +179,14 @@ class Prefill:
     """
 
     def __init__(self, model: nn.Module, cache: SpeculativeCache, steps: dict[int, Step] | None = None,
-                 row: torch.Tensor | None = None):
-        self.model, self.cache, self.steps, self.row = model, cache, steps, row
+                 row: torch.Tensor | None = None,
+                 attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
+        self.model, self.cache, self.steps, self.row, self.attention = model, cache, steps, row, attention
 
     def __call__(self, prompt: torch.Tensor) -> torch.Tensor:
         if self.steps is None:
-            return forward_at_position(self.model, self.cache, prompt, logits_to_keep=1)
+            with self.attention():
+                return forward_at_position(self.model, self.cache, prompt, logits_to_keep=1)
         self._set_up(prompt)
         start = 0
         for real, width in prefill_chunks(prompt.shape[1]):
@@ -229,6 +240,7 @@ class Engine:
         self.layers: dict[str, CompiledLayers] = {}  # by backend
         self.graph_pool = None
         self.verifier: nn.Module | None = None  # the eager verify step's model (`eager_verifier`)
+        self.attention = engine_attention(model)  # every step's attention function (attention.py)
         self._kept_skip_sets = DRAFT_STEPS_KEPT
 
     @property
@@ -270,10 +282,11 @@ class Engine:
         their first call, so a plain step that is never called costs nothing. The preparation is split from the
         cache's so that a caller can prefill the cache before it knows which skip set to draft with (choice.py)."""
         if settings is None:
-            draft = Step(_step(draft_model(self.model, skip), cache), cache, compiled=False) if skip else None
-            full = Step(_step(self.model, cache), cache, compiled=False)
-            verify = Step(_step(self.eager_verifier(), cache), cache, compiled=False)
-            return Steps(cache, draft, verify, full, Prefill(self.model, cache))
+            draft = Step(_step(draft_model(self.model, skip), cache), cache, compiled=False,
+                         attention=self.attention) if skip else None
+            full = Step(_step(self.model, cache), cache, compiled=False, attention=self.attention)
+            verify = Step(_step(self.eager_verifier(), cache), cache, compiled=False, attention=self.attention)
+            return Steps(cache, draft, verify, full, Prefill(self.model, cache, attention=self.attention))
         if cache is not self.cache:
             raise ValueError("compiled steps write the engine's own cache: get it from cache_for")
         for width in {verify_width, 1}:
@@ -298,15 +311,16 @@ class Engine:
         whole-step modes, where each width would be a whole-model compile."""
         regional = settings.resolved(self.model.device) == "regional"
         if not regional or self.model.device.type not in COMPILED_PREFILL_DEVICES:
-            return Prefill(self.model, self.cache)
+            return Prefill(self.model, self.cache, attention=self.attention)
         compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
         for width in PREFILL_WIDTHS:
             if (width, settings) not in self.prefill_steps:
                 view = regional_view(self.model, None, self.cache, compiled)
                 fn = functools.partial(forward_at_position, view, self.cache, logits_to_keep=self.prefill_row)
-                self.prefill_steps[width, settings] = Step(fn, self.cache, compiled=True, graph_pool=self.graph_pool)
+                self.prefill_steps[width, settings] = Step(fn, self.cache, compiled=True, graph_pool=self.graph_pool,
+                                                           attention=self.attention)
         return Prefill(self.model, self.cache, {w: self.prefill_steps[w, settings] for w in PREFILL_WIDTHS},
-                       self.prefill_row)
+                       self.prefill_row, self.attention)
 
     def _fit_cache(self, length: int) -> None:
         model, device = self.model, self.model.device
@@ -349,11 +363,12 @@ class Engine:
         if mode == "regional":
             compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
             return Step(_step(regional_view(self.model, skip, cache, compiled), cache), cache, compiled=True,
-                        graph_pool=self.graph_pool)
+                        graph_pool=self.graph_pool, attention=self.attention)
         view = draft_model(self.model, skip) if skip else self.model
         fn = torch.compile(own_code(_step(view, cache)), backend=settings.backend,
                            mode=None if mode == "frozen" else mode, fullgraph=True, dynamic=False)
         return Step(fn, cache, compiled=True, inductor_config=CPU_INDUCTOR_CONFIG if mode == "frozen" else None,
+                    attention=self.attention,
                     tree_graphs=self.model.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune"))
 
     def _warm_layer_kinds(self, settings: CompileSettings) -> None:

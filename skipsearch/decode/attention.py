@@ -1,0 +1,68 @@
+"""The engine's attention: transformers' SDPA without copying the keys and values out to every query head.
+
+With a mask (the engine always gives its prepared one), transformers' SDPA (5.24) repeats each
+key/value head for all its query heads (`repeat_kv`) except for a one-token query outside
+torch.compile: so every compiled step, and every eager verification, copies the whole cache's
+keys and values at every layer. On SmolLM2's shape on a CPU (9 query heads, 3 key/value heads)
+the copy is half of one-token attention's time at 256 slots and three quarters at 1,024
+(BENCHMARKS.md, "Fifteenth session"). `grouped_sdpa` attends without it:
+- on a CPU, SDPA's own grouped-query attention (`enable_gqa`), which its CPU kernel runs with a mask;
+- elsewhere (CUDA's efficient kernels take no grouped query with a mask), the query heads of one
+  key/value head folded into the query length, each fold seeing the same mask rows.
+Anything transformers' SDPA does beyond that (no mask, a soft cap, a position bias, dropout, attention
+weights asked for) goes to transformers' SDPA itself, so the function is SDPA wherever it does not
+fold. The engine switches a model to it only while its steps run (`adapter.attention_switched`), and
+only from "sdpa": a model loaded with eager attention keeps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import adapter
+
+# What transformers' SDPA reads from its keywords besides the scaling; with any of them set, it runs instead.
+_SDPA_ONLY = ("softcap", "position_bias")
+
+
+def _native_grouped_query(device: torch.device) -> bool:
+    """Whether SDPA's own grouped-query attention takes a mask on `device` without falling back to a kernel that
+    repeats the keys and values (a CPU's does; CUDA's efficient kernels do not)."""
+    return device.type == "cpu"
+
+
+def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                 is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention output (batch, query length, heads, head dim) as transformers' SDPA gives it, with query heads
+    grouped over shared key/value heads without repeating the keys and values."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (groups == 1 or attention_mask is None or attention_mask.shape[1] != 1 or dropout or kwargs.get("output_attentions")
+            or any(kwargs.get(name) is not None for name in _SDPA_ONLY)):
+        return adapter.sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    batch, heads, width, dim = query.shape
+    if _native_grouped_query(query.device):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             enable_gqa=True)
+    else:
+        folded = query.reshape(batch, heads // groups, groups * width, dim)
+        mask = attention_mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(2, 3)  # rows: fold, then token
+        out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, width, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def engine_attention(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context to enter around each of the engine's forwards of `model`: inside, an SDPA model attends through
+    `grouped_sdpa`."""
+    return functools.partial(adapter.attention_switched, model.config.get_text_config(decoder=True),
+                             adapter.ENGINE_ATTENTION)
+
+
+adapter.register_attention(adapter.ENGINE_ATTENTION, grouped_sdpa)

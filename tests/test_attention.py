@@ -1,0 +1,139 @@
+"""The engine's attention (decode/attention.py): transformers' SDPA's output without repeating keys and values."""
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from skipsearch.decode import adapter, attention
+from skipsearch.decode.attention import grouped_sdpa
+from skipsearch.decode.engine import CompileSettings, engine_for
+from skipsearch.decode.loop import generate
+from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
+
+from conftest import tiny_model
+
+
+class Heads(torch.nn.Module):
+    """What an attention function reads from its module: the query heads per key/value head."""
+
+    def __init__(self, groups: int):
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+def inputs(width: int, heads: int = 9, kv_heads: int = 3, slots: int = 40, dim: int = 16, seed: int = 0):
+    """A query (1, heads, width, dim) after transformers' transpose, a cache's keys and values, and the engine's
+    boolean mask: causal over the slots from position 20, stale slots after it hidden."""
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, width, heads, dim, generator=generator, dtype=torch.float64).transpose(1, 2)
+    key, value = (torch.randn(1, kv_heads, slots, dim, generator=generator, dtype=torch.float64) for _ in range(2))
+    positions = 20 + torch.arange(width)
+    mask = (torch.arange(slots) <= positions[:, None]).view(1, 1, width, slots)
+    return query, key, value, mask
+
+
+@pytest.mark.parametrize("width", [1, 5])
+@pytest.mark.parametrize("device_path", ["cpu", "folded"])
+def test_grouped_attention_gives_transformers_sdpa_output_without_repeating_keys(width, device_path, monkeypatch):
+    query, key, value, mask = inputs(width)
+    module = Heads(groups=3)
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(q, k, v, **kwargs):
+        seen.append((q.shape, k.shape, kwargs.get("enable_gqa", False), kwargs["attn_mask"].shape))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
+    if device_path == "folded":  # the path of devices other than a CPU, run here on the CPU
+        monkeypatch.setattr(attention, "_native_grouped_query", lambda device: False)
+    out, weights = grouped_sdpa(module, query, key, value, mask, scaling=0.25)
+    assert weights is None and out.shape == (1, width, 9, 16)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    (q_shape, k_shape, native, mask_shape), = seen
+    assert k_shape == (1, 3, 40, 16)  # the cache's own keys: 3 heads, not repeated to 9
+    if device_path == "cpu":
+        assert native and q_shape == (1, 9, width, 16) and mask_shape == (1, 1, width, 40)
+    else:  # three query heads share a key head: folded into 3 x width query rows, each fold with the mask's rows
+        assert not native and q_shape == (1, 3, 3 * width, 16) and mask_shape == (1, 1, 3 * width, 40)
+
+
+@pytest.mark.parametrize("case", ["no mask", "one group", "soft cap", "per-head mask"])
+def test_what_grouping_does_not_cover_runs_transformers_sdpa(case, monkeypatch):
+    query, key, value, mask = inputs(3)
+    module, kwargs = Heads(groups=3), {}
+    if case == "no mask":
+        mask = None
+    elif case == "one group":
+        module, key, value = Heads(groups=1), key.repeat_interleave(3, 1), value.repeat_interleave(3, 1)
+    elif case == "soft cap":
+        kwargs["softcap"] = 30.0
+    else:
+        mask = mask.expand(1, 9, 3, 40)
+    calls = []
+    monkeypatch.setattr(adapter, "sdpa_attention", lambda *a, **k: calls.append(k) or ("sdpa", None))
+    assert grouped_sdpa(module, query, key, value, mask, scaling=0.25, **kwargs) == ("sdpa", None)
+    assert calls == [dict(dropout=0.0, scaling=0.25, is_causal=None, **kwargs)]
+
+
+def test_the_switch_holds_only_inside_and_only_from_sdpa():
+    model = tiny_model()
+    config = model.config
+    switch = attention.engine_attention(model)
+    with switch():
+        assert config._attn_implementation == adapter.ENGINE_ATTENTION
+        with switch():  # nested: left as it is, and the outer exit restores
+            assert config._attn_implementation == adapter.ENGINE_ATTENTION
+        assert config._attn_implementation == adapter.ENGINE_ATTENTION
+    assert config._attn_implementation == "sdpa"
+    with pytest.raises(RuntimeError), switch():
+        raise RuntimeError("a forward failed")
+    assert config._attn_implementation == "sdpa"
+    config._attn_implementation = "eager"
+    with switch():
+        assert config._attn_implementation == "eager"  # a model loaded with eager attention keeps it
+
+
+def test_every_eager_step_attends_through_the_grouped_function(monkeypatch):
+    model = tiny_model(dtype=torch.float64)
+    prompt = list(range(3, 12))
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    widths = []
+    real = grouped_sdpa
+
+    def spy(module, query, *args, **kwargs):
+        widths.append(query.shape[2])
+        return real(module, query, *args, **kwargs)
+
+    monkeypatch.setitem(adapter.AttentionInterface._global_mapping, adapter.ENGINE_ATTENTION, spy)
+    out = generate(model, prompt, skip=SkipSet.of([1], [], 4), max_new_tokens=12,
+                   policy=DraftPolicy(max_draft_tokens=3, adaptive=False))
+    assert out.tokens == expected
+    assert model.config._attn_implementation == "sdpa"  # switched back after the call
+    # The prefill (9 tokens), drafts and plain steps (1) and verifications (4), at every layer attending.
+    assert {1, 4, len(prompt)} <= set(widths)
+    assert widths.count(len(prompt)) == 4  # the prefill: once per layer
+
+
+def test_compiled_steps_attend_with_the_cache_unrepeated():
+    """Regional compiled steps trace the grouped function: their graphs call SDPA with the cache's 2 key/value heads
+    (grouped in the kernel), and no graph expands the keys to the 4 query heads."""
+    model = tiny_model(dtype=torch.float64)
+    prompt = list(range(3, 12))
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+    graphs = []
+
+    def recording(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    out = generate(model, prompt, skip=SkipSet.of([1], [], 4), max_new_tokens=12,
+                   policy=DraftPolicy(max_draft_tokens=3, adaptive=False), compile=True, compile_mode="regional",
+                   compile_backend=recording)
+    assert out.tokens == expected and model.config._attn_implementation == "sdpa"
+    calls = [node for graph in graphs for node in graph.graph.nodes
+             if node.target is torch.nn.functional.scaled_dot_product_attention]
+    assert calls and all(node.kwargs.get("enable_gqa") for node in calls)
+    assert all(node.args[1].meta["example_value"].shape[1] == 2 for node in calls)  # keys: the cache's 2 heads
