@@ -352,7 +352,8 @@ def test_a_process_compiles_more_skip_sets_than_dynamos_recompile_limit():
 
 def test_cpu_inductor_freezes_weights_and_autotunes_gemms_and_decodes_exactly():
     """The CPU default for inductor (what `--compile` runs) is timed in benchmarks/engine_speed.py; here it must take
-    effect (weights frozen and prepacked, GEMMs generated from inductor's C++ template) and be exact."""
+    effect (weights frozen and prepacked, linears of one input concatenated, GEMMs generated from inductor's C++
+    template) and be exact."""
     from torch._dynamo.utils import counters
 
     model = tiny_model("llama", seed=7, num_layers=2)
@@ -365,6 +366,8 @@ def test_cpu_inductor_freezes_weights_and_autotunes_gemms_and_decodes_exactly():
         assert out.tokens == expected and out.stats.compile_time_s > 0
         assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] > 0  # frozen, prepacked weights
         assert counters["inductor"]["cpp_templated_kernel_counter"] > 0  # GEMMs from inductor's C++ template
+        if skip is None:  # one graph, the plain step: query/key/value and gate/up concatenated, 4 GEMMs a layer
+            assert counters["inductor"]["mkldnn_linear_weight_pack_matcher_count"] == 4 * 2 + 1  # and the head
 
 
 def test_plain_decoding_reads_tokens_back_once_per_several_steps_and_stops_at_eos(monkeypatch):

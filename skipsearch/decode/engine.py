@@ -88,7 +88,11 @@ def forward_at_position(model: nn.Module, cache: SpeculativeCache, ids: torch.Te
 # stream weights at about a third of the memory bandwidth; inductor's own C++ GEMM template (autotuned against
 # MKL; it needs the weights frozen into the graph, and prepacks them) does far better: see BENCHMARKS.md. These are
 # inductor config values patched while a step compiles: passed as torch.compile's `options` they do not take effect.
+# The linears that read one input (a layer's query, key and value projections; its gate and up projections) are
+# concatenated into one GEMM each (`cpp.enable_concat_linear`, frozen graphs only): 4 GEMMs a layer instead of 7, in
+# the memory the frozen graph's own copies of the weights took already (BENCHMARKS.md, "Fifteenth session").
 CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                       "cpp.enable_concat_linear": True,
                        # Autotuning prints every GEMM's candidates to stderr; TORCH_LOGS still shows them on request.
                        "autotune_num_choices_displayed": 0}
 
