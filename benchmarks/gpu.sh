@@ -11,10 +11,12 @@
 # 37-300 tokens, labelled so in its log): timing does not depend on weights. The lease of 2026-11-26 ran call 1 below
 # without prefill, plus speed-shape, in 466 s, then three profiles (none finished in 80 s; BENCHMARKS.md, "Thirteenth
 # session"). So the next lease runs, in this order (what needs no model file first):
-# Call 1, wheels only:  info kernels speed-shape prefill    (after a kernel cut: its count and tok/s, paired with HF's)
+# Call 1, wheels only:  info cuda-tests kernels speed-shape  (the fifteenth session's cuts: the grouped attention's
+#                       folded path runs on CUDA only there, 7 CUDA tests; then its kernel count and tok/s, paired
+#                       with HF's; about 460 s by the 2026-11-26 lease's stage times)
 # Call 2:               speed-8b, with gpt-fast's generate.py in the same call (../shared/anchors/gpt-fast/)
-# Later leases: profiles once `profile` finishes on CUDA in 60 s; the model in parts: host speed trials setup guard study
-# tests. cuda-tests (6 of 6 on 2026-11-26, 58 s) again whenever CUDA code changed.
+# Later leases: prefill; profiles once `profile` finishes on CUDA in 60 s; the model in parts: host speed trials setup
+# guard study tests. cuda-tests (6 of 6 on 2026-11-26, 58 s) again whenever CUDA code changed.
 # Give each call the run tool's longest timeout: what a stage wrote under $OUT before the limit still comes back.
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a

@@ -94,6 +94,34 @@ def test_the_switch_holds_only_inside_and_only_from_sdpa():
     config._attn_implementation = "eager"
     with switch():
         assert config._attn_implementation == "eager"  # a model loaded with eager attention keeps it
+    assert config._attn_implementation == "eager"
+
+
+def test_threads_inside_the_switch_at_once_share_it():
+    """The first caller in switches, the last one out switches back: a thread leaving never switches another's
+    forward back mid-step (threads decoding on one model: test_custom_generate's concurrent calls)."""
+    import threading
+
+    model = tiny_model()
+    switch = attention.engine_attention(model)
+    inside, leave = threading.Barrier(2), threading.Event()
+    seen = []
+
+    def hold():
+        with switch():
+            inside.wait()
+            leave.wait()
+            seen.append(model.config._attn_implementation)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    with switch():
+        inside.wait()  # both inside
+    assert model.config._attn_implementation == adapter.ENGINE_ATTENTION  # this one left, the other is inside
+    leave.set()
+    thread.join()
+    assert seen == [adapter.ENGINE_ATTENTION] and model.config._attn_implementation == "sdpa"
+    assert not adapter._SWITCHED  # nothing held once every caller is out
 
 
 def test_every_eager_step_attends_through_the_grouped_function(monkeypatch):
@@ -115,6 +143,24 @@ def test_every_eager_step_attends_through_the_grouped_function(monkeypatch):
     # The prefill (9 tokens), drafts and plain steps (1) and verifications (4), at every layer attending.
     assert {1, 4, len(prompt)} <= set(widths)
     assert widths.count(len(prompt)) == 4  # the prefill: once per layer
+
+
+def test_choosing_among_skip_sets_attends_through_the_grouped_function(monkeypatch):
+    """With several skip sets the prefill's last 16 tokens are drafted by each and verified (choice.py): those
+    forwards attend as the steps do, and the model is left on SDPA."""
+    model = tiny_model(dtype=torch.float64)
+    prompt = list(range(3, 24))  # 21 tokens: 5 prefilled, then the 16-token window
+    widths = []
+    real = grouped_sdpa
+    monkeypatch.setitem(adapter.AttentionInterface._global_mapping, adapter.ENGINE_ATTENTION,
+                        lambda module, query, *args, **kwargs: widths.append(query.shape[2])
+                        or real(module, query, *args, **kwargs))
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    out = generate(model, prompt, skip=[SkipSet.of([1], [], 4), SkipSet.of([2], [], 4)], max_new_tokens=6,
+                   policy=DraftPolicy(max_draft_tokens=3, adaptive=False))
+    assert out.tokens == expected and model.config._attn_implementation == "sdpa"
+    assert widths.count(5) == 4  # the prompt's head, every layer
+    assert widths.count(16) == 3 + 3 + 4  # each set's draft of the window (3 layers attend), then the full model's
 
 
 def test_compiled_steps_attend_with_the_cache_unrepeated():

@@ -279,9 +279,10 @@ def _time_forwards(model: torch.nn.Module, runs: list[_ContextRuns], repeats: in
             verifier = engine_for(model).eager_verifier()  # what eager verification runs (its head packed on a CPU)
 
             def forward(n_tokens: int) -> None:
-                adapter.model_forward(verifier if n_tokens > 1 else model, ids[:, context : context + n_tokens],
-                                      positions[:, context : context + n_tokens], None, cache,
-                                      logits_to_keep=0 if n_tokens > 1 else 1)
+                with engine_for(model).attention():  # as the eager steps attend (decode/attention.py)
+                    adapter.model_forward(verifier if n_tokens > 1 else model, ids[:, context : context + n_tokens],
+                                          positions[:, context : context + n_tokens], None, cache,
+                                          logits_to_keep=0 if n_tokens > 1 else 1)
 
         _time_context(model, context_runs, cache, forward, compiled_drafts if compile_mode else None, drafts,
                       repeats, clock, warm)

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import inspect
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -203,18 +204,34 @@ def sdpa_attention(*args, **kwargs) -> tuple[torch.Tensor, Any]:
     return sdpa_attention_forward(*args, **kwargs)
 
 
+_SWITCHED: dict[int, list] = {}  # id(config) -> [config, how many callers are inside `attention_switched`]
+_SWITCHED_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def attention_switched(config: Any, name: str) -> Iterator[None]:
     """While inside, a model whose attention modules hold `config` (its text config) and run SDPA runs the attention
-    function registered as `name` instead; any other implementation (eager) is left as it is."""
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    function registered as `name` instead; any other implementation (eager) is left as it is. Callers inside at once
+    (threads decoding on one model, nested calls) share the switch: the last one out switches back."""
+    key = id(config)
+    with _SWITCHED_LOCK:
+        entry = _SWITCHED.get(key)
+        if entry is not None:
+            entry[1] += 1
+        elif getattr(config, "_attn_implementation", None) == "sdpa":
+            config._attn_implementation = name
+            entry = _SWITCHED[key] = [config, 1]
+    if entry is None:
         yield
         return
-    config._attn_implementation = name
     try:
         yield
     finally:
-        config._attn_implementation = "sdpa"
+        with _SWITCHED_LOCK:
+            entry[1] -= 1
+            if not entry[1]:
+                del _SWITCHED[key]
+                config._attn_implementation = "sdpa"
 
 
 def prepared_mask(allowed: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:

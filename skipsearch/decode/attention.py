@@ -11,8 +11,9 @@ the copy is half of one-token attention's time at 256 slots and three quarters a
   key/value head folded into the query length, each fold seeing the same mask rows.
 Anything transformers' SDPA does beyond that (no mask, a soft cap, a position bias, dropout, attention
 weights asked for) goes to transformers' SDPA itself, so the function is SDPA wherever it does not
-fold. The engine switches a model to it only while its steps run (`adapter.attention_switched`), and
-only from "sdpa": a model loaded with eager attention keeps it.
+fold. The engine switches a model to it only while its steps run (`adapter.attention_switched`, shared
+by threads decoding on one model at once), and only from "sdpa": a model loaded with eager attention
+keeps it.
 """
 
 from __future__ import annotations

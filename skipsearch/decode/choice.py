@@ -26,7 +26,7 @@ from torch import nn
 
 from .cost_profile import CostProfile
 from .economics import RoundCosts, best_draft_length, committed_tokens, weight_fraction  # RoundCosts: re-exported
-from .engine import forward_at_position
+from .engine import engine_for, forward_at_position
 from .kvcache import SpeculativeCache
 from .sampling import Sampling
 from .skipping import draft_model
@@ -110,14 +110,15 @@ def prefill_choosing(model: nn.Module, cache: SpeculativeCache, prompt: torch.Te
     n = prompt.shape[1]
     window = min(CHOICE_WINDOW, n)
     start = n - window
-    if start:
-        forward_at_position(model, cache, prompt[:, :start], logits_to_keep=1)
     tail = prompt[:, start:]
     drafts = []
-    for skip in candidates:
-        drafts.append(forward_at_position(draft_model(model, skip), cache, tail))
-        cache.seek(start)  # the full model's forward below overwrites every layer's slots the draft wrote
-    full = forward_at_position(model, cache, tail)
+    with engine_for(model).attention():  # the forwards attend as the engine's steps do
+        if start:
+            forward_at_position(model, cache, prompt[:, :start], logits_to_keep=1)
+        for skip in candidates:
+            drafts.append(forward_at_position(draft_model(model, skip), cache, tail))
+            cache.seek(start)  # the full model's forward below overwrites every layer's slots the draft wrote
+        full = forward_at_position(model, cache, tail)
     agreements = torch.stack([agreement(draft, full, sampling) for draft in drafts]).tolist()
     costs = [round_costs(model, skip, max_draft_tokens, profile, n) for skip in candidates]
     return full[-1:], choose(candidates, agreements, costs, max_draft_tokens, window)

@@ -96,7 +96,7 @@ class SpeculativeCache(adapter.cache_class()):
         self.layer_types = list(layer_types)
         self.sliding_window = getattr(text_config, "sliding_window", None)
         self.text_config = text_config  # its attention implementation is read at each mask: it can be changed
-        if self.attn_implementation not in ("sdpa", "eager"):
+        if self.attn_implementation not in ("sdpa", "eager", adapter.ENGINE_ATTENTION):
             # Others (flash attention) take no mask of ours, and theirs would let a query see the stale slots.
             raise ValueError(f"the speculative cache needs sdpa or eager attention, not {self.attn_implementation!r}: "
                              "load the model with attn_implementation='sdpa'")
