@@ -3,9 +3,9 @@
 With a mask (the engine always gives its prepared one), transformers' SDPA (5.24) repeats each
 key/value head for all its query heads (`repeat_kv`) except for a one-token query outside
 torch.compile: so every compiled step, and every eager verification, copies the whole cache's
-keys and values at every layer. On SmolLM2's shape on a CPU (9 query heads, 3 key/value heads)
-the copy is half of one-token attention's time at 256 slots and three quarters at 1,024
-(BENCHMARKS.md, "Fifteenth session"). `grouped_sdpa` attends without it:
+keys and values at every layer. Without the copy the default model's one-token steps ran 1.02-1.06x
+as fast at 256 cache slots and 1.13-1.14x at 1,024 on a 2-core Intel Xeon (BENCHMARKS.md, "Fifteenth
+session"; benchmarks/attention_speed.py). `grouped_sdpa` attends without it:
 - on a CPU, SDPA's own grouped-query attention (`enable_gqa`), which its CPU kernel runs with a mask;
 - elsewhere (CUDA's efficient kernels take no grouped query with a mask), the query heads of one
   key/value head folded into the query length, each fold seeing the same mask rows.
@@ -44,7 +44,8 @@ def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     """Attention output (batch, query length, heads, head dim) as transformers' SDPA gives it, with query heads
     grouped over shared key/value heads without repeating the keys and values."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if (groups == 1 or attention_mask is None or attention_mask.shape[1] != 1 or dropout or kwargs.get("output_attentions")
+    shared_mask = attention_mask is not None and attention_mask.shape[1] == 1  # one mask for every head
+    if (groups == 1 or not shared_mask or dropout or kwargs.get("output_attentions")
             or any(kwargs.get(name) is not None for name in _SDPA_ONLY)):
         return adapter.sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
