@@ -2,7 +2,7 @@
 # The GPU measurements on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results and the method).
 #
 #   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host kernels head prefill
-#                                       speed speed-shape speed-8b profiles guard
+#                                       speed speed-shape speed-8b resize profiles guard
 # (each stage fits one 10-minute call, several fit together; the stages' timeouts are their worst cases)
 #
 # A lease of 15 minutes of device time (starting the machine included) holds about two calls, and 64 MiB travel per
@@ -15,8 +15,10 @@
 #                       folded path runs on CUDA only there, 7 CUDA tests; then its kernel count and tok/s, paired
 #                       with HF's; about 460 s by the 2026-11-26 lease's stage times)
 # Call 2:               speed-8b, with gpt-fast's generate.py in the same call (../shared/anchors/gpt-fast/)
-# Later leases: prefill; profiles once `profile` finishes on CUDA in 60 s; the model in parts: host speed trials setup
-# guard study tests. cuda-tests (6 of 6 on 2026-11-26, 58 s) again whenever CUDA code changed.
+# Call 3, if time is left, or the next lease: resize profiles (the sixteenth session: the regional graphs outlive a
+#                       resized cache, so a profile's five contexts compile about 22 graphs instead of about 55, which
+#                       is what kept it past 80 s; resize checks that the graphs with the length dynamic are as fast)
+# Later leases: prefill; the model in parts: host speed trials setup guard study tests. cuda-tests (6 of 6 on 2026-11-26, 58 s) again whenever CUDA code changed.
 # Give each call the run tool's longest timeout: what a stage wrote under $OUT before the limit still comes back.
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
@@ -111,10 +113,16 @@ for stage in "$@"; do
         --max-new-tokens 128 --repeats 2 --config-only benchmarks/configs/llama-3-8b.json \
         --skip-sets "a10,14,18,22,26|m12,20" 2>&1 | tee "$OUT/speed-8b.log" | grep -v "it/s\]$"
       ;;
+    resize)  # a resized cache: the regional graphs recompiled once with the length dynamic, then reused; their speed
+      timeout 240 python3 benchmarks/cache_resize.py --device cuda --dtype bfloat16 --slots 512,2048,8192 \
+        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/resize.log" | grep -v "it/s\]$"
+      ;;
     profiles)  # the cost model from each shape's config, random weights, timing the same graphs as decoding
+      # The progress bar stays in the log: where a profile runs out of time, it shows how many contexts it finished.
       for shape in smollm2-135m qwen2.5-1.5b llama-2-7b llama-3-8b llama-2-13b; do
         timeout 95 python3 -m skipsearch profile --config-only --model "benchmarks/configs/$shape.json" \
-          --dtype bfloat16 --no-progress --output "$OUT/profile-$shape.json" 2>&1 | tee "$OUT/profile-$shape.log" | tail -9
+          --dtype bfloat16 --output "$OUT/profile-$shape.json" 2>&1 | tr '\r' '\n' | tee "$OUT/profile-$shape.log" \
+          | tail -9
       done
       ;;
     guard)  # the run-time guard and the stop rules, compiled (CUDA graphs) as deployed, paired against plain decoding

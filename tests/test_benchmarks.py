@@ -29,7 +29,7 @@ STAGE_SCRIPTS = {
     "study": "-m skipsearch optimize", "host": "benchmarks/host_overhead.py", "kernels": "benchmarks/kernel_count.py",
     "prefill": "benchmarks/prefill.py", "speed": "benchmarks/engine_speed.py",
     "speed-8b": "benchmarks/engine_speed.py", "speed-shape": "benchmarks/engine_speed.py", "profiles": "-m skipsearch profile", "guard": "benchmarks/guard.py",
-    "head": "benchmarks/draft_head.py",
+    "head": "benchmarks/draft_head.py", "resize": "benchmarks/cache_resize.py",
 }
 
 # Inductor's code generation takes minutes on two cores. The scripts run through this wrapper, which gives
@@ -311,6 +311,19 @@ def test_attention_speed():  # not a stage: on CUDA, kernel_count.py and engine_
                       r"+[\d.]+ ms  grouped +[\d.]+ ms  SDPA over grouped [\d.]+x \([\d.]+-[\d.]+\)$", out, re.M)
     assert rows == [(mode, slots, step) for mode in ("eager", "regional") for slots in ("256", "512")
                     for step in ("one-token step", "verify step (5 tokens)")]
+
+
+def test_cache_resize():  # stage "resize"
+    out = run_script("benchmarks/cache_resize.py", *SMALL, "--config-only", TINY_CONFIG, "--first", 200,
+                     "--slots", "300,600", "--repeats", 3)
+    assert re.search(r"^resized copy, first cache 256 slots: [1-9]\d* graphs, [\d.]+ s$", out, re.M)
+    sizes = re.findall(r"^(\d+) slots: resized copy (\d+) new graphs, [\d.]+ s; fresh copy ([1-9]\d*) graphs, [\d.]+ s$",
+                       out, re.M)
+    # The second length recompiles each layer function once (the length dynamic), the third compiles nothing.
+    assert [slots for slots, _, _ in sizes] == ["512", "768"] and int(sizes[0][1]) > 0 and sizes[1][1] == "0"
+    rows = re.findall(r"^  (one-token step|verify step \(5 tokens\)) +fresh +[\d.]+ ms  resized +[\d.]+ ms  fresh over "
+                      r"resized [\d.]+x \([\d.]+-[\d.]+\)$", out, re.M)
+    assert rows == ["one-token step", "verify step (5 tokens)"] * 2
 
 
 def test_verify_head():  # not a stage: the packed head is a CPU's (decode/packed.py)

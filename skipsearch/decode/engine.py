@@ -8,7 +8,8 @@ and the verify step (the full model over a round's tokens). How steps run (`Comp
 - "regional" (CUDA's default, and what studies run on a CPU): every decoder layer runs through a
   compiled function (regional.py) for its kind (its class and attention kind, and which of its sublayers the draft
   skips) and width, shared by all layers and all skip sets (`CompiledLayers`), so a new skip set
-  compiles nothing. On CUDA each step
+  compiles nothing, and kept when the cache is replaced by a longer one (recompiled once with the length dynamic,
+  then reused for every length). On CUDA each step
   is then captured once as a CUDA graph over static buffers and replayed: one launch per step,
   milliseconds to set up a new skip set, and no cudagraph-tree bookkeeping per call.
 - "frozen" (a CPU's default for `generate` and `bench`): the whole step compiled with the weights
@@ -335,9 +336,10 @@ class Engine:
             self.verify_steps.clear()
             self.draft_steps.clear()
             self.prefill_steps.clear()
-            self.layers.clear()
+            for compiled in self.layers.values():
+                compiled.resized()
             self.cache = None
-            # Compiled graphs are specialised to the cache's shape: a capacity in blocks serves many lengths.
+            # A capacity in blocks serves many lengths with one cache, and so one set of captured CUDA graphs.
             self.cache = SpeculativeCache(model.config, -(-length // CACHE_BLOCK) * CACHE_BLOCK, device, model.dtype)
             self.graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
             self.prefill_row = torch.zeros(1, dtype=torch.long, device=device)

@@ -44,23 +44,31 @@ class LayerKind(NamedTuple):
 
 
 class CompiledLayers:
-    """One compiled function per (layer kind, width), shared by every layer of a model and every skip set.
+    """One compiled function per (layer kind, width), shared by every layer of a model, every skip set and every
+    cache the engine makes.
 
     A layer is called with its own `PositionalLayer` as its cache, which ignores the layer index:
     so no compiled code depends on which layer it runs, and dynamo does not specialise per layer.
+    The first cache's graphs are specialised to its length; a cache of another length recompiles each function once,
+    with the length dynamic (dynamo's automatic dynamic shapes), and every later length reuses that graph: a profile's
+    contexts and a study's longer prompts compile nothing more.
     """
 
     def __init__(self, backend: str):
         self.backend = backend
         self.functions: dict[tuple[LayerKind, int], Callable] = {}
-        self.warmed = False  # every one-token kind compiled (Engine._warm_layer_kinds)
+        self.warmed = False  # every one-token kind compiled for the current cache (Engine._warm_layer_kinds)
+
+    def resized(self) -> None:
+        """The engine's cache changed length: the next skip set's setup warms every kind again (a recompile with the
+        length dynamic the first time, nothing after), so that no later set compiles."""
+        self.warmed = False
 
     def __call__(self, kind: LayerKind, layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings,
                  position_ids, kv, keyword: str):
         key = (kind, hidden.shape[1])
         if key not in self.functions:
-            self.functions[key] = torch.compile(own_code(_run_layer), backend=self.backend, fullgraph=True,
-                                                dynamic=False)
+            self.functions[key] = torch.compile(own_code(_run_layer), backend=self.backend, fullgraph=True)
         return self.functions[key](layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
 
 
