@@ -11,14 +11,16 @@
 # 37-300 tokens, labelled so in its log): timing does not depend on weights. The lease of 2026-11-26 ran call 1 below
 # without prefill, plus speed-shape, in 466 s, then three profiles (none finished in 80 s; BENCHMARKS.md, "Thirteenth
 # session"). So the next lease runs, in this order (what needs no model file first):
-# Call 1, wheels only:  info cuda-tests kernels speed-shape  (the fifteenth session's cuts: the grouped attention's
-#                       folded path runs on CUDA only there, 7 CUDA tests; then its kernel count and tok/s, paired
-#                       with HF's; about 460 s by the 2026-11-26 lease's stage times)
+# Call 1, wheels only:  PROFILE_SHAPES=smollm2-135m bash benchmarks/gpu.sh info cuda-tests kernels speed-shape resize
+#                       profiles  (the fifteenth session's cuts: the grouped attention's folded path runs on CUDA only
+#                       there, 7 CUDA tests, then its kernel count and tok/s paired with HF's; the sixteenth's: the
+#                       regional graphs outlive a resized cache, so a profile's five contexts compile about 21 graphs
+#                       instead of about 55, which kept it past 80 s; resize checks that graphs with the length dynamic
+#                       are as fast; the default shape's profile last, as what is cut if the call runs out. About 370 s
+#                       before resize and the profile, by the 2026-11-26 lease's stage times)
 # Call 2:               speed-8b, with gpt-fast's generate.py in the same call (../shared/anchors/gpt-fast/)
-# Call 3, if time is left, or the next lease: resize profiles (the sixteenth session: the regional graphs outlive a
-#                       resized cache, so a profile's five contexts compile about 22 graphs instead of about 55, which
-#                       is what kept it past 80 s; resize checks that the graphs with the length dynamic are as fast)
-# Later leases: prefill; the model in parts: host speed trials setup guard study tests. cuda-tests (6 of 6 on 2026-11-26, 58 s) again whenever CUDA code changed.
+# Later leases: profiles (every shape); prefill; the model in parts: host speed trials setup guard study tests.
+# cuda-tests (6 of 6 on 2026-11-26, 58 s) again whenever CUDA code changed.
 # Give each call the run tool's longest timeout: what a stage wrote under $OUT before the limit still comes back.
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
@@ -119,7 +121,7 @@ for stage in "$@"; do
       ;;
     profiles)  # the cost model from each shape's config, random weights, timing the same graphs as decoding
       # The progress bar stays in the log: where a profile runs out of time, it shows how many contexts it finished.
-      for shape in smollm2-135m qwen2.5-1.5b llama-2-7b llama-3-8b llama-2-13b; do
+      for shape in ${PROFILE_SHAPES:-smollm2-135m qwen2.5-1.5b llama-2-7b llama-3-8b llama-2-13b}; do
         timeout 95 python3 -m skipsearch profile --config-only --model "benchmarks/configs/$shape.json" \
           --dtype bfloat16 --output "$OUT/profile-$shape.json" 2>&1 | tr '\r' '\n' | tee "$OUT/profile-$shape.log" \
           | tail -9

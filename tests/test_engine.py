@@ -81,22 +81,27 @@ def test_regional_steps_compile_each_layer_kind_once_for_every_skip_set():
 def test_regional_graphs_outlive_the_cache_so_a_third_length_compiles_nothing():
     """A longer call replaces the engine's cache; the layer functions stay: the second length recompiles them once
     with the length dynamic, the third compiles nothing (a profile's contexts, a study's longer prompts), and each
-    length decodes as plain greedy decoding does."""
+    length decodes as plain greedy decoding does. At every length the first skip set's setup compiles every layer
+    kind, so that a set of another kind (MLPs skipped where the first skipped attention) compiles nothing after it."""
     from torch._dynamo.utils import counters
 
-    model, skip = tiny_model("llama", seed=9), SkipSet.of([1], [2], NUM_LAYERS)
+    model = tiny_model("llama", seed=9)
     model.config.max_position_embeddings = 1024  # default rotary embeddings: any position is computed alike
+    first, other = SkipSet.of([1], [], NUM_LAYERS), SkipSet.of([], [2], NUM_LAYERS)
     new_graphs, capacities = [], []
     for length in (4, 300, 560):  # caches of 256, 512 and 768 slots
         prompt = [(7 * i + 3) % 90 + 2 for i in range(length)]
-        graphs = counters["stats"]["unique_graphs"]
-        out = generate(model, prompt, skip=skip, max_new_tokens=8, policy=DraftPolicy(max_draft_tokens=3),
-                       eos_token_id=None, **REGIONAL)
-        assert out.tokens == hf_greedy(model, prompt, 8, eos=None) and out.stats.drafted > 0
-        new_graphs.append(counters["stats"]["unique_graphs"] - graphs)
+        expected = hf_greedy(model, prompt, 8, eos=None)
+        for skip in (first, other):
+            graphs = counters["stats"]["unique_graphs"]
+            out = generate(model, prompt, skip=skip, max_new_tokens=8, policy=DraftPolicy(max_draft_tokens=3),
+                           eos_token_id=None, **REGIONAL)
+            assert out.tokens == expected and out.stats.drafted > 0
+            new_graphs.append(counters["stats"]["unique_graphs"] - graphs)
         capacities.append(engine_for(model).cache.capacity)
     assert capacities == [256, 512, 768]
-    assert new_graphs[0] > 0 and new_graphs[1] > 0 and new_graphs[2] == 0
+    assert new_graphs[0] > 0 and new_graphs[2] > 0 and new_graphs[4] == 0  # the first set: compiled, again, not
+    assert new_graphs[1] == new_graphs[3] == new_graphs[5] == 0  # the other set: never
 
 
 def test_a_long_study_keeps_memory_flat():
