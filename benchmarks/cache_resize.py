@@ -4,9 +4,10 @@ The regional steps' compiled layer functions outlive the engine's cache: the fir
 its length, the first cache of another length recompiles each function once with the length dynamic, and later
 lengths reuse those graphs (regional.py). This shows what that buys and whether it costs speed. One copy of the model
 ("resized") first decodes at `--first` slots and then at each of `--slots`; for each size a fresh copy ("fresh")
-compiles graphs specialised to it. Per size it prints both copies' new graphs and setup seconds (a plain and a verify
-step's first calls), then the two copies' steps paired and interleaved at that size: fresh over resized, with its 95%
-interval (below 1: the dynamic length is slower).
+compiles graphs specialised to it (with dynamo's automatic dynamic shapes off: dynamo remembers per source function
+that the length changed, so a default compile after the resize would take it dynamic too). Per size it prints both
+copies' new graphs and setup seconds (a plain and a verify step's first calls), then the two copies' steps paired and
+interleaved at that size: fresh over resized, with its 95% interval (below 1: the dynamic length is slower).
 
     python benchmarks/cache_resize.py --config-only benchmarks/configs/smollm2-135m.json --slots 512,2048
 """
@@ -68,7 +69,8 @@ def main() -> None:
         dynamic, graphs, seconds, capacity = prepared(resized, slots, args.width)
         print(f"{capacity} slots: resized copy {graphs} new graphs, {seconds:.1f} s", end="; ", flush=True)
         fresh = copy.deepcopy(model)
-        static, graphs, seconds, _ = prepared(fresh, slots, args.width)
+        with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            static, graphs, seconds, _ = prepared(fresh, slots, args.width)
         print(f"fresh copy {graphs} graphs, {seconds:.1f} s")
         for label in static:
             interval, static_s, dynamic_s = pair(static[label], dynamic[label], args.repeats)

@@ -85,6 +85,8 @@ def test_regional_graphs_outlive_the_cache_so_a_third_length_compiles_nothing():
     kind, so that a set of another kind (MLPs skipped where the first skipped attention) compiles nothing after it."""
     from torch._dynamo.utils import counters
 
+    # Dynamo remembers per source function that a length changed (regional.py): start as a fresh process does.
+    torch._dynamo.pgo.reset_code_state()
     model = tiny_model("llama", seed=9)
     model.config.max_position_embeddings = 1024  # default rotary embeddings: any position is computed alike
     first, other = SkipSet.of([1], [], NUM_LAYERS), SkipSet.of([], [2], NUM_LAYERS)

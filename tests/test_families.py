@@ -102,6 +102,24 @@ def test_greedy_decoding_equals_transformers_eager_and_compiled(family, compiled
     assert engine_for(model).prefill_steps  # the regional run prefilled through its compiled widths
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss", "mistral", "smollm3"])
+def test_a_longer_call_keeps_the_regional_layers_and_decodes_alike(family):
+    """Sliding windows, attention sinks, layers without rotary embeddings: a call that needs a longer cache recompiles
+    the regional layers once (the cache's length dynamic) and decodes as HF greedy; a third length compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.pgo.reset_code_state()  # as a fresh process starts (regional.py: dynamo remembers a changed length)
+    model, new_graphs = family_model(family, seed=2), []
+    for length in (8, 300, 560):  # caches of 256, 512 and 768 slots
+        prompt = [(7 * i + 3) % 90 + 2 for i in range(length)]
+        graphs = counters["stats"]["unique_graphs"]
+        out = generate(model, prompt, skip=families.SKIP, max_new_tokens=8, eos_token_id=None,
+                       policy=DraftPolicy(max_draft_tokens=3, guard=False), **REGIONAL)
+        assert out.tokens == families.greedy_tokens(model, prompt, 8), length
+        new_graphs.append(counters["stats"]["unique_graphs"] - graphs)
+    assert new_graphs[0] > 0 and new_graphs[1] > 0 and new_graphs[2] == 0
+
+
 def test_a_mixture_of_experts_compiles_with_inductor_once_for_every_skip_set():
     """The file's one real inductor compile (what a study runs on a CPU): Qwen3-MoE's routed experts, regional steps
     equal to HF greedy, and a second skip set compiles nothing."""
