@@ -28,7 +28,8 @@ def own_code(fn: Callable) -> Callable:
 
     Dynamo keeps compiled graphs per code object and fails a fullgraph compile once one code
     object has `recompile_limit` graphs: each compiled function here gets its own code, so each
-    holds one graph, however many skip sets, layer kinds and models a process compiles.
+    holds at most two (its first cache's length, then the length dynamic), however many skip sets,
+    layer kinds and models a process compiles.
     """
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
