@@ -101,6 +101,9 @@ def main() -> None:
     parser.add_argument("--max-draft-tokens", type=int, default=4, help="fixed draft length k (default: 4)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend for skipsearch compiled")
     parser.add_argument("--no-hf-compile", action="store_true", help="leave out HF static cache + torch.compile")
+    parser.add_argument("--no-eager", action="store_true",
+                        help="leave out skipsearch's eager rows (HF eager greedy stays: the outputs' reference); on a "
+                             "GPU they take much of a run and are not what its goals are about")
     parser.add_argument("--no-regional", action="store_true",
                         help="on a CPU, leave out skipsearch compiled as studies run it (regional: compiled layer "
                              "kinds shared by every skip set; weights not frozen)")
@@ -141,6 +144,8 @@ def main() -> None:
         compiled[f"self-spec {skip} compiled"] = (skip, True, None)
         if regional_row:
             compiled[f"self-spec {skip} compiled, regional"] = (skip, True, "regional")
+    if args.no_eager:
+        compiled = {name: row for name, row in compiled.items() if row[1]}
     compile_times = {}
     for name, (skip, use_compile, mode) in compiled.items():
         decode = skipsearch_decoder(model, n, eos, skip, policy, compile=use_compile, compile_mode=mode,

@@ -2,39 +2,52 @@
 # The GPU measurements on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results and the method).
 #
 #   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host kernels head prefill
-#                                       speed speed-shape speed-8b resize profiles guard
+#                                       speed speed-shape speed-8b gptfast resize profiles guard
 # (each stage fits one 10-minute call, several fit together; the stages' timeouts are their worst cases)
 #
-# A lease of 15 minutes of device time (starting the machine included) holds about two calls, and 64 MiB travel per
-# call, so the model's file (94 MiB in parts) costs a call of its own. Without it, `kernels` and `prefill` time the
-# default model's shape with random weights (benchmarks/configs/smollm2-135m.json; prefill then on made-up prompts of
-# 37-300 tokens, labelled so in its log): timing does not depend on weights. The lease of 2026-11-26 ran call 1 below
-# without prefill, plus speed-shape, in 466 s, then three profiles (none finished in 80 s; BENCHMARKS.md, "Thirteenth
-# session"). So the next lease runs, in this order (what needs no model file first):
-# Call 1, wheels only:  PROFILE_SHAPES=smollm2-135m bash benchmarks/gpu.sh info cuda-tests kernels speed-shape resize
-#                       profiles  (the fifteenth session's cuts: the grouped attention's folded path runs on CUDA only
-#                       there, 7 CUDA tests, then its kernel count and tok/s paired with HF's; the sixteenth's: the
-#                       regional graphs outlive a resized cache, so a profile's five contexts compile about 21 graphs
-#                       instead of about 55, which kept it past 80 s; resize checks that graphs with the length dynamic
-#                       are as fast; the default shape's profile last, as what is cut if the call runs out. About 370 s
-#                       before resize and the profile, by the 2026-11-26 lease's stage times)
-# Call 2:               speed-8b, with gpt-fast's generate.py in the same call (../shared/anchors/gpt-fast/)
+# What comes back from a call is one archive, $OUT/results.tgz: every stage's log, and stages.log with the seconds at
+# which each stage began and ended. The run tool returns at most 8 files, and `profiles` alone writes two a shape; the
+# archive is rewritten every 10 s while the stages run, so a call cut at its limit still returns its logs to within
+# 10 s (the lease of 2026-11-27 lost its last stage's log twice, packed only between stages).
+#
+# A lease is 15 minutes of device time (starting the machine included), about two calls, and 64 MiB travel per call,
+# so the model's file (94 MiB in parts) costs a call of its own. Without it, `kernels` and `prefill` time the default
+# model's shape with random weights (benchmarks/configs/smollm2-135m.json; prefill then on made-up prompts of 37-300
+# tokens, labelled so in its log): timing does not depend on weights.
+# Stage times on the H200 of 2026-11-27 (16 host cores, an empty inductor cache; BENCHMARKS.md, "Seventeenth
+# session"): info with the wheels' install 12 s; cuda-tests and kernels side by side 87 s; speed-shape 232 s (with
+# the eager rows it no longer runs); gpt-fast on the 8B shape 135 s (117 s its compile); speed-8b unfinished at
+# 134 s (its timed passes had not begun). So the next lease runs, in this order:
+# Call 1, carry .whl .gptfast:  bash benchmarks/gpu.sh info speed-8b gptfast resize
+#                       (the 8B shape paired with HF's, then gpt-fast on the same machine: the default shape first,
+#                       which says whether 1,500 tok/s is in reach of the reference, then the 8B shape; resize last,
+#                       what is cut if the call runs out)
+# Call 2, carry .whl:   PROFILE_SHAPES="smollm2-135m llama-3-8b" bash benchmarks/gpu.sh profiles
+#                       (the sixteenth session's fix: a profile's contexts no longer recompile every layer)
 # Later leases: profiles (every shape); prefill; the model in parts: host speed trials setup guard study tests.
-# cuda-tests (6 of 6 on 2026-11-26, 58 s) again whenever CUDA code changed.
-# Give each call the run tool's longest timeout: what a stage wrote under $OUT before the limit still comes back.
+# cuda-tests (8 of 8 on 2026-11-27, 60 s) again whenever CUDA code changed; cuda-tests and kernels, which time
+# nothing, may run side by side: `(bash benchmarks/gpu.sh cuda-tests &); bash benchmarks/gpu.sh kernels; wait`.
+# Give each call the run tool's longest timeout: what a stage wrote before the limit still comes back.
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
 # machine with network (Python 3.12 here; the `tests` stage also needs pytest-xdist and pytest-timeout there):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
 #     optuna alembic SQLAlchemy colorlog Mako datasets dill multiprocess gguf cmaes transformers
+# gpt-fast, the reference (`gptfast` stage), travels as a copy of ../shared/anchors/gpt-fast in .gptfast/ (ignored):
+#   mkdir -p .gptfast && cp ../shared/anchors/gpt-fast/*.py .gptfast/
 # The default model's GGUF is larger than one transfer, so it travels in parts, .gpu/gguf.* (`split -b 46000000 FILE .gpu/gguf.`),
 # over consecutive calls to the same warm machine (see BENCHMARKS.md, "GPU"). Ignored folders of the repo are not kept
 # between calls there, so the parts, the installed wheels and the converted model are kept under $KEEP.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/.gpu/out}
+RESULTS=${OUT:-$PWD/.gpu/out}  # what comes back: results.tgz
+OUT=$(mktemp -d)  # the stages' logs, packed into $RESULTS/results.tgz
 KEEP=${KEEP:-$HOME/skipsearch-gpu}
-mkdir -p "$OUT" "$KEEP/parts"
+mkdir -p "$RESULTS" "$KEEP/parts"
+pack() { tar czf "$RESULTS/.results.tgz" -C "$OUT" . && mv "$RESULTS/.results.tgz" "$RESULTS/results.tgz"; }
+(while sleep 10; do pack; done) & packer=$!
+trap 'kill $packer 2>/dev/null; pack' EXIT
+started=$SECONDS
 site=$KEEP/site
 if [ ! -d "$site/optuna" ] && ! ls .whl/*.whl >/dev/null 2>&1; then
   echo "benchmarks/gpu.sh: no wheels in .whl/: download what the GPU image lacks first (BENCHMARKS.md, GPU)" >&2; exit 2
@@ -53,6 +66,7 @@ default_model=""  # the embedded model where its file is here, else its shape wi
                     default_model="--config-only benchmarks/configs/smollm2-135m.json"; }
 
 for stage in "$@"; do
+  echo "$stage began at $((SECONDS - started)) s" >> "$OUT/stages.log"
   case $stage in
     info)
       nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
@@ -84,9 +98,10 @@ for stage in "$@"; do
         --models default,benchmarks/configs/llama-3-8b.json \
         --modes eager,regional 2>&1 | tee "$OUT/host.log"
       ;;
-    kernels)  # kernels per forward (plain and draft steps) through the CUDA graphs: what to cut on a small model
+    kernels)  # kernels per forward (plain and draft steps) through the CUDA graphs, and every kernel of a layer listed
       for model in "$default_model" "--config-only benchmarks/configs/llama-3-8b.json"; do
-        timeout 280 python3 benchmarks/kernel_count.py --device cuda --dtype bfloat16 --compile $model 2>&1 \
+        timeout 280 python3 benchmarks/kernel_count.py --device cuda --dtype bfloat16 --compile --per-layer --top 24 \
+          $model 2>&1 \
           | tee -a "$OUT/kernels.log" | grep -v "it/s\]$\|USDT"
       done
       ;;
@@ -107,13 +122,21 @@ for stage in "$@"; do
       ;;
     speed-shape)  # plain decoding on the default model's shape (random weights, no model file), paired against HF's
       timeout 300 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 2 \
-        --max-new-tokens 128 --repeats 4 --skip-sets "" --config-only benchmarks/configs/smollm2-135m.json 2>&1 \
+        --max-new-tokens 128 --repeats 4 --no-eager --skip-sets "" --config-only benchmarks/configs/smollm2-135m.json 2>&1 \
         | tee "$OUT/speed-shape.log" | grep -v "it/s\]$"
       ;;
     speed-8b)  # a Llama-3-8B shape with random weights: bandwidth and host time per token
       timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 2 \
-        --max-new-tokens 128 --repeats 2 --config-only benchmarks/configs/llama-3-8b.json \
+        --max-new-tokens 128 --repeats 2 --no-eager --config-only benchmarks/configs/llama-3-8b.json \
         --skip-sets "a10,14,18,22,26|m12,20" 2>&1 | tee "$OUT/speed-8b.log" | grep -v "it/s\]$"
+      ;;
+    gptfast)  # gpt-fast's own decoding of the default shape and the 8B shape: the reference, on the same machine
+      [ -f .gptfast/generate.py ] || { echo "gptfast: no .gptfast/generate.py: copy ../shared/anchors/gpt-fast there" \
+                                         "and carry .gptfast" >&2; exit 2; }
+      for shape in ${GPTFAST_SHAPES:-smollm2-135m llama-3-8b}; do
+        timeout 200 python3 benchmarks/gptfast_anchor.py --gpt-fast .gptfast --config benchmarks/configs/$shape.json \
+          2>&1 | tee "$OUT/gptfast-$shape.log" | grep -v "Warning\|warn\|self.gen\|^$\|softmax\|split the reduction"
+      done
       ;;
     resize)  # a resized cache: the regional graphs recompiled once with the length dynamic, then reused; their speed
       timeout 240 python3 benchmarks/cache_resize.py --device cuda --dtype bfloat16 --slots 512,2048,8192 \
@@ -134,4 +157,5 @@ for stage in "$@"; do
       ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
   esac
+  echo "$stage ended at $((SECONDS - started)) s" >> "$OUT/stages.log"
 done

@@ -29,8 +29,9 @@ STAGE_SCRIPTS = {
     "study": "-m skipsearch optimize", "host": "benchmarks/host_overhead.py", "kernels": "benchmarks/kernel_count.py",
     "prefill": "benchmarks/prefill.py", "speed": "benchmarks/engine_speed.py",
     "speed-8b": "benchmarks/engine_speed.py", "speed-shape": "benchmarks/engine_speed.py", "profiles": "-m skipsearch profile", "guard": "benchmarks/guard.py",
-    "head": "benchmarks/draft_head.py", "resize": "benchmarks/cache_resize.py",
+    "head": "benchmarks/draft_head.py", "resize": "benchmarks/cache_resize.py", "gptfast": "benchmarks/gptfast_anchor.py",
 }
+GPT_FAST = ROOT.parent / "shared" / "anchors" / "gpt-fast"  # beside a developer's checkout; not in CI
 
 # Inductor's code generation takes minutes on two cores. The scripts run through this wrapper, which gives
 # torch.compile the "eager" backend where it would use inductor: dynamo still traces every compiled step (full graph),
@@ -109,6 +110,8 @@ def table_after(out: str, header_start: str) -> tuple[str, list[str]]:
 
 def load_benchmark(name: str):
     """benchmarks/NAME.py as a module, imported in this process (its main() not run)."""
+    if str(ROOT / "benchmarks") not in sys.path:  # as `python benchmarks/NAME.py` puts it there, for its imports
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -224,9 +227,10 @@ def test_engine_speed(stage, request):
     # "speed-shape" too, with plain rows only (no skip sets).
     model = (["--model", request.getfixturevalue("tiny_model_dir")] if stage == "speed"
              else ["--config-only", TINY_CONFIG])
-    sets = "" if stage == "speed-shape" else TINY_SET
+    # On a GPU the shapes' stages leave out our eager rows.
+    sets, eager = ("", False) if stage == "speed-shape" else (TINY_SET, stage == "speed")
     out = run_script("benchmarks/engine_speed.py", *SMALL, "--num-prompts", 1, "--max-new-tokens", 8, "--repeats", 1,
-                     *model, "--skip-sets", sets)
+                     *model, "--skip-sets", sets, *([] if eager else ["--no-eager"]))
     assert re.search(r"^weights read per forward [\d.]+ GB; measured read bandwidth [\d.]+ GB/s$", out, re.M)
     header, rows = table_after(out, "method ")
     for column in ("tok/s", "vs HF eager (95% interval)", "vs HF static+compile", "vs ours plain compiled", "GB/s",
@@ -237,7 +241,10 @@ def test_engine_speed(stage, request):
     plain = ["HF eager greedy", "HF static cache + compile", "skipsearch plain eager", "skipsearch plain compiled",
              "skipsearch plain compiled, regional (studies)"]
     drafts = [f"self-spec {skip} eager", f"self-spec {skip} compiled", f"self-spec {skip} compiled, regional"]
-    assert [row[:48].rstrip() for row in rows] == plain + ([] if stage == "speed-shape" else drafts)
+    expected = plain + ([] if stage == "speed-shape" else drafts)
+    if not eager:
+        expected = [row for row in expected if row == "HF eager greedy" or not row.endswith(" eager")]
+    assert [row[:48].rstrip() for row in rows] == expected
 
 
 def test_guard(tiny_model_dir):  # stage "guard"
@@ -334,3 +341,38 @@ def test_verify_head():  # not a stage: the packed head is a CPU's (decode/packe
         rows = re.findall(rf"^  (\d) rows: own [\d.]+ ms = {ratio} {what}; packed [\d.]+ ms = {ratio}; own over packed "
                           rf"{ratio}$", out, re.M)
         assert rows == ["1", "3"]
+
+
+def test_gptfast_model_args_follow_the_shapes_config():  # stage "gptfast"
+    model_args = load_benchmark("gptfast_anchor").model_args
+    smollm2 = json.loads((ROOT / "benchmarks" / "configs" / "smollm2-135m.json").read_text())
+    assert model_args(smollm2) == dict(block_size=8192, vocab_size=49152, n_layer=30, n_head=9, n_local_heads=3,
+                                       dim=576, intermediate_size=1536, rope_base=100000.0, norm_eps=1e-5)
+    llama3 = json.loads((ROOT / "benchmarks" / "configs" / "llama-3-8b.json").read_text())
+    assert model_args(llama3)["n_local_heads"] == 8 and model_args(llama3)["rope_base"] == 500000.0
+    gemma = json.loads((ROOT / "benchmarks" / "configs" / "gemma-3-270m.json").read_text())
+    with pytest.raises(ValueError, match="head_dim"):  # 4 heads of 256 over a width of 640
+        model_args(gemma)
+
+
+@pytest.mark.skipif(not (GPT_FAST / "generate.py").exists(), reason="gpt-fast's copy is beside a developer's checkout")
+def test_gptfast_anchor():  # stage "gptfast"
+    out = run_script("benchmarks/gptfast_anchor.py", "--gpt-fast", GPT_FAST, "--config", TINY_CONFIG, "--device", "cpu",
+                     "--max-new-tokens", 8, "--repeats", 2)
+    assert re.search(r"^gpt-fast on benchmarks/configs/tiny-llama.json \(cpu\): weights read per token [\d.]+ GB; "
+                     r"measured read bandwidth [\d.]+ GB/s$", out, re.M)
+    assert len(re.findall(r"^run [12]: [\d.]+ tok/s \(prefill included\), \d+ GB/s, \d+% of measured$", out, re.M)) == 2
+    assert re.search(r"^gpt-fast median [\d.]+ tok/s, \d+% of measured bandwidth$", out, re.M)
+
+
+def test_gpu_sh_returns_one_archive_with_each_stages_times(tmp_path):
+    """The run tool returns at most 8 files from a call: gpu.sh packs its logs into one, even when a stage fails."""
+    keep, results = tmp_path / "keep", tmp_path / "out"
+    (keep / "site" / "optuna").mkdir(parents=True)  # as if the wheels were installed by an earlier call
+    env = {**os.environ, "OUT": str(results), "KEEP": str(keep)}
+    done = subprocess.run(["bash", str(GPU_SH), "no-such-stage"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "unknown stage no-such-stage" in done.stderr
+    assert [path.name for path in results.iterdir()] == ["results.tgz"]
+    listed = subprocess.run(["tar", "xzOf", str(results / "results.tgz"), "./stages.log"], capture_output=True,
+                            text=True, check=True)
+    assert listed.stdout == "no-such-stage began at 0 s\n"
