@@ -2,7 +2,7 @@
 # The GPU measurements on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results and the method).
 #
 #   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host kernels head prefill
-#                                       speed speed-shape speed-8b gptfast resize profiles guard
+#                                       speed speed-shape speed-8b gptfast attention resize profiles guard
 # (each stage fits one 10-minute call, several fit together; the stages' timeouts are their worst cases)
 #
 # What comes back from a call is one archive, $OUT/results.tgz: every stage's log, and stages.log with the seconds at
@@ -22,8 +22,9 @@
 #                       (the 8B shape paired with HF's, then gpt-fast on the same machine: the default shape first,
 #                       which says whether 1,500 tok/s is in reach of the reference, then the 8B shape; resize last,
 #                       what is cut if the call runs out)
-# Call 2, carry .whl:   PROFILE_SHAPES="smollm2-135m llama-3-8b" bash benchmarks/gpu.sh profiles
-#                       (the sixteenth session's fix: a profile's contexts no longer recompile every layer)
+# Call 2, carry .whl:   PROFILE_SHAPES="smollm2-135m llama-3-8b" bash benchmarks/gpu.sh attention profiles
+#                       (gpt-fast's attention, inductor's own, against ours through cuDNN: kernels and time per step;
+#                       then the sixteenth session's fix: a profile's contexts no longer recompile every layer)
 # Later leases: profiles (every shape); prefill; the model in parts: host speed trials setup guard study tests.
 # cuda-tests (8 of 8 on 2026-11-27, 60 s) again whenever CUDA code changed; cuda-tests and kernels, which time
 # nothing, may run side by side: `(bash benchmarks/gpu.sh cuda-tests &); bash benchmarks/gpu.sh kernels; wait`.
@@ -69,8 +70,9 @@ for stage in "$@"; do
   echo "$stage began at $((SECONDS - started)) s" >> "$OUT/stages.log"
   case $stage in
     info)
-      nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
-      python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, 'transformers', transformers.__version__, 'optuna', optuna.__version__, torch.cuda.get_device_name())"
+      { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
+        python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, 'transformers', transformers.__version__, 'optuna', optuna.__version__, torch.cuda.get_device_name())"
+        git log -1 --format="skipsearch at %h" 2>/dev/null; } 2>&1 | tee "$OUT/info.log"
       ;;
     cuda-tests)  # the CUDA paths alone (tiny models: the default model is not needed)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log" | tail -30
@@ -137,6 +139,10 @@ for stage in "$@"; do
         timeout 200 python3 benchmarks/gptfast_anchor.py --gpt-fast .gptfast --config benchmarks/configs/$shape.json \
           2>&1 | tee "$OUT/gptfast-$shape.log" | grep -v "Warning\|warn\|self.gen\|^$\|softmax\|split the reduction"
       done
+      ;;
+    attention)  # the steps through SDPA's fused kernel against inductor's own attention (the math backend, as gpt-fast)
+      timeout 240 python3 benchmarks/attention_backend.py --device cuda --dtype bfloat16 --slots 256,1024 \
+        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/attention.log" | grep -v "it/s\]$\|USDT"
       ;;
     resize)  # a resized cache: the regional graphs recompiled once with the length dynamic, then reused; their speed
       timeout 240 python3 benchmarks/cache_resize.py --device cuda --dtype bfloat16 --slots 512,2048,8192 \

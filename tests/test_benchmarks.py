@@ -30,6 +30,7 @@ STAGE_SCRIPTS = {
     "prefill": "benchmarks/prefill.py", "speed": "benchmarks/engine_speed.py",
     "speed-8b": "benchmarks/engine_speed.py", "speed-shape": "benchmarks/engine_speed.py", "profiles": "-m skipsearch profile", "guard": "benchmarks/guard.py",
     "head": "benchmarks/draft_head.py", "resize": "benchmarks/cache_resize.py", "gptfast": "benchmarks/gptfast_anchor.py",
+    "attention": "benchmarks/attention_backend.py",
 }
 GPT_FAST = ROOT.parent / "shared" / "anchors" / "gpt-fast"  # beside a developer's checkout; not in CI
 
@@ -376,3 +377,16 @@ def test_gpu_sh_returns_one_archive_with_each_stages_times(tmp_path):
     listed = subprocess.run(["tar", "xzOf", str(results / "results.tgz"), "./stages.log"], capture_output=True,
                             text=True, check=True)
     assert listed.stdout == "no-such-stage began at 0 s\n"
+
+
+def test_attention_backend():  # stage "attention"
+    out = run_script("benchmarks/attention_backend.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256,512",
+                     "--repeats", 3)
+    for slots in (256, 512):
+        for label in ("fused", "math"):
+            assert re.search(rf"^{slots} slots, {label}: \d+ new graphs, [\d.]+ s$", out, re.M)
+    steps = re.findall(r"^  (one-token step|verify step \(5 tokens\)) +fused +[\d.]+ ms, (\d+) launches  math +[\d.]+ "
+                       r"ms, (\d+) launches  fused over math [\d.]+x \([\d.]+-[\d.]+\)$", out, re.M)
+    assert [step for step, _, _ in steps] == ["one-token step", "verify step (5 tokens)"] * 2
+    assert all(int(fused) > 0 and int(math) > 0 for _, fused, math in steps)
+    assert any(fused != math for _, fused, math in steps)  # the math copy did run another attention
