@@ -2,7 +2,7 @@
 # The GPU measurements on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results and the method).
 #
 #   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host kernels head prefill
-#                                       speed speed-shape speed-8b gptfast attention resize profiles guard
+#                                       speed speed-shape speed-8b gptfast variants resize profiles guard
 # (each stage fits one 10-minute call, several fit together; the stages' timeouts are their worst cases)
 #
 # What comes back from a call is one archive, $OUT/results.tgz: every stage's log, and stages.log with the seconds at
@@ -22,9 +22,10 @@
 #                       (the 8B shape paired with HF's, then gpt-fast on the same machine: the default shape first,
 #                       which says whether 1,500 tok/s is in reach of the reference, then the 8B shape; resize last,
 #                       what is cut if the call runs out)
-# Call 2, carry .whl:   PROFILE_SHAPES="smollm2-135m llama-3-8b" bash benchmarks/gpu.sh attention profiles
-#                       (gpt-fast's attention, inductor's own, against ours through cuDNN: kernels and time per step;
-#                       then the sixteenth session's fix: a profile's contexts no longer recompile every layer)
+# Call 2, carry .whl:   PROFILE_SHAPES="smollm2-135m llama-3-8b" bash benchmarks/gpu.sh variants profiles
+#                       (kernels and time per step with inductor's own attention, as gpt-fast has it, and with combo
+#                       kernels, against the shipped steps; then the sixteenth session's fix: a profile's contexts no
+#                       longer recompile every layer)
 # Later leases: profiles (every shape); prefill; the model in parts: host speed trials setup guard study tests.
 # cuda-tests (8 of 8 on 2026-11-27, 60 s) again whenever CUDA code changed; cuda-tests and kernels, which time
 # nothing, may run side by side: `(bash benchmarks/gpu.sh cuda-tests &); bash benchmarks/gpu.sh kernels; wait`.
@@ -140,9 +141,9 @@ for stage in "$@"; do
           2>&1 | tee "$OUT/gptfast-$shape.log" | grep -v "Warning\|warn\|self.gen\|^$\|softmax\|split the reduction"
       done
       ;;
-    attention)  # the steps through SDPA's fused kernel against inductor's own attention (the math backend, as gpt-fast)
-      timeout 240 python3 benchmarks/attention_backend.py --device cuda --dtype bfloat16 --slots 256,1024 \
-        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/attention.log" | grep -v "it/s\]$\|USDT"
+    variants)  # the steps compiled with inductor's own attention (the math backend, as gpt-fast) and combo kernels
+      timeout 300 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots 256,1024 \
+        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/variants.log" | grep -v "it/s\]$\|USDT"
       ;;
     resize)  # a resized cache: the regional graphs recompiled once with the length dynamic, then reused; their speed
       timeout 240 python3 benchmarks/cache_resize.py --device cuda --dtype bfloat16 --slots 512,2048,8192 \

@@ -30,7 +30,7 @@ STAGE_SCRIPTS = {
     "prefill": "benchmarks/prefill.py", "speed": "benchmarks/engine_speed.py",
     "speed-8b": "benchmarks/engine_speed.py", "speed-shape": "benchmarks/engine_speed.py", "profiles": "-m skipsearch profile", "guard": "benchmarks/guard.py",
     "head": "benchmarks/draft_head.py", "resize": "benchmarks/cache_resize.py", "gptfast": "benchmarks/gptfast_anchor.py",
-    "attention": "benchmarks/attention_backend.py",
+    "variants": "benchmarks/step_variants.py",
 }
 GPT_FAST = ROOT.parent / "shared" / "anchors" / "gpt-fast"  # beside a developer's checkout; not in CI
 
@@ -379,14 +379,25 @@ def test_gpu_sh_returns_one_archive_with_each_stages_times(tmp_path):
     assert listed.stdout == "no-such-stage began at 0 s\n"
 
 
-def test_attention_backend():  # stage "attention"
-    out = run_script("benchmarks/attention_backend.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256,512",
+def test_step_variants():  # stage "variants"
+    out = run_script("benchmarks/step_variants.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256,512",
                      "--repeats", 3)
+    variants = ["math", "combo", "math+combo"]
     for slots in (256, 512):
-        for label in ("fused", "math"):
-            assert re.search(rf"^{slots} slots, {label}: \d+ new graphs, [\d.]+ s$", out, re.M)
-    steps = re.findall(r"^  (one-token step|verify step \(5 tokens\)) +fused +[\d.]+ ms, (\d+) launches  math +[\d.]+ "
-                       r"ms, (\d+) launches  fused over math [\d.]+x \([\d.]+-[\d.]+\)$", out, re.M)
-    assert [step for step, _, _ in steps] == ["one-token step", "verify step (5 tokens)"] * 2
-    assert all(int(fused) > 0 and int(math) > 0 for _, fused, math in steps)
-    assert any(fused != math for _, fused, math in steps)  # the math copy did run another attention
+        for variant in ["shipped", *variants]:
+            assert re.search(rf"^{slots} slots, {re.escape(variant)}: \d+ new graphs, [\d.]+ s$", out, re.M)
+    shipped = re.findall(r"^  (one-token step|verify step \(5 tokens\)) +shipped (\d+) launches$", out, re.M)
+    assert [step for step, _ in shipped] == ["one-token step", "verify step (5 tokens)"] * 2
+    rows = re.findall(r"^    (\S+) +(\d+) launches +[\d.]+ ms against +[\d.]+ ms  shipped over (\S+) [\d.]+x "
+                      r"\([\d.]+-[\d.]+\)$", out, re.M)
+    assert [(name, over) for name, _, over in rows] == [(v, v) for v in variants] * 4
+    # The math backend reaches the compiled steps (SDPA's CPU kernel is one operator, the math backend several).
+    launches = [int(count) for name, count, _ in rows if name == "math"]
+    assert launches != [int(count) for _, count in shipped]
+
+
+def test_step_variants_refuses_an_unknown_variant():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "benchmarks/step_variants.py", "--variants", "math,fast"], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--variants: unknown fast" in result.stderr

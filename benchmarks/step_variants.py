@@ -1,0 +1,93 @@
+"""The engine's compiled steps against variants of how they compile (a benchmark script, not a test).
+
+On CUDA a small model's step is bound by its number of kernels (BENCHMARKS.md, "Seventeenth session"). Two ways to
+launch fewer, each a variant here:
+- "math": SDPA's math backend alone, as gpt-fast decodes ("better for Inductor to codegen attention here", its
+  generate.py), so that inductor writes the attention into kernels of its own; the shipped steps call SDPA's fused
+  kernel (cuDNN's on the H200 of 2026-11-27, beside a Memset and the mask's preparation each layer);
+- "combo": inductor's combo kernels, which launch independent pointwise kernels as one (CUDA's Triton code only);
+and both ("math+combo"). Each variant is a copy of the model whose regional steps are compiled (and on CUDA captured:
+a CUDA graph keeps what it was captured with) under it. Per cache size, each step's kernels (CUDA) or operators (CPU)
+are counted, and each variant's step is timed paired and interleaved with the shipped one, writing the cache's last
+slots: shipped over variant, with its 95% interval (above 1: the variant is faster).
+
+    python benchmarks/step_variants.py --device cuda --dtype bfloat16 \
+        --config-only benchmarks/configs/smollm2-135m.json --slots 256,1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+
+import torch
+import torch._functorch.config
+import torch._inductor.config
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from cache_resize import prepared
+from decode_speed import add_model_arguments, load_for_benchmark
+from kernel_count import count_kernels
+from verify_head import pair
+
+# name -> (SDPA's backends, or None for its own choice; inductor settings)
+VARIANTS = {"shipped": (None, {}), "math": ([SDPBackend.MATH], {}), "combo": (None, {"combo_kernels": True}),
+            "math+combo": ([SDPBackend.MATH], {"combo_kernels": True})}
+
+
+@contextlib.contextmanager
+def compiled_as(variant: str):
+    """Inside: steps compile (and SDPA runs) as `variant` has them. A variant compiles without the compile caches:
+    their keys leave out SDPA's backends, so a variant's graphs would come back as the shipped ones."""
+    backends, inductor = VARIANTS[variant]
+    uncached = {} if variant == "shipped" else {"fx_graph_cache": False}
+    with (sdpa_kernel(backends) if backends else contextlib.nullcontext(),
+          torch._inductor.config.patch({**inductor, **uncached}),
+          torch._functorch.config.patch(enable_autograd_cache=variant == "shipped")):
+        yield
+
+
+def under(variant: str, call):
+    def run():
+        with compiled_as(variant):
+            call()
+    return run
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--variants", default="math,combo,math+combo",
+                        help=f"compared with the shipped steps, of {', '.join(list(VARIANTS)[1:])} (default: %(default)s)")
+    parser.add_argument("--slots", default="256,1024", help="cache sizes (default: %(default)s)")
+    parser.add_argument("--width", type=int, default=5, help="a verify step's tokens (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=20, help="paired timings of each step (default: %(default)s)")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    if unknown := (set(variants) - set(VARIANTS)) | ({"shipped"} & set(variants)):
+        parser.error(f"--variants: unknown {', '.join(sorted(unknown))}")
+    model, name, _ = load_for_benchmark(args)
+    print(f"{name} on {model.device} ({str(model.dtype).removeprefix('torch.')}), {torch.get_num_threads()} threads, "
+          f"regional steps: shipped against {', '.join(variants)}")
+    copies = {"shipped": model} | {variant: copy.deepcopy(model) for variant in variants}
+    for slots in (int(s) for s in args.slots.split(",")):
+        calls = {}
+        for variant, copy_of_model in copies.items():
+            with compiled_as(variant):
+                steps, graphs, seconds, capacity = prepared(copy_of_model, slots, args.width)
+            calls[variant] = {step: under(variant, call) for step, call in steps.items()}
+            print(f"{capacity} slots, {variant}: {graphs} new graphs, {seconds:.1f} s", flush=True)
+        for step, shipped in calls["shipped"].items():
+            print(f"  {step:24} shipped {count_kernels(shipped, model.device, top=0)[0]} launches", flush=True)
+            for variant in variants:
+                launches = count_kernels(calls[variant][step], model.device, top=0)[0]
+                interval, shipped_s, variant_s = pair(shipped, calls[variant][step], args.repeats)
+                print(f"    {variant:12} {launches:5d} launches  {1e3 * variant_s:7.2f} ms against {1e3 * shipped_s:7.2f}"
+                      f" ms  shipped over {variant} {interval.estimate:.2f}x ({interval.low:.2f}-{interval.high:.2f})",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
