@@ -29,13 +29,13 @@ from verify_head import pair
 SETTINGS = CompileSettings(mode="regional")
 
 
-def prepared(model, slots: int, width: int):
+def prepared(model, slots: int, width: int, settings: CompileSettings = SETTINGS):
     """The plain and verify steps at `slots`, each called once (compiling what they need), with their setup's new
     graphs and seconds, and a timed call of each writing the cache's last slots."""
     engine = engine_for(model)
     graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()
-    cache = engine.cache_for(slots, SETTINGS)
-    steps = engine.steps_for(cache, None, SETTINGS, width)
+    cache = engine.cache_for(slots, settings)
+    steps = engine.steps_for(cache, None, settings, width)
     calls = {}
     for label, step, tokens in (("one-token step", steps.plain, 1), (f"verify step ({width} tokens)", steps.verify,
                                                                         width)):

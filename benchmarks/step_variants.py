@@ -6,8 +6,10 @@ launch fewer, each a variant here:
   generate.py), so that inductor writes the attention into kernels of its own; the shipped steps call SDPA's fused
   kernel (cuDNN's on the H200 of 2026-11-27, beside a Memset and the mask's preparation each layer);
 - "combo": inductor's combo kernels, which launch independent pointwise kernels as one (CUDA's Triton code only);
-and both ("math+combo"). Each variant is a copy of the model whose regional steps are compiled (and on CUDA captured:
-a CUDA graph keeps what it was captured with) under it. Per cache size, each step's kernels (CUDA) or operators (CPU)
+and both ("math+combo"); and "whole": the whole step compiled as one graph (`compile_mode="reduce-overhead"`, CUDA
+graphs through torch.compile's own trees), where a layer's last residual add can fuse with the next layer's norm, at
+the price of a compile per skip set. Each variant is a copy of the model whose steps are compiled (and on CUDA
+captured: a CUDA graph keeps what it was captured with) under it. Per cache size, each step's kernels (CUDA) or operators (CPU)
 are counted, and each variant's step is timed paired and interleaved with the shipped one, writing the cache's last
 slots: shipped over variant, with its 95% interval (above 1: the variant is faster).
 
@@ -20,27 +22,38 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+from typing import NamedTuple
 
 import torch
 import torch._functorch.config
 import torch._inductor.config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cache_resize import prepared
+from skipsearch.decode.engine import CompileSettings
+
+from cache_resize import SETTINGS, prepared
 from decode_speed import add_model_arguments, load_for_benchmark
 from kernel_count import count_kernels
 from verify_head import pair
 
-# name -> (SDPA's backends, or None for its own choice; inductor settings)
-VARIANTS = {"shipped": (None, {}), "math": ([SDPBackend.MATH], {}), "combo": (None, {"combo_kernels": True}),
-            "math+combo": ([SDPBackend.MATH], {"combo_kernels": True})}
+
+class Variant(NamedTuple):
+    backends: list[SDPBackend] | None = None  # SDPA's backends; None: its own choice
+    inductor: dict = {}  # inductor settings patched while the steps compile
+    settings: CompileSettings = SETTINGS  # the engine's: regional steps unless named
+
+
+VARIANTS = {"shipped": Variant(), "math": Variant(backends=[SDPBackend.MATH]),
+            "combo": Variant(inductor={"combo_kernels": True}),
+            "math+combo": Variant(backends=[SDPBackend.MATH], inductor={"combo_kernels": True}),
+            "whole": Variant(settings=CompileSettings(mode="reduce-overhead"))}
 
 
 @contextlib.contextmanager
 def compiled_as(variant: str):
     """Inside: steps compile (and SDPA runs) as `variant` has them. A variant compiles without the compile caches:
     their keys leave out SDPA's backends, so a variant's graphs would come back as the shipped ones."""
-    backends, inductor = VARIANTS[variant]
+    backends, inductor, _ = VARIANTS[variant]
     uncached = {} if variant == "shipped" else {"fx_graph_cache": False}
     with (sdpa_kernel(backends) if backends else contextlib.nullcontext(),
           torch._inductor.config.patch({**inductor, **uncached}),
@@ -59,7 +72,7 @@ def under(variant: str, call):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
-    parser.add_argument("--variants", default="math,combo,math+combo",
+    parser.add_argument("--variants", default="math,combo,math+combo,whole",
                         help=f"compared with the shipped steps, of {', '.join(list(VARIANTS)[1:])} (default: %(default)s)")
     parser.add_argument("--slots", default="256,1024", help="cache sizes (default: %(default)s)")
     parser.add_argument("--width", type=int, default=5, help="a verify step's tokens (default: %(default)s)")
@@ -76,7 +89,8 @@ def main() -> None:
         calls = {}
         for variant, copy_of_model in copies.items():
             with compiled_as(variant):
-                steps, graphs, seconds, capacity = prepared(copy_of_model, slots, args.width)
+                steps, graphs, seconds, capacity = prepared(copy_of_model, slots, args.width,
+                                                            VARIANTS[variant].settings)
             calls[variant] = {step: under(variant, call) for step, call in steps.items()}
             print(f"{capacity} slots, {variant}: {graphs} new graphs, {seconds:.1f} s", flush=True)
         for step, shipped in calls["shipped"].items():

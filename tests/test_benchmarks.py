@@ -382,7 +382,7 @@ def test_gpu_sh_returns_one_archive_with_each_stages_times(tmp_path):
 def test_step_variants():  # stage "variants"
     out = run_script("benchmarks/step_variants.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256,512",
                      "--repeats", 3)
-    variants = ["math", "combo", "math+combo"]
+    variants = ["math", "combo", "math+combo", "whole"]
     for slots in (256, 512):
         for variant in ["shipped", *variants]:
             assert re.search(rf"^{slots} slots, {re.escape(variant)}: \d+ new graphs, [\d.]+ s$", out, re.M)
