@@ -18,14 +18,13 @@
 # session"): info with the wheels' install 12 s; cuda-tests and kernels side by side 87 s; speed-shape 232 s (with
 # the eager rows it no longer runs); gpt-fast on the 8B shape 135 s (117 s its compile); speed-8b unfinished at
 # 134 s (its timed passes had not begun). So the next lease runs, in this order:
-# Call 1, carry .whl .gptfast:  bash benchmarks/gpu.sh info speed-8b gptfast resize
+# Call 1, carry .whl .gptfast:  bash benchmarks/gpu.sh info speed-8b gptfast variants
 #                       (the 8B shape paired with HF's, then gpt-fast on the same machine: the default shape first,
-#                       which says whether 1,500 tok/s is in reach of the reference, then the 8B shape; resize last,
-#                       what is cut if the call runs out)
-# Call 2, carry .whl:   PROFILE_SHAPES="smollm2-135m llama-3-8b" bash benchmarks/gpu.sh variants profiles
-#                       (kernels and time per step with inductor's own attention, as gpt-fast has it, and with combo
-#                       kernels, against the shipped steps; then the sixteenth session's fix: a profile's contexts no
-#                       longer recompile every layer)
+#                       which says whether 1,500 tok/s is in reach of the reference, then the 8B shape; about 470 s.
+#                       Then the compile variants against the shipped steps at 256 slots: inductor's own attention,
+#                       combo kernels, the whole step as one graph; cut at the limit, it returns what it measured)
+# Call 2, carry .whl:   PROFILE_SHAPES=smollm2-135m bash benchmarks/gpu.sh profiles resize
+#                       (the sixteenth session's fix: a profile's contexts no longer recompile every layer)
 # Later leases: profiles (every shape); prefill; the model in parts: host speed trials setup guard study tests.
 # cuda-tests (8 of 8 on 2026-11-27, 60 s) again whenever CUDA code changed; cuda-tests and kernels, which time
 # nothing, may run side by side: `(bash benchmarks/gpu.sh cuda-tests &); bash benchmarks/gpu.sh kernels; wait`.
@@ -142,7 +141,7 @@ for stage in "$@"; do
       done
       ;;
     variants)  # the steps compiled with inductor's own attention (the math backend, as gpt-fast) and combo kernels
-      timeout 300 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots 256,1024 \
+      timeout 300 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots 256 \
         --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/variants.log" | grep -v "it/s\]$\|USDT"
       ;;
     resize)  # a resized cache: the regional graphs recompiled once with the length dynamic, then reused; their speed

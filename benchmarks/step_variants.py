@@ -62,6 +62,7 @@ def compiled_as(variant: str):
 
 
 def under(variant: str, call):
+    """`call` run as `variant` (the shipped steps too, so that both sides of a pair pay the same contexts)."""
     def run():
         with compiled_as(variant):
             call()
@@ -86,21 +87,24 @@ def main() -> None:
           f"regional steps: shipped against {', '.join(variants)}")
     copies = {"shipped": model} | {variant: copy.deepcopy(model) for variant in variants}
     for slots in (int(s) for s in args.slots.split(",")):
-        calls = {}
-        for variant, copy_of_model in copies.items():
-            with compiled_as(variant):
-                steps, graphs, seconds, capacity = prepared(copy_of_model, slots, args.width,
-                                                            VARIANTS[variant].settings)
-            calls[variant] = {step: under(variant, call) for step, call in steps.items()}
-            print(f"{capacity} slots, {variant}: {graphs} new graphs, {seconds:.1f} s", flush=True)
-        for step, shipped in calls["shipped"].items():
-            print(f"  {step:24} shipped {count_kernels(shipped, model.device, top=0)[0]} launches", flush=True)
-            for variant in variants:
-                launches = count_kernels(calls[variant][step], model.device, top=0)[0]
-                interval, shipped_s, variant_s = pair(shipped, calls[variant][step], args.repeats)
-                print(f"    {variant:12} {launches:5d} launches  {1e3 * variant_s:7.2f} ms against {1e3 * shipped_s:7.2f}"
-                      f" ms  shipped over {variant} {interval.estimate:.2f}x ({interval.low:.2f}-{interval.high:.2f})",
-                      flush=True)
+        shipped = compiled_steps(copies["shipped"], "shipped", slots, args.width)
+        for step, call in shipped.items():
+            print(f"  {step:24} shipped {count_kernels(call, model.device, top=0)[0]} launches", flush=True)
+        for variant in variants:  # each measured as soon as it is compiled: a failing variant leaves the others'
+            for step, call in compiled_steps(copies[variant], variant, slots, args.width).items():
+                launches = count_kernels(call, model.device, top=0)[0]
+                interval, shipped_s, variant_s = pair(shipped[step], call, args.repeats)
+                print(f"  {step:24} {variant:12} {launches:5d} launches  {1e3 * variant_s:7.2f} ms against "
+                      f"{1e3 * shipped_s:7.2f} ms  shipped over {variant} {interval.estimate:.2f}x "
+                      f"({interval.low:.2f}-{interval.high:.2f})", flush=True)
+
+
+def compiled_steps(model, variant: str, slots: int, width: int) -> dict:
+    """The one-token and verify steps of `model`'s engine at `slots`, compiled and run as `variant`."""
+    with compiled_as(variant):
+        steps, graphs, seconds, capacity = prepared(model, slots, width, VARIANTS[variant].settings)
+    print(f"{capacity} slots, {variant}: {graphs} new graphs, {seconds:.1f} s", flush=True)
+    return {step: under(variant, call) for step, call in steps.items()}
 
 
 if __name__ == "__main__":

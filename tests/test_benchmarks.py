@@ -386,14 +386,14 @@ def test_step_variants():  # stage "variants"
     for slots in (256, 512):
         for variant in ["shipped", *variants]:
             assert re.search(rf"^{slots} slots, {re.escape(variant)}: \d+ new graphs, [\d.]+ s$", out, re.M)
+    steps = ["one-token step", "verify step (5 tokens)"]
     shipped = re.findall(r"^  (one-token step|verify step \(5 tokens\)) +shipped (\d+) launches$", out, re.M)
-    assert [step for step, _ in shipped] == ["one-token step", "verify step (5 tokens)"] * 2
-    rows = re.findall(r"^    (\S+) +(\d+) launches +[\d.]+ ms against +[\d.]+ ms  shipped over (\S+) [\d.]+x "
-                      r"\([\d.]+-[\d.]+\)$", out, re.M)
-    assert [(name, over) for name, _, over in rows] == [(v, v) for v in variants] * 4
+    assert [step for step, _ in shipped] == steps * 2
+    rows = re.findall(r"^  (one-token step|verify step \(5 tokens\)) +(\S+) +(\d+) launches +[\d.]+ ms against +[\d.]+ "
+                      r"ms  shipped over (\S+) [\d.]+x \([\d.]+-[\d.]+\)$", out, re.M)
+    assert [(step, name, over) for step, name, _, over in rows] == [(step, v, v) for v in variants for step in steps] * 2
     # The math backend reaches the compiled steps (SDPA's CPU kernel is one operator, the math backend several).
-    launches = [int(count) for name, count, _ in rows if name == "math"]
-    assert launches != [int(count) for _, count in shipped]
+    assert [int(count) for _, name, count, _ in rows if name == "math"] != [int(count) for _, count in shipped]
 
 
 def test_step_variants_refuses_an_unknown_variant():
