@@ -30,8 +30,9 @@ SETTINGS = CompileSettings(mode="regional")
 
 
 def prepared(model, slots: int, width: int, settings: CompileSettings = SETTINGS):
-    """The plain and verify steps at `slots`, each called once (compiling what they need), with their setup's new
-    graphs and seconds, and a timed call of each writing the cache's last slots."""
+    """The plain and verify steps at `slots` in `settings`' mode (regional unless given), each called once (compiling
+    what they need), with their setup's new graphs and seconds, and a timed call of each writing the cache's last
+    slots."""
     engine = engine_for(model)
     graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()
     cache = engine.cache_for(slots, settings)

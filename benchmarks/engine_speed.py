@@ -86,7 +86,20 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def main() -> None:
+def skipsearch_rows(skip_sets: list, regional: bool, eager: bool) -> dict[str, tuple]:
+    """Our rows: name -> (skip set or None for plain decoding, compiled, compile mode or None for the device's)."""
+    rows = {"skipsearch plain eager": (None, False, None), "skipsearch plain compiled": (None, True, None)}
+    if regional:
+        rows["skipsearch plain compiled, regional (studies)"] = (None, True, "regional")
+    for skip in skip_sets:
+        rows[f"self-spec {skip} eager"] = (skip, False, None)
+        rows[f"self-spec {skip} compiled"] = (skip, True, None)
+        if regional:
+            rows[f"self-spec {skip} compiled, regional"] = (skip, True, "regional")
+    return rows if eager else {name: row for name, row in rows.items() if row[1]}
+
+
+def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="Hugging Face name, folder or .gguf (default: the embedded model)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, ... (default: bfloat16 on CUDA, else float32)")
@@ -110,8 +123,11 @@ def main() -> None:
     parser.add_argument("--config-only", default=None, metavar="CONFIG",
                         help="a model built from this config.json with random weights (speed does not depend on their "
                              "values; outputs and acceptance do), on random prompts of one length")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> None:
+    args = parse_arguments()
     if args.config_only:
         model = model_from_config(args.config_only, device=args.device, dtype=args.dtype)
         name, eos = args.config_only, model.generation_config.eos_token_id
@@ -136,16 +152,8 @@ def main() -> None:
     if not args.no_hf_compile:
         decoders["HF static cache + compile"] = hf_decoder(model, n, eos, cache_implementation="static",
                                                            compile_config=hf_compile_config(device))
-    compiled = {"skipsearch plain eager": (None, False, None), "skipsearch plain compiled": (None, True, None)}
-    if regional_row:
-        compiled["skipsearch plain compiled, regional (studies)"] = (None, True, "regional")
-    for skip in parse_skip_sets(args.skip_sets, model.config.num_hidden_layers):
-        compiled[f"self-spec {skip} eager"] = (skip, False, None)
-        compiled[f"self-spec {skip} compiled"] = (skip, True, None)
-        if regional_row:
-            compiled[f"self-spec {skip} compiled, regional"] = (skip, True, "regional")
-    if args.no_eager:
-        compiled = {name: row for name, row in compiled.items() if row[1]}
+    compiled = skipsearch_rows(parse_skip_sets(args.skip_sets, model.config.num_hidden_layers), regional_row,
+                               eager=not args.no_eager)
     compile_times = {}
     for name, (skip, use_compile, mode) in compiled.items():
         decode = skipsearch_decoder(model, n, eos, skip, policy, compile=use_compile, compile_mode=mode,
@@ -168,6 +176,12 @@ def main() -> None:
 
     runs = timed_runs(decoders, prompts, args.repeats, device, show_progress=True)
     busy = {name: gpu_busy_seconds(decode, prompts[0]) for name, decode in decoders.items()}
+    print_table(model, prompts, runs, busy, compile_times, args.repeats)
+
+
+def print_table(model, prompts, runs: dict, busy: dict, compile_times: dict, repeats: int) -> None:
+    """Every method's row: speed and ratios, bandwidth, host time, identical outputs, acceptance, compile time."""
+    device = model.device
     hf = runs["HF eager greedy"]
     fastest_hf = runs.get("HF static cache + compile")
     ours = runs.get("skipsearch plain compiled")  # what self-speculative decoding must beat on the same engine
@@ -184,7 +198,7 @@ def main() -> None:
         # once per draft (less the skipped sublayers, ignored here) and once per verification. Stats cover the
         # first repeat, so the rate is scaled by the repeats.
         forwards = (stats.drafted + stats.rounds + len(prompts) if stats.rounds else sum(map(len, run.outputs)))
-        achieved = weights * forwards * args.repeats / seconds
+        achieved = weights * forwards * repeats / seconds
         same = sum(o == r for o, r in zip(run.outputs, hf.outputs)) / len(hf.outputs)
         gaps = [first_divergence(r, o, reference_logits(model, p, r)).top2_gap
                 for p, r, o in zip(prompts, hf.outputs, run.outputs) if o != r]

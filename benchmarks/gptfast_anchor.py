@@ -3,8 +3,10 @@
 gpt-fast (pytorch-labs) is not a dependency: its model.py and generate.py (commit 32971d3, unchanged) are imported from
 --gpt-fast, a copy of ../shared/anchors/gpt-fast that travels with the GPU call (gpu.sh's `gptfast` stage). The
 decode step is compiled as gpt-fast's main compiles it (CUDA graphs, full graph, coordinate descent tuning); the
-prefill is not compiled and is counted in the time, as in engine_speed.py, whose rows this one is paired with when both
-run in one call. Its shape-specific run.py measured 71-72% of the bandwidth on the Llama-3-8B shape (2026-11-25, H100).
+prefill is not compiled and is counted in the time, as engine_speed.py counts it. Run on the machine that runs
+engine_speed.py, in the same call, its figures compare with that script's (not paired: one after the other). Its
+shape-specific run.py read the Llama-3-8B shape's weights at 71-72% of the measured bandwidth on an H100
+(2026-11-25) and 56-57% on an H200 (2026-11-27).
 
     python benchmarks/gptfast_anchor.py --gpt-fast .gptfast --config benchmarks/configs/smollm2-135m.json
 """

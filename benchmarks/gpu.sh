@@ -16,8 +16,8 @@
 # tokens, labelled so in its log): timing does not depend on weights.
 # Stage times on the H200 of 2026-11-27 (16 host cores, an empty inductor cache; BENCHMARKS.md, "Seventeenth
 # session"): info with the wheels' install 12 s; cuda-tests and kernels side by side 87 s; speed-shape 232 s (with
-# the eager rows it no longer runs); gpt-fast on the 8B shape 135 s (117 s its compile); speed-8b unfinished at
-# 134 s (its timed passes had not begun). So the next lease runs, in this order:
+# our eager row, about a fifth of it, which it no longer runs); gpt-fast on the 8B shape 135 s (117 s its compile); speed-8b unfinished at
+# 134 s (its first timed pass begun, unfinished). So the next lease runs, in this order:
 # Call 1, carry .whl .gptfast:  bash benchmarks/gpu.sh info speed-8b gptfast variants
 #                       (the 8B shape paired with HF's, then gpt-fast on the same machine: the default shape first,
 #                       which says whether 1,500 tok/s is in reach of the reference, then the 8B shape; about 470 s.
@@ -26,8 +26,7 @@
 # Call 2, carry .whl:   PROFILE_SHAPES=smollm2-135m bash benchmarks/gpu.sh profiles resize
 #                       (the sixteenth session's fix: a profile's contexts no longer recompile every layer)
 # Later leases: profiles (every shape); prefill; the model in parts: host speed trials setup guard study tests.
-# cuda-tests (8 of 8 on 2026-11-27, 60 s) again whenever CUDA code changed; cuda-tests and kernels, which time
-# nothing, may run side by side: `(bash benchmarks/gpu.sh cuda-tests &); bash benchmarks/gpu.sh kernels; wait`.
+# cuda-tests (8 of 8 on 2026-11-27, 60 s) again whenever CUDA code changed.
 # Give each call the run tool's longest timeout: what a stage wrote before the limit still comes back.
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
@@ -41,13 +40,24 @@
 # between calls there, so the parts, the installed wheels and the converted model are kept under $KEEP.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RESULTS=${OUT:-$PWD/.gpu/out}  # what comes back: results.tgz
-OUT=$(mktemp -d)  # the stages' logs, packed into $RESULTS/results.tgz
+OUT=${OUT:-$PWD/.gpu/out}  # what comes back (the run tool's): results.tgz
 KEEP=${KEEP:-$HOME/skipsearch-gpu}
-mkdir -p "$RESULTS" "$KEEP/parts"
-pack() { tar czf "$RESULTS/.results.tgz" -C "$OUT" . && mv "$RESULTS/.results.tgz" "$RESULTS/results.tgz"; }
-(while sleep 10; do pack; done) & packer=$!
-trap 'kill $packer 2>/dev/null; pack' EXIT
+mkdir -p "$OUT" "$KEEP/parts"
+STAGES=" info cuda-tests tests setup trials study host kernels head prefill speed speed-shape speed-8b gptfast variants \
+resize profiles guard "
+for stage in "$@"; do  # refused before any stage runs, not minutes into the call
+  [[ $STAGES == *" $stage "* ]] || { echo "benchmarks/gpu.sh: unknown stage $stage" >&2; exit 2; }
+done
+if [[ " $* " == *" gptfast "* ]] && [ ! -f .gptfast/generate.py ]; then
+  echo "benchmarks/gpu.sh: no .gptfast/generate.py: copy ../shared/anchors/gpt-fast there and carry .gptfast" >&2; exit 2
+fi
+LOGS=$(mktemp -d)  # the stages' logs, packed into $OUT/results.tgz
+pack() {  # tar's status 1 is a log that grew while it was read: the archive is still whole
+  tar czf "$OUT/.results.tgz" -C "$LOGS" .; [ $? -le 1 ] && mv "$OUT/.results.tgz" "$OUT/results.tgz"
+}
+# The packer's sleep is killed with it, so that nothing holds the call's output open after the last stage.
+(trap 'kill $nap 2>/dev/null; exit 0' TERM; while :; do sleep 10 & nap=$!; wait $nap; pack; done) & packer=$!
+trap 'kill $packer 2>/dev/null; wait $packer 2>/dev/null; pack; rm -rf "$LOGS"' EXIT
 started=$SECONDS
 site=$KEEP/site
 if [ ! -d "$site/optuna" ] && ! ls .whl/*.whl >/dev/null 2>&1; then
@@ -67,101 +77,99 @@ default_model=""  # the embedded model where its file is here, else its shape wi
                     default_model="--config-only benchmarks/configs/smollm2-135m.json"; }
 
 for stage in "$@"; do
-  echo "$stage began at $((SECONDS - started)) s" >> "$OUT/stages.log"
+  echo "$stage began at $((SECONDS - started)) s" >> "$LOGS/stages.log"
   case $stage in
     info)
       { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
         python3 -c "import torch, transformers, optuna; print('torch', torch.__version__, 'transformers', transformers.__version__, 'optuna', optuna.__version__, torch.cuda.get_device_name())"
-        git log -1 --format="skipsearch at %h" 2>/dev/null; } 2>&1 | tee "$OUT/info.log"
+      } 2>&1 | tee "$LOGS/info.log"
       ;;
     cuda-tests)  # the CUDA paths alone (tiny models: the default model is not needed)
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/cuda-tests.log" | tail -30
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$LOGS/cuda-tests.log" | tail -30
       ;;
     tests)  # the suite with CUDA visible: CLI commands default to cuda and bf16; tests/test_cuda.py runs
       python3 -c "from skipsearch.io.models import load_model; load_model()"  # convert once, before parallel workers
-      timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 tests 2>&1 | tee "$OUT/tests.log" | tail -40
+      timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 240 tests 2>&1 | tee "$LOGS/tests.log" | tail -40
       ;;
     setup)  # what a new skip set costs: regional graphs (inductor layers; eager layers) against a compile per set
       for args in "--modes regional,default --sets 12" "--modes regional --backend eager --sets 12" \
                   "--config-only benchmarks/configs/llama-2-7b.json --modes regional,default --sets 6"; do
-        timeout 400 python3 benchmarks/skip_set_setup.py --device cuda --dtype bfloat16 $args 2>&1 | tee -a "$OUT/setup.log" \
+        timeout 400 python3 benchmarks/skip_set_setup.py --device cuda --dtype bfloat16 $args 2>&1 | tee -a "$LOGS/setup.log" \
           | grep "mode\|layers"
       done
       ;;
     trials)  # a study's figure for a skip set against bench's, same prompts
-      timeout 400 python3 benchmarks/trial_vs_bench.py --device cuda --dtype bfloat16 2>&1 | tee "$OUT/trials.log" | grep -v "it/s\]$"
+      timeout 400 python3 benchmarks/trial_vs_bench.py --device cuda --dtype bfloat16 2>&1 | tee "$LOGS/trials.log" | grep -v "\(it/s\|s/it\)\]$"
       ;;
     study)  # a 30-distinct-set study on the default model: wall time and verdict
       /usr/bin/time -v timeout 560 python3 -m skipsearch optimize --study-name gpu30 --n-trials 30 --no-progress \
-        --studies-dir "$OUT/studies" 2>&1 | tee "$OUT/study.log" | grep -v "^\s" | tail -25
+        --studies-dir "$LOGS/studies" 2>&1 | tee "$LOGS/study.log" | grep -v "^\s" | tail -25
       ;;
     host)  # host work per token and per round, by part, through the CUDA graphs
       timeout 300 python3 benchmarks/host_overhead.py --device cuda --dtype bfloat16 \
         --models default,benchmarks/configs/llama-3-8b.json \
-        --modes eager,regional 2>&1 | tee "$OUT/host.log"
+        --modes eager,regional 2>&1 | tee "$LOGS/host.log"
       ;;
     kernels)  # kernels per forward (plain and draft steps) through the CUDA graphs, and every kernel of a layer listed
       for model in "$default_model" "--config-only benchmarks/configs/llama-3-8b.json"; do
         timeout 280 python3 benchmarks/kernel_count.py --device cuda --dtype bfloat16 --compile --per-layer --top 24 \
           $model 2>&1 \
-          | tee -a "$OUT/kernels.log" | grep -v "it/s\]$\|USDT"
+          | tee -a "$LOGS/kernels.log" | grep -v "\(it/s\|s/it\)\]$\|USDT"
       done
       ;;
     head)  # the trimmed draft head: the LM head's share of a step, a draft step by head size (random weights)
       for shape in smollm2-135m gemma-3-270m; do
         timeout 240 python3 benchmarks/draft_head.py --config-only benchmarks/configs/$shape.json --device cuda \
-          --dtype bfloat16 --repeats 30 2>&1 | tee "$OUT/head-$shape.log" | grep -v "it/s\]$"
+          --dtype bfloat16 --repeats 30 2>&1 | tee "$LOGS/head-$shape.log" | grep -v "\(it/s\|s/it\)\]$"
       done
       ;;
     prefill)  # the compiled prefill (padded widths, CUDA graphs) against the eager one, paired
-      timeout 300 python3 benchmarks/prefill.py --device cuda --dtype bfloat16 $default_model 2>&1 | tee "$OUT/prefill.log" \
-        | grep -v "it/s\]$"
+      timeout 300 python3 benchmarks/prefill.py --device cuda --dtype bfloat16 $default_model 2>&1 | tee "$LOGS/prefill.log" \
+        | grep -v "\(it/s\|s/it\)\]$"
       ;;
     speed)  # engines on the default model, paired against HF's compiled static-cache path
       timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 4 \
-        --max-new-tokens 128 --repeats 3 --skip-sets "a20;a16,20,24;a8,12,16,20,24|m22" 2>&1 | tee "$OUT/speed.log" \
-        | grep -v "it/s\]$"
+        --max-new-tokens 128 --repeats 3 --skip-sets "a20;a16,20,24;a8,12,16,20,24|m22" 2>&1 | tee "$LOGS/speed.log" \
+        | grep -v "\(it/s\|s/it\)\]$"
       ;;
     speed-shape)  # plain decoding on the default model's shape (random weights, no model file), paired against HF's
       timeout 300 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 2 \
         --max-new-tokens 128 --repeats 4 --no-eager --skip-sets "" --config-only benchmarks/configs/smollm2-135m.json 2>&1 \
-        | tee "$OUT/speed-shape.log" | grep -v "it/s\]$"
+        | tee "$LOGS/speed-shape.log" | grep -v "\(it/s\|s/it\)\]$"
       ;;
     speed-8b)  # a Llama-3-8B shape with random weights: bandwidth and host time per token
       timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 2 \
         --max-new-tokens 128 --repeats 2 --no-eager --config-only benchmarks/configs/llama-3-8b.json \
-        --skip-sets "a10,14,18,22,26|m12,20" 2>&1 | tee "$OUT/speed-8b.log" | grep -v "it/s\]$"
+        --skip-sets "a10,14,18,22,26|m12,20" 2>&1 | tee "$LOGS/speed-8b.log" | grep -v "\(it/s\|s/it\)\]$"
       ;;
     gptfast)  # gpt-fast's own decoding of the default shape and the 8B shape: the reference, on the same machine
-      [ -f .gptfast/generate.py ] || { echo "gptfast: no .gptfast/generate.py: copy ../shared/anchors/gpt-fast there" \
-                                         "and carry .gptfast" >&2; exit 2; }
       for shape in ${GPTFAST_SHAPES:-smollm2-135m llama-3-8b}; do
         timeout 200 python3 benchmarks/gptfast_anchor.py --gpt-fast .gptfast --config benchmarks/configs/$shape.json \
-          2>&1 | tee "$OUT/gptfast-$shape.log" | grep -v "Warning\|warn\|self.gen\|^$\|softmax\|split the reduction"
+          2>&1 | tee "$LOGS/gptfast-$shape.log" | grep "^gpt-fast\|^compile\|^run "
       done
       ;;
-    variants)  # the steps compiled with inductor's own attention (the math backend, as gpt-fast) and combo kernels
+    variants)  # the shipped steps against inductor's own attention (as gpt-fast), combo kernels, both, the whole step
       timeout 300 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots 256 \
-        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/variants.log" | grep -v "it/s\]$\|USDT"
+        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$LOGS/variants.log" | grep -v "\(it/s\|s/it\)\]$\|USDT"
       ;;
     resize)  # a resized cache: the regional graphs recompiled once with the length dynamic, then reused; their speed
       timeout 240 python3 benchmarks/cache_resize.py --device cuda --dtype bfloat16 --slots 512,2048,8192 \
-        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$OUT/resize.log" | grep -v "it/s\]$"
+        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$LOGS/resize.log" | grep -v "\(it/s\|s/it\)\]$"
       ;;
     profiles)  # the cost model from each shape's config, random weights, timing the same graphs as decoding
       # The progress bar stays in the log: where a profile runs out of time, it shows how many contexts it finished.
       for shape in ${PROFILE_SHAPES:-smollm2-135m qwen2.5-1.5b llama-2-7b llama-3-8b llama-2-13b}; do
         timeout 95 python3 -m skipsearch profile --config-only --model "benchmarks/configs/$shape.json" \
-          --dtype bfloat16 --output "$OUT/profile-$shape.json" 2>&1 | tr '\r' '\n' | tee "$OUT/profile-$shape.log" \
+          --dtype bfloat16 --output "$LOGS/profile-$shape.json" 2>&1 | tr '\r' '\n' | tee "$LOGS/profile-$shape.log" \
           | tail -9
       done
       ;;
     guard)  # the run-time guard and the stop rules, compiled (CUDA graphs) as deployed, paired against plain decoding
       timeout 560 python3 benchmarks/guard.py --device cuda --dtype bfloat16 --compile --num-prompts 4 \
-        --max-new-tokens 128 --repeats 2 --sets "a20;a8,11,18,20,22,28|m24,26,28" 2>&1 | tee "$OUT/guard.log" \
-        | grep -v "it/s\]$"
+        --max-new-tokens 128 --repeats 2 --sets "a20;a8,11,18,20,22,28|m24,26,28" 2>&1 | tee "$LOGS/guard.log" \
+        | grep -v "\(it/s\|s/it\)\]$"
       ;;
-    *) echo "unknown stage $stage" >&2; exit 2 ;;
+    *) echo "benchmarks/gpu.sh: unknown stage $stage" >&2; exit 2 ;;
   esac
-  echo "$stage ended at $((SECONDS - started)) s" >> "$OUT/stages.log"
+  echo "$stage ended at $((SECONDS - started)) s" >> "$LOGS/stages.log"
 done

@@ -366,17 +366,41 @@ def test_gptfast_anchor():  # stage "gptfast"
     assert re.search(r"^gpt-fast median [\d.]+ tok/s, \d+% of measured bandwidth$", out, re.M)
 
 
+def run_gpu_sh(tmp_path, *stages: str) -> subprocess.CompletedProcess:
+    """gpu.sh run here as on the GPU machine: its wheels as if installed by an earlier call, its results to
+    tmp_path/out, its temporary files under tmp_path/tmp."""
+    keep = tmp_path / "keep"
+    (keep / "site" / "optuna").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "KEEP": str(keep), "TMPDIR": str(tmp_path / "tmp")}
+    return subprocess.run(["bash", str(GPU_SH), *stages], env=env, capture_output=True, text=True, timeout=300)
+
+
 def test_gpu_sh_returns_one_archive_with_each_stages_times(tmp_path):
-    """The run tool returns at most 8 files from a call: gpu.sh packs its logs into one, even when a stage fails."""
-    keep, results = tmp_path / "keep", tmp_path / "out"
-    (keep / "site" / "optuna").mkdir(parents=True)  # as if the wheels were installed by an earlier call
-    env = {**os.environ, "OUT": str(results), "KEEP": str(keep)}
-    done = subprocess.run(["bash", str(GPU_SH), "no-such-stage"], env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "unknown stage no-such-stage" in done.stderr
+    """The run tool returns at most 8 files from a call: gpu.sh packs its logs into one (here a CPU's `info`, whose
+    nvidia-smi is missing: the stage still ends, and its log says so)."""
+    done = run_gpu_sh(tmp_path, "info")
+    assert done.returncode == 0, done.stderr
+    results = tmp_path / "out"
     assert [path.name for path in results.iterdir()] == ["results.tgz"]
-    listed = subprocess.run(["tar", "xzOf", str(results / "results.tgz"), "./stages.log"], capture_output=True,
-                            text=True, check=True)
-    assert listed.stdout == "no-such-stage began at 0 s\n"
+    listing = subprocess.run(["tar", "tzf", str(results / "results.tgz")], capture_output=True, text=True, check=True)
+    assert {"./stages.log", "./info.log"} <= set(listing.stdout.split())
+    times = subprocess.run(["tar", "xzOf", str(results / "results.tgz"), "./stages.log"], capture_output=True,
+                           text=True, check=True).stdout
+    assert re.fullmatch(r"info began at \d+ s\ninfo ended at \d+ s\n", times)
+    assert list((tmp_path / "tmp").iterdir()) == []  # the logs' folder is removed once packed
+
+
+def test_gpu_sh_refuses_an_unknown_stage_before_running_any(tmp_path):
+    done = run_gpu_sh(tmp_path, "info", "no-such-stage")
+    assert done.returncode == 2 and done.stderr == "benchmarks/gpu.sh: unknown stage no-such-stage\n"
+    assert list((tmp_path / "out").iterdir()) == [] and list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_gpu_sh_names_every_stage_it_runs():
+    """The stages gpu.sh checks its arguments against are the ones its `case` runs."""
+    listed = re.search(r'^STAGES="(.*?)"$', re.sub(r"\\\n", "", GPU_SH.read_text()), re.M | re.S)[1].split()
+    assert sorted(listed) == sorted(set(gpu_sh_stages()) - {"*"})
 
 
 def test_step_variants():  # stage "variants"
