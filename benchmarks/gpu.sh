@@ -15,16 +15,18 @@
 # model's shape with random weights (benchmarks/configs/smollm2-135m.json; prefill then on made-up prompts of 37-300
 # tokens, labelled so in its log): timing does not depend on weights.
 # Stage times on the H200 of 2026-11-27 (16 host cores, an empty inductor cache; BENCHMARKS.md, "Seventeenth
-# session"): info with the wheels' install 12 s; cuda-tests and kernels side by side 87 s; speed-shape 232 s (with
-# our eager row, about a fifth of it, which it no longer runs); gpt-fast on the 8B shape 135 s (117 s its compile); speed-8b unfinished at
-# 134 s (its first timed pass begun, unfinished). So the next lease runs, in this order:
+# session"): info with the wheels' install 12 s; cuda-tests and kernels side by side 87 s; speed-shape 232 s (our
+# eager row, which it no longer runs, about a fifth of it); gpt-fast on the 8B shape 135 s (117 s its compile);
+# speed-8b unfinished at 134 s, in its first timed pass. The machine started in about 30 s. So the next lease runs,
+# in this order:
 # Call 1, carry .whl .gptfast:  bash benchmarks/gpu.sh info speed-8b gptfast variants
 #                       (the 8B shape paired with HF's, then gpt-fast on the same machine: the default shape first,
 #                       which says whether 1,500 tok/s is in reach of the reference, then the 8B shape; about 470 s.
 #                       Then the compile variants against the shipped steps at 256 slots: inductor's own attention,
 #                       combo kernels, the whole step as one graph; cut at the limit, it returns what it measured)
 # Call 2, carry .whl:   PROFILE_SHAPES=smollm2-135m bash benchmarks/gpu.sh profiles resize
-#                       (the sixteenth session's fix: a profile's contexts no longer recompile every layer)
+#                       (what the lease has left, about 240 s: the sixteenth session's fix, a profile's contexts no
+#                       longer recompiling every layer, then the speed of graphs with the length dynamic)
 # Later leases: profiles (every shape); prefill; the model in parts: host speed trials setup guard study tests.
 # cuda-tests (8 of 8 on 2026-11-27, 60 s) again whenever CUDA code changed.
 # Give each call the run tool's longest timeout: what a stage wrote before the limit still comes back.
