@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per run (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=4, help="timed runs after the compile (default: %(default)s)")
     args = parser.parse_args()
+    if not os.path.isfile(os.path.join(args.gpt_fast, "generate.py")):
+        parser.error(f"--gpt-fast {args.gpt_fast}: no generate.py there (copy ../shared/anchors/gpt-fast)")
     sys.path.insert(0, args.gpt_fast)
     # generate.py imports its tokenizer module, which needs sentencepiece and tiktoken: the ids here are random, so a
     # stand-in keeps the run from needing either.

@@ -356,6 +356,13 @@ def test_gptfast_model_args_follow_the_shapes_config():  # stage "gptfast"
         model_args(gemma)
 
 
+def test_gptfast_anchor_refuses_a_folder_without_gpt_fast(tmp_path):
+    result = subprocess.run([sys.executable, "benchmarks/gptfast_anchor.py", "--gpt-fast", str(tmp_path), "--config",
+                             TINY_CONFIG], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and f"--gpt-fast {tmp_path}: no generate.py there" in result.stderr
+
+
 @pytest.mark.skipif(not (GPT_FAST / "generate.py").exists(), reason="gpt-fast's copy is beside a developer's checkout")
 def test_gptfast_anchor():  # stage "gptfast"
     out = run_script("benchmarks/gptfast_anchor.py", "--gpt-fast", GPT_FAST, "--config", TINY_CONFIG, "--device", "cpu",
