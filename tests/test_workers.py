@@ -43,6 +43,27 @@ def finish(process, timeout=240, code=0):
     return out
 
 
+def stopped_when(victim: subprocess.Popen, condition, timeout: float = 120) -> bool:
+    """Whether `victim` could be stopped (SIGSTOP) while `condition()` holds: it is read again once the worker is
+    stopped, since on a loaded machine a trial can end between a read and a kill, and the kill then finds no trial to
+    orphan. False if the worker ended first."""
+    def holds():
+        try:
+            return bool(condition())
+        except Exception:  # the study is not created yet, or its file is being written (or was, when stopped)
+            return False
+
+    deadline = time.monotonic() + timeout
+    while victim.poll() is None and time.monotonic() < deadline:
+        if holds():
+            victim.send_signal(signal.SIGSTOP)
+            if holds():
+                return True
+            victim.send_signal(signal.SIGCONT)
+        time.sleep(0.05)
+    return False
+
+
 def check_complete(study, n_trials):
     trials = study.get_trials(deepcopy=False)
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
@@ -73,19 +94,14 @@ def test_a_killed_worker_trial_is_failed_and_retried(postgres_url, tiny_model_di
     victim = worker(tiny_model_dir, postgres_url, name, 8, tmp_path, max_new_tokens=48)
     storage = make_storage(postgres_url)
     victim_tag = f":{victim.pid}"
-    deadline = time.monotonic() + 120
-    killed_trial = None
-    while killed_trial is None and time.monotonic() < deadline:
-        try:
-            running = optuna.load_study(study_name=name, storage=storage).get_trials(states=(TrialState.RUNNING,))
-        except KeyError:  # the study is not created yet
-            running = []
-        mine = [t for t in running if str(t.user_attrs.get("worker", "")).endswith(victim_tag)]
-        if mine:
-            os.kill(victim.pid, signal.SIGKILL)
-            killed_trial = mine[0].number
-        time.sleep(0.02)
-    assert killed_trial is not None, "the victim never ran a trial"
+
+    def victims_trials():
+        running = optuna.load_study(study_name=name, storage=storage).get_trials(states=(TrialState.RUNNING,))
+        return [t for t in running if str(t.user_attrs.get("worker", "")).endswith(victim_tag)]
+
+    assert stopped_when(victim, victims_trials), "the victim never ran a trial"
+    killed_trial = victims_trials()[0].number  # read while it is stopped
+    os.kill(victim.pid, signal.SIGKILL)
     victim.wait(timeout=30)
     assert victim.returncode == -signal.SIGKILL
     finish(survivor)
