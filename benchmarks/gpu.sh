@@ -61,6 +61,7 @@ pack() {  # tar's status 1 is a log that grew while it was read: the archive is 
 (trap 'kill $nap 2>/dev/null; exit 0' TERM; while :; do sleep 10 & nap=$!; wait $nap; pack; done) & packer=$!
 trap 'kill $packer 2>/dev/null; wait $packer 2>/dev/null; pack; rm -rf "$LOGS"' EXIT
 started=$SECONDS
+PROGRESS='\(it/s\|s/it\)\]$'  # a progress bar's line, left out of what the call prints (not of the logs)
 site=$KEEP/site
 if [ ! -d "$site/optuna" ] && ! ls .whl/*.whl >/dev/null 2>&1; then
   echo "benchmarks/gpu.sh: no wheels in .whl/: download what the GPU image lacks first (BENCHMARKS.md, GPU)" >&2; exit 2
@@ -101,7 +102,7 @@ for stage in "$@"; do
       done
       ;;
     trials)  # a study's figure for a skip set against bench's, same prompts
-      timeout 400 python3 benchmarks/trial_vs_bench.py --device cuda --dtype bfloat16 2>&1 | tee "$LOGS/trials.log" | grep -v "\(it/s\|s/it\)\]$"
+      timeout 400 python3 benchmarks/trial_vs_bench.py --device cuda --dtype bfloat16 2>&1 | tee "$LOGS/trials.log" | grep -v "$PROGRESS"
       ;;
     study)  # a 30-distinct-set study on the default model: wall time and verdict
       /usr/bin/time -v timeout 560 python3 -m skipsearch optimize --study-name gpu30 --n-trials 30 --no-progress \
@@ -116,33 +117,33 @@ for stage in "$@"; do
       for model in "$default_model" "--config-only benchmarks/configs/llama-3-8b.json"; do
         timeout 280 python3 benchmarks/kernel_count.py --device cuda --dtype bfloat16 --compile --per-layer --top 24 \
           $model 2>&1 \
-          | tee -a "$LOGS/kernels.log" | grep -v "\(it/s\|s/it\)\]$\|USDT"
+          | tee -a "$LOGS/kernels.log" | grep -v "$PROGRESS\|USDT"
       done
       ;;
     head)  # the trimmed draft head: the LM head's share of a step, a draft step by head size (random weights)
       for shape in smollm2-135m gemma-3-270m; do
         timeout 240 python3 benchmarks/draft_head.py --config-only benchmarks/configs/$shape.json --device cuda \
-          --dtype bfloat16 --repeats 30 2>&1 | tee "$LOGS/head-$shape.log" | grep -v "\(it/s\|s/it\)\]$"
+          --dtype bfloat16 --repeats 30 2>&1 | tee "$LOGS/head-$shape.log" | grep -v "$PROGRESS"
       done
       ;;
     prefill)  # the compiled prefill (padded widths, CUDA graphs) against the eager one, paired
       timeout 300 python3 benchmarks/prefill.py --device cuda --dtype bfloat16 $default_model 2>&1 | tee "$LOGS/prefill.log" \
-        | grep -v "\(it/s\|s/it\)\]$"
+        | grep -v "$PROGRESS"
       ;;
     speed)  # engines on the default model, paired against HF's compiled static-cache path
       timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 4 \
         --max-new-tokens 128 --repeats 3 --skip-sets "a20;a16,20,24;a8,12,16,20,24|m22" 2>&1 | tee "$LOGS/speed.log" \
-        | grep -v "\(it/s\|s/it\)\]$"
+        | grep -v "$PROGRESS"
       ;;
     speed-shape)  # plain decoding on the default model's shape (random weights, no model file), paired against HF's
       timeout 300 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 2 \
         --max-new-tokens 128 --repeats 4 --no-eager --skip-sets "" --config-only benchmarks/configs/smollm2-135m.json 2>&1 \
-        | tee "$LOGS/speed-shape.log" | grep -v "\(it/s\|s/it\)\]$"
+        | tee "$LOGS/speed-shape.log" | grep -v "$PROGRESS"
       ;;
     speed-8b)  # a Llama-3-8B shape with random weights: bandwidth and host time per token
       timeout 560 python3 benchmarks/engine_speed.py --device cuda --dtype bfloat16 --num-prompts 2 \
         --max-new-tokens 128 --repeats 2 --no-eager --config-only benchmarks/configs/llama-3-8b.json \
-        --skip-sets "a10,14,18,22,26|m12,20" 2>&1 | tee "$LOGS/speed-8b.log" | grep -v "\(it/s\|s/it\)\]$"
+        --skip-sets "a10,14,18,22,26|m12,20" 2>&1 | tee "$LOGS/speed-8b.log" | grep -v "$PROGRESS"
       ;;
     gptfast)  # gpt-fast's own decoding of the default shape and the 8B shape: the reference, on the same machine
       for shape in ${GPTFAST_SHAPES:-smollm2-135m llama-3-8b}; do
@@ -152,11 +153,11 @@ for stage in "$@"; do
       ;;
     variants)  # the shipped steps against inductor's own attention (as gpt-fast), combo kernels, both, the whole step
       timeout 300 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots 256 \
-        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$LOGS/variants.log" | grep -v "\(it/s\|s/it\)\]$\|USDT"
+        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$LOGS/variants.log" | grep -v "$PROGRESS\|USDT"
       ;;
     resize)  # a resized cache: the regional graphs recompiled once with the length dynamic, then reused; their speed
       timeout 240 python3 benchmarks/cache_resize.py --device cuda --dtype bfloat16 --slots 512,2048,8192 \
-        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$LOGS/resize.log" | grep -v "\(it/s\|s/it\)\]$"
+        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$LOGS/resize.log" | grep -v "$PROGRESS"
       ;;
     profiles)  # the cost model from each shape's config, random weights, timing the same graphs as decoding
       # The progress bar stays in the log: where a profile runs out of time, it shows how many contexts it finished.
@@ -169,9 +170,8 @@ for stage in "$@"; do
     guard)  # the run-time guard and the stop rules, compiled (CUDA graphs) as deployed, paired against plain decoding
       timeout 560 python3 benchmarks/guard.py --device cuda --dtype bfloat16 --compile --num-prompts 4 \
         --max-new-tokens 128 --repeats 2 --sets "a20;a8,11,18,20,22,28|m24,26,28" 2>&1 | tee "$LOGS/guard.log" \
-        | grep -v "\(it/s\|s/it\)\]$"
+        | grep -v "$PROGRESS"
       ;;
-    *) echo "benchmarks/gpu.sh: unknown stage $stage" >&2; exit 2 ;;
   esac
   echo "$stage ended at $((SECONDS - started)) s" >> "$LOGS/stages.log"
 done

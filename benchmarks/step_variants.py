@@ -1,17 +1,19 @@
 """The engine's compiled steps against variants of how they compile (a benchmark script, not a test).
 
-On CUDA a small model's step is bound by its number of kernels (BENCHMARKS.md, "Seventeenth session"). Two ways to
-launch fewer, each a variant here:
+On CUDA a small model's step is bound by its number of kernels (BENCHMARKS.md, "Seventeenth session"). Each variant
+here is a way to launch fewer:
 - "math": SDPA's math backend alone, as gpt-fast decodes ("better for Inductor to codegen attention here", its
   generate.py), so that inductor writes the attention into kernels of its own; the shipped steps call SDPA's fused
   kernel (cuDNN's on the H200 of 2026-11-27, beside a Memset and the mask's preparation each layer);
 - "combo": inductor's combo kernels, which launch independent pointwise kernels as one (CUDA's Triton code only);
-and both ("math+combo"); and "whole": the whole step compiled as one graph (`compile_mode="reduce-overhead"`, CUDA
-graphs through torch.compile's own trees), where a layer's last residual add can fuse with the next layer's norm, at
-the price of a compile per skip set. Each variant is a copy of the model whose steps are compiled (and on CUDA
-captured: a CUDA graph keeps what it was captured with) under it. Per cache size, each step's kernels (CUDA) or operators (CPU)
-are counted, and each variant's step is timed paired and interleaved with the shipped one, writing the cache's last
-slots: shipped over variant, with its 95% interval (above 1: the variant is faster).
+- "math+combo": both;
+- "whole": the whole step compiled as one graph (`compile_mode="reduce-overhead"`, CUDA graphs through torch.compile's
+  own trees), where a layer's last residual add can fuse with the next layer's norm, at the price of a compile per
+  skip set.
+Each variant is a copy of the model whose steps are compiled (and on CUDA captured: a CUDA graph keeps what it was
+captured with) under it. Per cache size, each step's kernels (CUDA) or operators (CPU) are counted, and each variant's
+step is timed paired and interleaved with the shipped one, writing the cache's last slots: shipped over variant, with
+its 95% interval (above 1: the variant is faster).
 
     python benchmarks/step_variants.py --device cuda --dtype bfloat16 \
         --config-only benchmarks/configs/smollm2-135m.json --slots 256,1024
