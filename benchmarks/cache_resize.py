@@ -32,7 +32,7 @@ SETTINGS = CompileSettings(mode="regional")
 def prepared(model, slots: int, width: int, settings: CompileSettings = SETTINGS):
     """The plain and verify steps at `slots` in `settings`' mode (regional unless given), each called once (compiling
     what they need), with their setup's new graphs and seconds, and a timed call of each writing the cache's last
-    slots."""
+    slots (it returns the step's logits: on CUDA a graph's buffer, valid until the step runs again)."""
     engine = engine_for(model)
     graphs, start = counters["stats"]["unique_graphs"], time.perf_counter()
     cache = engine.cache_for(slots, settings)
@@ -44,8 +44,9 @@ def prepared(model, slots: int, width: int, settings: CompileSettings = SETTINGS
 
         def call(step=step, ids=ids, position=cache.capacity - tokens):
             cache.seek(position)
-            step(ids)
+            logits = step(ids)
             synchronize(model.device)
+            return logits
 
         call()
         calls[label] = call

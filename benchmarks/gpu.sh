@@ -18,16 +18,18 @@
 # session"): info with the wheels' install 12 s; cuda-tests and kernels side by side 87 s; speed-shape 232 s (our
 # eager row, which it no longer runs, about a fifth of it); gpt-fast on the 8B shape 135 s (117 s its compile);
 # speed-8b unfinished at 134 s, in its first timed pass. The machine started in about 30 s. So the next lease runs,
-# in this order:
-# Call 1, carry .whl .gptfast:  bash benchmarks/gpu.sh info speed-8b gptfast variants
+# in this order (a call that ends early leaves its time to the next):
+# Call 1, carry .whl .gptfast:  bash benchmarks/gpu.sh info speed-8b gptfast
 #                       (the 8B shape paired with HF's, then gpt-fast on the same machine: the default shape first,
-#                       which says whether 1,500 tok/s is in reach of the reference, then the 8B shape; about 470 s.
-#                       Then the compile variants against the shipped steps at 256 slots: inductor's own attention,
-#                       combo kernels, the whole step as one graph; cut at the limit, it returns what it measured)
-# Call 2, carry .whl:   PROFILE_SHAPES=smollm2-135m bash benchmarks/gpu.sh profiles resize
-#                       (what the lease has left, about 240 s: the sixteenth session's fix, a profile's contexts no
-#                       longer recompiling every layer, then the speed of graphs with the length dynamic)
-# Later leases: profiles (every shape); prefill; the model in parts: host speed trials setup guard study tests.
+#                       which says whether 1,500 tok/s is in reach of the reference, then the 8B shape; about 470 s)
+# Call 2, carry .whl:   bash benchmarks/gpu.sh cuda-tests variants
+#                       (what the lease has left, about 400 s: the CUDA tests, the frozen steps' captured graphs among
+#                       them (new since 2026-11-27), then the compile variants against the shipped steps at 256 slots,
+#                       each checked for the same top-1 tokens: the frozen whole step with its linears concatenated
+#                       (9 launches a layer against 15 on a CPU) first, with inductor's own attention next, then the
+#                       others; cut at the limit, it returns what it measured)
+# Later leases: resize (graphs with the length dynamic: their speed on CUDA) and profiles (PROFILE_SHAPES=smollm2-135m
+# first, the sixteenth session's fix); prefill; the model in parts: host speed trials setup guard study tests.
 # cuda-tests (8 of 8 on 2026-11-27, 60 s) again whenever CUDA code changed.
 # Give each call the run tool's longest timeout: what a stage wrote before the limit still comes back.
 #
@@ -151,7 +153,8 @@ for stage in "$@"; do
           2>&1 | tee "$LOGS/gptfast-$shape.log" | grep "^gpt-fast\|^compile\|^run "
       done
       ;;
-    variants)  # the shipped steps against inductor's own attention (as gpt-fast), combo kernels, both, the whole step
+    variants)  # the shipped steps against the frozen whole step, inductor's own attention (as gpt-fast), the whole step
+               # unfrozen, combo kernels, and the last two together
       timeout 300 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots 256 \
         --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$LOGS/variants.log" | grep -v "$PROGRESS\|USDT"
       ;;

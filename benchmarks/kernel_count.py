@@ -51,6 +51,12 @@ def launched(event, device: torch.device) -> bool:
     return "::" in event.name and "::" not in parent and "_kernel" not in parent and "cpp_fused" not in parent
 
 
+def profile_inductor_cpu_kernels() -> None:
+    """Make inductor's C++ kernels, compiled from now on, visible to the profiler (no effect on CUDA): without it a
+    CPU count holds only the library operators a compiled graph calls."""
+    torch._inductor.config.cpp.enable_kernel_profile = True
+
+
 def count_kernels(run, device: torch.device, top: int) -> tuple[int, list[tuple[str, int]]]:
     """Kernels that one call of `run` launches (`launched`), and the most frequent by name."""
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
@@ -75,8 +81,7 @@ def main() -> None:
                         help="also the count per decoder layer (a step with every layer skipped is counted too)")
     parser.add_argument("--top", type=int, default=8, help="most frequent kernels to list (default: %(default)s)")
     args = parser.parse_args()
-    # Inductor's C++ kernels are visible to the profiler only when compiled with this (no effect on CUDA).
-    torch._inductor.config.cpp.enable_kernel_profile = True
+    profile_inductor_cpu_kernels()
 
     model, name, _ = load_for_benchmark(args)
     layers = model.config.num_hidden_layers

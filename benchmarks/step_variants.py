@@ -2,18 +2,26 @@
 
 On CUDA a small model's step is bound by its number of kernels (BENCHMARKS.md, "Seventeenth session"). Each variant
 here is a way to launch fewer:
+- "frozen": the whole step compiled with the weights frozen into it (the engine's "frozen" mode, a CPU's default),
+  captured as a CUDA graph as the regional steps are: inductor then concatenates the linears of one input (a layer's
+  query, key and value projections; its gate and up projections), 4 GEMMs a layer instead of 7 (9 launches a layer
+  against 15 on a CPU, BENCHMARKS.md, "Fifteenth session"), for a copy of those weights per step and a compile per
+  skip set;
+- "frozen+math": the frozen step with SDPA's math backend ("math", below);
 - "math": SDPA's math backend alone, as gpt-fast decodes ("better for Inductor to codegen attention here", its
   generate.py), so that inductor writes the attention into kernels of its own; the shipped steps call SDPA's fused
   kernel (cuDNN's on the H200 of 2026-11-27, beside a Memset and the mask's preparation each layer);
-- "combo": inductor's combo kernels, which launch independent pointwise kernels as one (CUDA's Triton code only);
-- "math+combo": both;
 - "whole": the whole step compiled as one graph (`compile_mode="reduce-overhead"`, CUDA graphs through torch.compile's
   own trees), where a layer's last residual add can fuse with the next layer's norm, at the price of a compile per
-  skip set.
+  skip set;
+- "combo": inductor's combo kernels, which launch independent pointwise kernels as one (CUDA's Triton code only);
+- "math+combo": both.
+Variants run in this order by default, the likeliest to cut most first: a call cut at its limit keeps those.
 Each variant is a copy of the model whose steps are compiled (and on CUDA captured: a CUDA graph keeps what it was
-captured with) under it. Per cache size, each step's kernels (CUDA) or operators (CPU) are counted, and each variant's
-step is timed paired and interleaved with the shipped one, writing the cache's last slots: shipped over variant, with
-its 95% interval (above 1: the variant is faster).
+captured with) under it. Per cache size, each step's kernels (CUDA) or operators (CPU) are counted, each variant's
+logits are checked against the shipped step's for the same input (the rows whose top-1 token is the same, and the
+largest difference), and each variant's step is timed paired and interleaved with the shipped one, writing the cache's
+last slots: shipped over variant, with its 95% interval (above 1: the variant is faster).
 
     python benchmarks/step_variants.py --device cuda --dtype bfloat16 \
         --config-only benchmarks/configs/smollm2-135m.json --slots 256,1024
@@ -35,7 +43,7 @@ from skipsearch.decode.engine import CompileSettings
 
 from cache_resize import SETTINGS, prepared
 from decode_speed import add_model_arguments, load_for_benchmark
-from kernel_count import count_kernels
+from kernel_count import count_kernels, profile_inductor_cpu_kernels
 from verify_head import pair
 
 
@@ -45,7 +53,10 @@ class Variant(NamedTuple):
     settings: CompileSettings = SETTINGS  # the engine's: regional steps unless named
 
 
-VARIANTS = {"shipped": Variant(), "math": Variant(backends=[SDPBackend.MATH]),
+FROZEN = CompileSettings(mode="frozen")
+VARIANTS = {"shipped": Variant(), "frozen": Variant(settings=FROZEN),
+            "frozen+math": Variant(backends=[SDPBackend.MATH], settings=FROZEN),
+            "math": Variant(backends=[SDPBackend.MATH]),
             "combo": Variant(inductor={"combo_kernels": True}),
             "math+combo": Variant(backends=[SDPBackend.MATH], inductor={"combo_kernels": True}),
             "whole": Variant(settings=CompileSettings(mode="reduce-overhead"))}
@@ -68,15 +79,24 @@ def under(variant: str, call):
     about the same host work for them."""
     def run():
         with compiled_as(variant):
-            call()
+            return call()
     return run
+
+
+def agreement(shipped, variant) -> str:
+    """How the variant step's logits compare with the shipped step's for the same input: rows whose top-1 token is the
+    same, and the largest difference (both read at once: a CUDA graph's output is overwritten by its next replay)."""
+    expected = shipped().float().clone()
+    got = variant().float()
+    same = int((expected.argmax(-1) == got.argmax(-1)).sum())
+    return f"top-1 same in {same}/{expected.shape[0]} rows, max difference {float((expected - got).abs().max()):.2g}"
 
 
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
-    parser.add_argument("--variants", default="math,combo,math+combo,whole",
+    parser.add_argument("--variants", default="frozen,frozen+math,math,whole,combo,math+combo",
                         help=f"compared with the shipped steps, of {', '.join(list(VARIANTS)[1:])} (default: %(default)s)")
     parser.add_argument("--slots", default="256,1024", help="cache sizes (default: %(default)s)")
     parser.add_argument("--width", type=int, default=5, help="a verify step's tokens (default: %(default)s)")
@@ -87,6 +107,7 @@ def main() -> None:
         parser.error("--variants: the shipped steps are always measured; name the others")
     if unknown := set(variants) - set(VARIANTS):
         parser.error(f"--variants: unknown {', '.join(sorted(unknown))}")
+    profile_inductor_cpu_kernels()  # on a CPU, a count with the compiled graphs' own kernels (timings pay for it)
     model, name, _ = load_for_benchmark(args)
     print(f"{name} on {model.device} ({str(model.dtype).removeprefix('torch.')}), {torch.get_num_threads()} threads, "
           f"the shipped (regional) steps against {', '.join(variants)}")
@@ -98,10 +119,11 @@ def main() -> None:
         for variant in variants:  # each measured as soon as it is compiled: a failing variant leaves the others'
             for step, call in compiled_steps(copies[variant], variant, slots, args.width).items():
                 launches = count_kernels(call, model.device, top=0)[0]
+                same = agreement(shipped[step], call)
                 interval, shipped_s, variant_s = pair(shipped[step], call, args.repeats)
                 print(f"  {step:24} {variant:12} {launches:5d} launches  {1e3 * variant_s:7.2f} ms against "
                       f"{1e3 * shipped_s:7.2f} ms  shipped over {variant} {interval.estimate:.2f}x "
-                      f"({interval.low:.2f}-{interval.high:.2f})", flush=True)
+                      f"({interval.low:.2f}-{interval.high:.2f}); {same}", flush=True)
 
 
 def compiled_steps(model, variant: str, slots: int, width: int) -> dict:

@@ -411,20 +411,33 @@ def test_gpu_sh_names_every_stage_it_runs():
 
 
 def test_step_variants():  # stage "variants"
-    out = run_script("benchmarks/step_variants.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256,512",
+    out = run_script("benchmarks/step_variants.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256",
                      "--repeats", 3)
-    variants = ["math", "combo", "math+combo", "whole"]
-    for slots in (256, 512):
-        for variant in ["shipped", *variants]:
-            assert re.search(rf"^{slots} slots, {re.escape(variant)}: \d+ new graphs, [\d.]+ s$", out, re.M)
+    variants = ["frozen", "frozen+math", "math", "whole", "combo", "math+combo"]
+    for variant in ["shipped", *variants]:
+        assert re.search(rf"^256 slots, {re.escape(variant)}: \d+ new graphs, [\d.]+ s$", out, re.M)
     steps = ["one-token step", "verify step (5 tokens)"]
     shipped = re.findall(r"^  (one-token step|verify step \(5 tokens\)) +shipped (\d+) launches$", out, re.M)
-    assert [step for step, _ in shipped] == steps * 2
+    assert [step for step, _ in shipped] == steps
     rows = re.findall(r"^  (one-token step|verify step \(5 tokens\)) +(\S+) +(\d+) launches +[\d.]+ ms against +[\d.]+ "
-                      r"ms  shipped over (\S+) [\d.]+x \([\d.]+-[\d.]+\)$", out, re.M)
-    assert [(step, name, over) for step, name, _, over in rows] == [(step, v, v) for v in variants for step in steps] * 2
+                      r"ms  shipped over (\S+) [\d.]+x \([\d.]+-[\d.]+\); top-1 same in (\d+)/(\d+) rows, max "
+                      r"difference [\d.e+-]+$", out, re.M)
+    assert [(step, name, over) for step, name, _, over, _, _ in rows] == [(step, v, v) for v in variants for step in steps]
+    assert [(same, rows) for *_, same, rows in rows] == [("1", "1"), ("5", "5")] * len(variants)  # fp32: same tokens
     # The math backend reaches the compiled steps (SDPA's CPU kernel is one operator, the math backend several).
-    assert [int(count) for _, name, count, _ in rows if name == "math"] != [int(count) for _, count in shipped]
+    assert [int(count) for _, name, count, *_ in rows if name == "math"] != [int(count) for _, count in shipped]
+
+
+def test_step_variants_frozen_step_launches_fewer_kernels_than_the_regional_steps():
+    """Compiled by inductor (the test above compiles eagerly): the frozen step, its linears concatenated and the
+    layers fused with each other, launches fewer than the regional steps, for the same top-1 tokens."""
+    out = run_script("benchmarks/step_variants.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256",
+                     "--repeats", 2, "--variants", "frozen", inductor=True)
+    shipped = re.findall(r"^  (?:one-token|verify) step.* shipped (\d+) launches$", out, re.M)
+    frozen = re.findall(r"^  (?:one-token|verify) step.* frozen +(\d+) launches .*; top-1 same in (\d+)/(\d+) rows", out,
+                        re.M)
+    assert len(shipped) == len(frozen) == 2
+    assert all(int(launches) < int(regional) and same == rows for regional, (launches, same, rows) in zip(shipped, frozen))
 
 
 def test_step_variants_refuses_an_unknown_variant():

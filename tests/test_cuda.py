@@ -1,4 +1,5 @@
-"""The CUDA paths: the eager loop, the compiled steps as hand-captured CUDA graphs (regional mode) and bf16.
+"""The CUDA paths: the eager loop, the compiled steps as hand-captured CUDA graphs (regional mode, and the frozen
+whole steps on request) and bf16.
 
 Skipped where no GPU is visible (CI has none); `bash benchmarks/gpu.sh cuda-tests` runs them on a GPU machine.
 """
@@ -24,19 +25,21 @@ def cuda_model(seed, dtype=torch.float32):
     return tiny_model("llama", seed=seed, dtype=dtype).to("cuda")
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graphs"])
-def test_cuda_greedy_equals_hf_greedy(compiled):
+@pytest.mark.parametrize("compiled,mode", [(False, None), (True, None), (True, "frozen")],
+                         ids=["eager", "graphs", "frozen-graphs"])
+def test_cuda_greedy_equals_hf_greedy(compiled, mode):
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 here: TF32 would round the two paths apart
     model = cuda_model(seed=3)
     prompt = [5, 9, 14, 3, 7]
     expected = hf_greedy(model, prompt, 24, eos=None)
     for skip, policy in CASES:
-        out = generate(model, prompt, skip=skip, max_new_tokens=24, policy=policy, eos_token_id=None, compile=compiled)
+        out = generate(model, prompt, skip=skip, max_new_tokens=24, policy=policy, eos_token_id=None, compile=compiled,
+                       compile_mode=mode)
         assert out.tokens == expected, (skip, policy)
         assert out.stats.rounds > 0 and (skip is None or out.stats.drafted > 0)
     # Plain decoding runs several steps per read-back on CUDA: an EOS inside them still ends the output there.
     eos = next(t for t in expected if t != expected[0])  # first met inside the steps after the prefill
-    out = generate(model, prompt, max_new_tokens=24, eos_token_id=eos, compile=compiled)
+    out = generate(model, prompt, max_new_tokens=24, eos_token_id=eos, compile=compiled, compile_mode=mode)
     assert out.tokens == hf_greedy(model, prompt, 24, eos=eos) == expected[: expected.index(eos) + 1]
 
 

@@ -59,6 +59,23 @@ def test_compile_modes_resolve_per_device():
     assert CompileSettings(mode="default").resolved(torch.device("cuda")) == "default"
 
 
+def test_frozen_and_regional_steps_are_captured_by_hand_and_whole_step_modes_by_torch_compile():
+    """Which steps `Step` captures as CUDA graphs (the engine's graph pool) and which go through torch.compile's own
+    trees, and what frozen steps compile with on each device: CUDA's wiring, read on the CPU (no step is called)."""
+    model = tiny_model("llama", seed=8)
+    engine = engine_for(model)
+    engine.cache_for(16, CompileSettings())
+    engine.graph_pool = pool = object()  # what `_fit_cache` makes on CUDA: torch.cuda.graph_pool_handle()
+    skip = SkipSet.of([1], [], NUM_LAYERS)
+    for mode, captured in [("frozen", True), ("regional", True), ("default", False), ("reduce-overhead", False)]:
+        step = engine._compiled_step(skip, CompileSettings(mode=mode))
+        assert (step.graph_pool is pool) == captured, mode
+        assert not step.tree_graphs  # torch.compile's trees are CUDA's alone
+    assert engine._compiled_step(None, CompileSettings(mode="frozen")).inductor_config == engine_module.CPU_INDUCTOR_CONFIG
+    assert engine_module.frozen_inductor_config(torch.device("cuda")) == {"freezing": True}
+    assert engine._compiled_step(None, CompileSettings(mode="regional")).inductor_config == {}
+
+
 def test_regional_steps_compile_each_layer_kind_once_for_every_skip_set():
     """After the first skip set, new sets (whatever layers they skip, attention, MLP or both) compile nothing."""
     from torch._dynamo.utils import counters

@@ -15,6 +15,9 @@ and the verify step (the full model over a round's tokens). How steps run (`Comp
 - "frozen" (a CPU's default for `generate` and `bench`): the whole step compiled with the weights
   frozen into the graph and inductor's autotuned C++ GEMMs (`CPU_INDUCTOR_CONFIG`), the fastest on a
   CPU; a compile per skip set, and inductor keeps each one's prepacked weights for the process's life.
+  On CUDA (where it is asked for, not the default) the step is captured as a CUDA graph like a regional one, and
+  freezing concatenates the linears of one input there too (inductor's own pass): the fewest kernels a step, for
+  a copy of those weights per compiled step (benchmarks/step_variants.py measures it against the regional steps).
 - any torch.compile mode name: the whole step compiled in that mode, one compile per skip set.
 Compiled steps share one cache (reused while calls fit in it: graphs see the same buffers) and
 the engine keeps the draft steps of the `DRAFT_STEPS_KEPT` latest skip sets, so a study's memory
@@ -96,6 +99,12 @@ CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gem
                        "cpp.enable_concat_linear": True,
                        # Autotuning prints every GEMM's candidates to stderr; TORCH_LOGS still shows them on request.
                        "autotune_num_choices_displayed": 0}
+
+
+def frozen_inductor_config(device: torch.device) -> dict:
+    """What inductor compiles frozen steps with: `CPU_INDUCTOR_CONFIG` on a CPU; elsewhere freezing alone, whose
+    concatenation of the linears of one input is on by default there (its GEMMs are cuBLAS's either way)."""
+    return CPU_INDUCTOR_CONFIG if device.type == "cpu" else {"freezing": True}
 
 
 @dataclass(frozen=True)
@@ -373,8 +382,10 @@ class Engine:
         view = draft_model(self.model, skip) if skip else self.model
         fn = torch.compile(own_code(_step(view, cache)), backend=settings.backend,
                            mode=None if mode == "frozen" else mode, fullgraph=True, dynamic=False)
-        return Step(fn, cache, compiled=True, inductor_config=CPU_INDUCTOR_CONFIG if mode == "frozen" else None,
-                    attention=self.attention,
+        frozen = mode == "frozen"
+        return Step(fn, cache, compiled=True, attention=self.attention,
+                    inductor_config=frozen_inductor_config(self.model.device) if frozen else None,
+                    graph_pool=self.graph_pool if frozen else None,  # captured by hand on CUDA, as regional steps
                     tree_graphs=self.model.device.type == "cuda" and mode in ("reduce-overhead", "max-autotune"))
 
     def _warm_layer_kinds(self, settings: CompileSettings) -> None:
