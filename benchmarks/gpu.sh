@@ -26,11 +26,11 @@
 #                       (what the lease has left, about 400 s: the CUDA tests, the frozen steps' captured graphs among
 #                       them (new since 2026-11-27), then the compile variants against the shipped steps at 256 slots,
 #                       each checked for the same top-1 tokens: the frozen whole step with its linears concatenated
-#                       (9 launches a layer against 15 on a CPU) first, with inductor's own attention next, then the
+#                       first (on a CPU: 9 launches a layer against 15), inductor's own attention next, then the
 #                       others; cut at the limit, it returns what it measured)
 # Later leases: resize (graphs with the length dynamic: their speed on CUDA) and profiles (PROFILE_SHAPES=smollm2-135m
 # first, the sixteenth session's fix); prefill; the model in parts: host speed trials setup guard study tests.
-# cuda-tests (8 of 8 on 2026-11-27, 60 s) again whenever CUDA code changed.
+# cuda-tests (8 of 8 on 2026-11-27, 60 s; 9 since the frozen steps' case) again whenever CUDA code changed.
 # Give each call the run tool's longest timeout: what a stage wrote before the limit still comes back.
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).parent.parent
 GPU_SH = ROOT / "benchmarks" / "gpu.sh"
@@ -411,23 +412,46 @@ def test_gpu_sh_names_every_stage_it_runs():
 
 
 def test_step_variants():  # stage "variants"
-    out = run_script("benchmarks/step_variants.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256",
+    out = run_script("benchmarks/step_variants.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256,512",
                      "--repeats", 3)
-    variants = ["frozen", "frozen+math", "math", "whole", "combo", "math+combo"]
-    for variant in ["shipped", *variants]:
-        assert re.search(rf"^256 slots, {re.escape(variant)}: \d+ new graphs, [\d.]+ s$", out, re.M)
+    variants = ["frozen", "math", "frozen+math", "whole", "combo", "math+combo"]
+    for slots in (256, 512):
+        for variant in ["shipped", *variants]:
+            assert re.search(rf"^{slots} slots, {re.escape(variant)}: \d+ new graphs, [\d.]+ s$", out, re.M)
     steps = ["one-token step", "verify step (5 tokens)"]
     shipped = re.findall(r"^  (one-token step|verify step \(5 tokens\)) +shipped (\d+) launches$", out, re.M)
-    assert [step for step, _ in shipped] == steps
-    rows = re.findall(r"^  (one-token step|verify step \(5 tokens\)) +(\S+) +(\d+) launches +[\d.]+ ms against +[\d.]+ "
-                      r"ms  shipped over (\S+) [\d.]+x \([\d.]+-[\d.]+\); top-1 same in (\d+)/(\d+) rows, max "
-                      r"difference [\d.e+-]+$", out, re.M)
-    assert [(step, name, over) for step, name, _, over, _, _ in rows] == [(step, v, v) for v in variants for step in steps]
-    assert [(same, rows) for *_, same, rows in rows] == [("1", "1"), ("5", "5")] * len(variants)  # fp32: same tokens
+    assert [step for step, _ in shipped] == steps * 2
+    found = re.findall(r"^  (one-token step|verify step \(5 tokens\)) +(\S+) +(\d+) launches +[\d.]+ ms against +[\d.]+ "
+                       r"ms  shipped over (\S+) [\d.]+x \([\d.]+-[\d.]+\); top-1 same in (\d+)/(\d+) rows, max "
+                       r"difference [\d.e+-]+ \(smallest top-1 lead [\d.e+-]+\)$", out, re.M)
+    assert [(step, name, over) for step, name, _, over, *_ in found] == [
+        (step, v, v) for v in variants for step in steps] * 2
+    assert [(same, rows) for *_, same, rows in found] == [("1", "1"), ("5", "5")] * len(variants) * 2  # fp32: same
     # The math backend reaches the compiled steps (SDPA's CPU kernel is one operator, the math backend several).
-    assert [int(count) for _, name, count, *_ in rows if name == "math"] != [int(count) for _, count in shipped]
+    assert [int(count) for _, name, count, *_ in found if name == "math"] != [int(count) for _, count in shipped]
 
 
+def test_step_variants_reports_a_failing_variant_and_measures_the_next(monkeypatch, capsys):
+    """A variant that fails to compile or capture (on a GPU, in a call that cannot be run again) is one line, and the
+    variants after it are still measured."""
+    step_variants = load_benchmark("step_variants")
+    failing = step_variants.measure
+
+    def measure(model, variant, *rest):
+        if variant == "frozen":
+            raise RuntimeError("no capture here\nsecond line")
+        return failing(model, variant, *rest)
+
+    compile_with = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_with(*args, **{**kwargs, "backend": "eager"}))
+    monkeypatch.setattr(step_variants, "measure", measure)
+    monkeypatch.setattr(step_variants, "profile_inductor_cpu_kernels", lambda: None)  # a setting of the process's
+    monkeypatch.setattr(sys, "argv", ["step_variants.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256",
+                                      "--repeats", "2", "--variants", "frozen,math"])
+    step_variants.main()
+    out = capsys.readouterr().out
+    assert "256 slots, frozen: FAILED, RuntimeError: no capture here\n" in out and "second line" not in out
+    assert re.search(r"^  verify step \(5 tokens\) +math .* top-1 same in 5/5 rows", out, re.M)
 def test_step_variants_frozen_step_launches_fewer_kernels_than_the_regional_steps():
     """Compiled by inductor (the test above compiles eagerly): the frozen step, its linears concatenated and the
     layers fused with each other, launches fewer than the regional steps, for the same top-1 tokens."""

@@ -59,9 +59,9 @@ def test_compile_modes_resolve_per_device():
     assert CompileSettings(mode="default").resolved(torch.device("cuda")) == "default"
 
 
-def test_frozen_and_regional_steps_are_captured_by_hand_and_whole_step_modes_by_torch_compile():
-    """Which steps `Step` captures as CUDA graphs (the engine's graph pool) and which go through torch.compile's own
-    trees, and what frozen steps compile with on each device: CUDA's wiring, read on the CPU (no step is called)."""
+def test_frozen_and_regional_steps_get_the_graph_pool_and_frozen_ones_their_devices_inductor_settings():
+    """Which steps `Step` would capture as CUDA graphs (those given the engine's graph pool, which only CUDA has: set
+    here by hand), and what frozen steps compile with on each device: CUDA's wiring, read on a CPU (no step runs)."""
     model = tiny_model("llama", seed=8)
     engine = engine_for(model)
     engine.cache_for(16, CompileSettings())
@@ -70,10 +70,26 @@ def test_frozen_and_regional_steps_are_captured_by_hand_and_whole_step_modes_by_
     for mode, captured in [("frozen", True), ("regional", True), ("default", False), ("reduce-overhead", False)]:
         step = engine._compiled_step(skip, CompileSettings(mode=mode))
         assert (step.graph_pool is pool) == captured, mode
-        assert not step.tree_graphs  # torch.compile's trees are CUDA's alone
     assert engine._compiled_step(None, CompileSettings(mode="frozen")).inductor_config == engine_module.CPU_INDUCTOR_CONFIG
     assert engine_module.frozen_inductor_config(torch.device("cuda")) == {"freezing": True}
     assert engine._compiled_step(None, CompileSettings(mode="regional")).inductor_config == {}
+
+
+def test_frozen_steps_read_a_static_position_at_every_call(monkeypatch):
+    """On CUDA the cache's position has a static address (CUDA graphs read it in place), and freezing folds a static
+    tensor that no graph writes into a constant: every frozen step writes the position, so it must stay an input.
+    Here on a CPU, with the position marked static and CUDA's frozen settings (freezing alone), prompts of other
+    lengths (steps at other positions) decode exactly."""
+    monkeypatch.setattr(engine_module, "CPU_INDUCTOR_CONFIG", {"freezing": True})
+    model = tiny_model("llama", seed=9)
+    engine = engine_for(model)
+    engine.cache_for(64, CompileSettings(mode="frozen"))
+    torch._dynamo.mark_static_address(engine.cache.position)
+    for prompt in ([5, 9, 14], list(range(2, 20)), [7]):
+        out = generate(model, prompt, skip=SkipSet.of([1], [], NUM_LAYERS), max_new_tokens=10,
+                       policy=DraftPolicy(max_draft_tokens=3), eos_token_id=None, compile=True, compile_mode="frozen")
+        assert out.tokens == hf_greedy(model, prompt, 10, eos=None) and out.stats.drafted > 0
+    assert engine.cache.capacity == 256  # the one cache, whose position was marked: every call above used it
 
 
 def test_regional_steps_compile_each_layer_kind_once_for_every_skip_set():

@@ -15,13 +15,14 @@ and the verify step (the full model over a round's tokens). How steps run (`Comp
 - "frozen" (a CPU's default for `generate` and `bench`): the whole step compiled with the weights
   frozen into the graph and inductor's autotuned C++ GEMMs (`CPU_INDUCTOR_CONFIG`), the fastest on a
   CPU; a compile per skip set, and inductor keeps each one's prepacked weights for the process's life.
-  On CUDA (where it is asked for, not the default) the step is captured as a CUDA graph like a regional one, and
-  freezing concatenates the linears of one input there too (inductor's own pass): the fewest kernels a step, for
-  a copy of those weights per compiled step (benchmarks/step_variants.py measures it against the regional steps).
+  On CUDA (where it is asked for, not the default; no GPU has run it yet) the step is captured as a CUDA graph like
+  a regional one, and freezing concatenates the linears of one input there too (inductor's own pass), for a copy of
+  those weights per compiled step that inductor, there too, never frees (benchmarks/step_variants.py measures it
+  against the regional steps).
 - any torch.compile mode name: the whole step compiled in that mode, one compile per skip set.
 Compiled steps share one cache (reused while calls fit in it: graphs see the same buffers) and
 the engine keeps the draft steps of the `DRAFT_STEPS_KEPT` latest skip sets, so a study's memory
-stays flat. The engine lives on the model (`engine_for`), not in a global.
+(regional steps) stays flat. The engine lives on the model (`engine_for`), not in a global.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import collections
 import contextlib
 import functools
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -97,8 +99,11 @@ def forward_at_position(model: nn.Module, cache: SpeculativeCache, ids: torch.Te
 # the memory the frozen graph's own copies of the weights took already (BENCHMARKS.md, "Fifteenth session").
 CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                        "cpp.enable_concat_linear": True,
-                       # Autotuning prints every GEMM's candidates to stderr; TORCH_LOGS still shows them on request.
-                       "autotune_num_choices_displayed": 0}
+                       # Autotuning prints every GEMM's candidates to stderr, and (in recent releases) a line of stats
+                       # about them: neither is for a user of `generate` or `bench`. TORCH_LOGS still shows them.
+                       "autotune_num_choices_displayed": 0,
+                       **({"max_autotune_report_choices_stats": False}
+                          if hasattr(torch._inductor.config, "max_autotune_report_choices_stats") else {})}
 
 
 def frozen_inductor_config(device: torch.device) -> dict:
@@ -156,7 +161,9 @@ class Step:
         """The first call: compiling, capturing, timed as the step's setup."""
         synchronize(self.device)
         start = time.perf_counter()
-        with torch._inductor.config.patch(self.inductor_config):
+        with torch._inductor.config.patch(self.inductor_config), warnings.catch_warnings():
+            # Inductor's autotuning on a CPU calls a storage API torch deprecates: nothing for a user of ours to act on.
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
             if self.prepare is not None:
                 self.prepare()
             out = self._capture(ids) if self.graph_pool is not None else self.fn(ids)
@@ -167,15 +174,15 @@ class Step:
     def _capture(self, ids: torch.Tensor) -> torch.Tensor:
         """Warm up on a side stream (compiling, autotuning), capture one call as a CUDA graph, replay it for this call.
         The warm-ups write stale slots at the position and are rolled back; capturing runs nothing."""
-        position = self.cache.position.clone()
-        side = torch.cuda.Stream(self.device)
+        position, self.ids = self.cache.position.clone(), ids.clone()  # warmed up on the tensor it captures: the
+        side = torch.cuda.Stream(self.device)                            # guards of a whole compiled step see it
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.fn(ids)
+                self.fn(self.ids)
                 self.cache.position.copy_(position)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        self.ids, graph = ids.clone(), torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
             self.logits = self.fn(self.ids)
         self.graph = graph
@@ -260,7 +267,8 @@ class Engine:
     @property
     def kept_skip_sets(self) -> int:
         """How many skip sets keep their compiled draft steps (and, on CUDA, their captured graphs), least recently
-        used first out: the bound on what the engine holds beyond the model and its cache. Settable."""
+        used first out: the bound on what the engine holds beyond the model and its cache. Settable. (Steps in the
+        frozen mode leave inductor their frozen copies of the weights for the process's life: no bound holds them.)"""
         return self._kept_skip_sets
 
     @kept_skip_sets.setter
@@ -379,10 +387,9 @@ class Engine:
             compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
             return Step(_step(regional_view(self.model, skip, cache, compiled), cache), cache, compiled=True,
                         graph_pool=self.graph_pool, attention=self.attention)
-        view = draft_model(self.model, skip) if skip else self.model
-        fn = torch.compile(own_code(_step(view, cache)), backend=settings.backend,
-                           mode=None if mode == "frozen" else mode, fullgraph=True, dynamic=False)
-        frozen = mode == "frozen"
+        view, frozen = draft_model(self.model, skip) if skip else self.model, mode == "frozen"
+        fn = torch.compile(own_code(_step(view, cache)), backend=settings.backend, mode=None if frozen else mode,
+                           fullgraph=True, dynamic=False)
         return Step(fn, cache, compiled=True, attention=self.attention,
                     inductor_config=frozen_inductor_config(self.model.device) if frozen else None,
                     graph_pool=self.graph_pool if frozen else None,  # captured by hand on CUDA, as regional steps

@@ -104,7 +104,8 @@ class SpeculativeCache(adapter.cache_class()):
         if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
             # A fixed address, which CUDA graphs read in place. Not on a CPU: inductor's freezing (engine.py) would
             # fold a static-address tensor that the graph does not write into a constant, the position of the
-            # compiling call; as an input it is read at every call.
+            # compiling call; as an input it is read at every call. (Frozen steps on CUDA keep it an input all the
+            # same, because every step writes it: freezing folds only what no graph writes. Tested on a CPU.)
             torch._dynamo.mark_static_address(self.position)
         self.slots = torch.arange(capacity, device=device)
         super().__init__(layers=[PositionalLayer(capacity, self.position, SUPPORTED_LAYER_TYPES[t]) for t in layer_types])
