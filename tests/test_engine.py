@@ -23,6 +23,7 @@ from skipsearch.decode.adapter import decoder_layers
 from skipsearch.decode import loop as decoding
 from skipsearch.decode.controller import DraftController
 from skipsearch.decode.engine import DRAFT_STEPS_KEPT, CompileSettings, engine_for
+from skipsearch.decode.kvcache import SpeculativeCache
 from skipsearch.decode.loop import generate
 from skipsearch.decode.policy import DraftPolicy
 from skipsearch.decode.sampling import Sampling
@@ -73,6 +74,32 @@ def test_frozen_and_regional_steps_get_the_graph_pool_and_frozen_ones_their_devi
     assert engine._compiled_step(None, CompileSettings(mode="frozen")).inductor_config == engine_module.CPU_INDUCTOR_CONFIG
     assert engine_module.frozen_inductor_config(torch.device("cuda")) == {"freezing": True}
     assert engine._compiled_step(None, CompileSettings(mode="regional")).inductor_config == {}
+
+
+def test_a_frozen_steps_set_up_keeps_inductors_autotuning_chatter_from_the_user():
+    """While a frozen step compiles on a CPU, inductor's autotuning would print a line of stats for every GEMM (on by
+    default), and torch warns that inductor's own code uses TypedStorage: neither reaches a user of `generate
+    --compile` or `bench --compile` (both appeared in a Gemma 3 270M bench). Other warnings still do."""
+    import warnings
+
+    import torch._inductor.config
+
+    stats_on = []
+
+    def compiling(ids):  # what the step's first call sees of inductor's settings, and the warnings it raises
+        stats_on.append(torch._inductor.config.max_autotune_report_choices_stats)
+        warnings.warn("TypedStorage is deprecated. It will be removed in the future", UserWarning)
+        warnings.warn("a warning of the model's own", UserWarning)
+        return ids
+
+    cache = SpeculativeCache(tiny_model("llama", seed=8).config, 16, "cpu", torch.float32)
+    step = engine_module.Step(compiling, cache, compiled=True,
+                              inductor_config=engine_module.frozen_inductor_config(torch.device("cpu")))
+    assert torch._inductor.config.max_autotune_report_choices_stats  # inductor's default: on
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(torch.ones((1, 1), dtype=torch.long))
+    assert stats_on == [False] and [str(warning.message) for warning in caught] == ["a warning of the model's own"]
 
 
 def test_frozen_steps_read_a_static_position_at_every_call(monkeypatch):

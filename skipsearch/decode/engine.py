@@ -174,8 +174,9 @@ class Step:
     def _capture(self, ids: torch.Tensor) -> torch.Tensor:
         """Warm up on a side stream (compiling, autotuning), capture one call as a CUDA graph, replay it for this call.
         The warm-ups write stale slots at the position and are rolled back; capturing runs nothing."""
-        position, self.ids = self.cache.position.clone(), ids.clone()  # warmed up on the tensor it captures: the
-        side = torch.cuda.Stream(self.device)                            # guards of a whole compiled step see it
+        # Warmed up on the very tensor it captures: a whole compiled step's guards see the input itself.
+        position, self.ids = self.cache.position.clone(), ids.clone()
+        side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
