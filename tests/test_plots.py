@@ -144,7 +144,12 @@ def test_bench_bars_carry_their_numbers(tmp_path, monkeypatch):
     texts = sorted(t.get_text() for t in fig.axes[0].texts)
     assert texts == ["1.00x (20.0 tok/s)", "1.25x (25.0 tok/s)"]
     assert_labelled(fig)
+    assert "compiled" not in fig.axes[0].get_title()
     plt.close(fig)
+    bench.write_outputs(rows, tmp_path, {"model": "m", "device": "cpu", "num_prompts": 2, "max_new_tokens": 8,
+                                         "compile": True})
+    assert figures[-1].axes[0].get_title().endswith(", skipsearch compiled")  # a chart says which steps it timed
+    plt.close(figures[-1])
 
 
 def test_real_study_attributes_are_json_and_plots_are_written(tmp_path):

@@ -143,6 +143,7 @@ def test_bench_reports_per_category(capsys, tmp_path, tiny_model_dir):
     entries = data["categories"]
     assert [e["category"] for e in entries] == [MT_BENCH, "translation", "summarization", "qa", "math_reasoning"]
     assert all(e["num_prompts"] == 2 for e in entries) and data["settings"]["num_prompts"] == 10
+    assert data["settings"]["compile"] is False  # which steps were timed: eager here, without --compile
     assert [r["method"] for r in entries[0]["rows"]] == ["hf greedy", "skipsearch plain"]
     plain = entries[0]["rows"][1]
     assert plain["speedup_low"] <= plain["speedup"] <= (plain["speedup_high"] or float("inf"))

@@ -138,4 +138,4 @@ def _written_settings(s: BenchSettings, loaded: LoadedModel, num_prompts: int) -
             "dataset": s.dataset, "num_prompts": num_prompts, "max_new_tokens": s.max_new_tokens,
             "repeats": s.repeats, "config": str(s.config) if s.config else None,
             "device_name": device_name(loaded.device), "torch_threads": torch.get_num_threads(),
-            "project_with": [str(p) for p in s.project_with or ()]}
+            "project_with": [str(p) for p in s.project_with or ()], "compile": s.compile}

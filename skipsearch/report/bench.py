@@ -331,7 +331,8 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: s
     where = settings.get("device_name") or settings.get("device", "")
     ax.set_title(f"Decoding speed: {settings.get('model', '')} on {where}, "
                  f"{settings.get('num_prompts', '?')} prompts x {settings.get('max_new_tokens', '?')} new tokens"
-                 f" x {settings.get('repeats', '?')} repeats",
+                 f" x {settings.get('repeats', '?')} repeats"
+                 f"{', skipsearch compiled' if settings.get('compile') else ''}",
                  fontsize=9)
     save_figure(fig, png_path)
     return json_path, png_path
