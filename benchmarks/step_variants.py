@@ -20,8 +20,8 @@ Variants run in this order by default, the likeliest to cut most first: a call c
 variant that fails is reported in one line and the next one runs.
 Each variant is a copy of the model whose steps are compiled (and on CUDA captured: a CUDA graph keeps what it was
 captured with) under it. Per cache size, each step's kernels (CUDA) or operators (CPU) are counted, each variant's
-logits are checked against the shipped step's for the same input (the rows whose top-1 token is the same, and the
-largest difference), and each variant's step is timed paired and interleaved with the shipped one, writing the cache's
+logits are checked against the shipped step's for the same input (`agreement`: the rows whose top-1 token is the
+same, the largest difference, and the shipped rows' smallest top-1 lead), and each variant's step is timed paired and interleaved with the shipped one, writing the cache's
 last slots: shipped over variant, with its 95% interval (above 1: the variant is faster).
 
     python benchmarks/step_variants.py --device cuda --dtype bfloat16 \

@@ -435,12 +435,12 @@ def test_step_variants_reports_a_failing_variant_and_measures_the_next(monkeypat
     """A variant that fails to compile or capture (on a GPU, in a call that cannot be run again) is one line, and the
     variants after it are still measured."""
     step_variants = load_benchmark("step_variants")
-    failing = step_variants.measure
+    measured = step_variants.measure
 
     def measure(model, variant, *rest):
         if variant == "frozen":
             raise RuntimeError("no capture here\nsecond line")
-        return failing(model, variant, *rest)
+        return measured(model, variant, *rest)
 
     compile_with = torch.compile
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_with(*args, **{**kwargs, "backend": "eager"}))
