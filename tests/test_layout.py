@@ -127,3 +127,22 @@ def test_the_ci_scripts_name_modules_that_exist():
     assert named  # the scripts do import the package: a check of nothing would pass
     for name in sorted(named):
         importlib.import_module(name)
+
+
+def test_each_pytest_xdist_worker_and_its_processes_take_a_share_of_the_cores():
+    """conftest's `pytest_configure`: two workers each running torch's default thread count on 2 cores made a study
+    test 4x slower than alone. Only a run under several pytest-xdist workers (the README's test command) checks it."""
+    import subprocess
+    import sys
+
+    import pytest
+    import torch
+    from conftest import worker_threads
+
+    threads = worker_threads()
+    if threads is None:
+        pytest.skip("not run by several pytest-xdist workers")
+    assert torch.get_num_threads() == threads
+    started = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                             capture_output=True, text=True, check=True)
+    assert int(started.stdout) == threads
