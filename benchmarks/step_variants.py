@@ -15,7 +15,11 @@ here is a way to launch fewer:
   own trees), where a layer's last residual add can fuse with the next layer's norm, at the price of a compile per
   skip set;
 - "combo": inductor's combo kernels, which launch independent pointwise kernels as one (CUDA's Triton code only);
-- "math+combo": both.
+- "math+combo": both;
+- "unguarded" (named, not run by default): the shipped steps with dynamo's guards left unchecked
+  (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), what the guards cost a regional step on a CPU, where
+  each layer's compiled function checks its guards at every call (on CUDA the steps replay as CUDA graphs and check
+  none). Not for the engine: a call that needed another graph would run the one it has.
 Variants run in this order by default, the likeliest to cut most first: a call cut at its limit keeps those, and a
 variant that fails is reported in one line and the next one runs.
 Each variant is a copy of the model whose steps are compiled (and on CUDA captured: a CUDA graph keeps what it was
@@ -52,6 +56,7 @@ class Variant(NamedTuple):
     backends: list[SDPBackend] | None = None  # SDPA's backends; None: its own choice
     inductor: dict = {}  # inductor settings patched while the steps compile
     settings: CompileSettings = SETTINGS  # the engine's: regional steps unless named
+    unguarded: bool = False  # run with dynamo's guards unchecked
 
 
 FROZEN = CompileSettings(mode="frozen")
@@ -59,14 +64,14 @@ VARIANTS = {"shipped": Variant(), "frozen": Variant(settings=FROZEN), "math": Va
             "frozen+math": Variant(backends=[SDPBackend.MATH], settings=FROZEN),
             "combo": Variant(inductor={"combo_kernels": True}),
             "math+combo": Variant(backends=[SDPBackend.MATH], inductor={"combo_kernels": True}),
-            "whole": Variant(settings=CompileSettings(mode="reduce-overhead"))}
+            "whole": Variant(settings=CompileSettings(mode="reduce-overhead")), "unguarded": Variant(unguarded=True)}
 
 
 @contextlib.contextmanager
 def compiled_as(variant: str):
     """Inside: steps compile (and SDPA runs) as `variant` has them. A variant compiles without the compile caches:
     their keys leave out SDPA's backends, so a variant's graphs would come back as the shipped ones."""
-    backends, inductor, _ = VARIANTS[variant]
+    backends, inductor, _, _ = VARIANTS[variant]
     uncached = {} if variant == "shipped" else {"fx_graph_cache": False}
     with (sdpa_kernel(backends) if backends else contextlib.nullcontext(),
           torch._inductor.config.patch({**inductor, **uncached}),
@@ -77,8 +82,11 @@ def compiled_as(variant: str):
 def under(variant: str, call):
     """`call` run as `variant`. The shipped steps enter their (empty) contexts too, so that both sides of a pair pay
     about the same host work for them."""
+    unguarded = VARIANTS[variant].unguarded  # once compiled: torch refuses to compile under this stance
+
     def run():
-        with compiled_as(variant):
+        with (compiled_as(variant),
+              torch.compiler.set_stance(skip_guard_eval_unsafe=True) if unguarded else contextlib.nullcontext()):
             return call()
     return run
 

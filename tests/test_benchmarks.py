@@ -452,6 +452,26 @@ def test_step_variants_reports_a_failing_variant_and_measures_the_next(monkeypat
     out = capsys.readouterr().out
     assert "256 slots, frozen: FAILED, RuntimeError: no capture here\n" in out and "second line" not in out
     assert re.search(r"^  verify step \(5 tokens\) +math .* top-1 same in 5/5 rows", out, re.M)
+
+
+FACTOR = 2  # read by `times`, and so guarded by dynamo
+
+
+def times(x):
+    return x * FACTOR
+
+
+def test_step_variants_unguarded_leaves_dynamos_guards_unchecked(monkeypatch):
+    """The "unguarded" variant measures what dynamo's guards cost: inside it, a compiled function whose guard fails
+    (a global it read has changed) still runs the graph it has; outside, the guard recompiles it."""
+    step_variants = load_benchmark("step_variants")
+    compiled, x = torch.compile(times, backend="eager"), torch.ones(3)
+    assert compiled(x).tolist() == [2.0] * 3
+    monkeypatch.setitem(globals(), "FACTOR", 5)
+    assert step_variants.under("unguarded", lambda: compiled(x))().tolist() == [2.0] * 3
+    assert compiled(x).tolist() == [5.0] * 3
+
+
 def test_step_variants_frozen_step_launches_fewer_kernels_than_the_regional_steps():
     """Compiled by inductor (the test above compiles eagerly): the frozen step, its linears concatenated and the
     layers fused with each other, launches fewer than the regional steps, for the same top-1 tokens."""
