@@ -25,8 +25,9 @@ variant that fails is reported in one line and the next one runs.
 Each variant is a copy of the model whose steps are compiled (and on CUDA captured: a CUDA graph keeps what it was
 captured with) under it. Per cache size, each step's kernels (CUDA) or operators (CPU) are counted, each variant's
 logits are checked against the shipped step's for the same input (`agreement`: the rows whose top-1 token is the
-same, the largest difference, and the shipped rows' smallest top-1 lead), and each variant's step is timed paired and interleaved with the shipped one, writing the cache's
-last slots: shipped over variant, with its 95% interval (above 1: the variant is faster).
+same, the largest difference, and the shipped rows' smallest top-1 lead), and each variant's step is timed paired and
+interleaved with the shipped one, writing the cache's last slots: shipped over variant, with its 95% interval (above
+1: the variant is faster).
 
     python benchmarks/step_variants.py --device cuda --dtype bfloat16 \
         --config-only benchmarks/configs/smollm2-135m.json --slots 256,1024
@@ -71,10 +72,10 @@ VARIANTS = {"shipped": Variant(), "frozen": Variant(settings=FROZEN), "math": Va
 def compiled_as(variant: str):
     """Inside: steps compile (and SDPA runs) as `variant` has them. A variant compiles without the compile caches:
     their keys leave out SDPA's backends, so a variant's graphs would come back as the shipped ones."""
-    backends, inductor, _, _ = VARIANTS[variant]
+    spec = VARIANTS[variant]
     uncached = {} if variant == "shipped" else {"fx_graph_cache": False}
-    with (sdpa_kernel(backends) if backends else contextlib.nullcontext(),
-          torch._inductor.config.patch({**inductor, **uncached}),
+    with (sdpa_kernel(spec.backends) if spec.backends else contextlib.nullcontext(),
+          torch._inductor.config.patch({**spec.inductor, **uncached}),
           torch._functorch.config.patch(enable_autograd_cache=variant == "shipped")):
         yield
 
