@@ -14,23 +14,18 @@
 # so the model's file (94 MiB in parts) costs a call of its own. Without it, `kernels` and `prefill` time the default
 # model's shape with random weights (benchmarks/configs/smollm2-135m.json; prefill then on made-up prompts of 37-300
 # tokens, labelled so in its log): timing does not depend on weights.
-# Stage times on the H200 of 2026-11-27 (16 host cores, an empty inductor cache; BENCHMARKS.md, "Seventeenth
-# session"): info with the wheels' install 12 s; cuda-tests and kernels side by side 87 s; speed-shape 232 s (our
-# eager row, which it no longer runs, about a fifth of it); gpt-fast on the 8B shape 135 s (117 s its compile);
-# speed-8b unfinished at 134 s, in its first timed pass. The machine started in about 30 s. So the next lease runs,
-# in this order (a call that ends early leaves its time to the next):
-# Call 1, carry .whl .gptfast:  bash benchmarks/gpu.sh info speed-8b gptfast
-#                       (the 8B shape paired with HF's, then gpt-fast on the same machine: the default shape first,
-#                       which says whether 1,500 tok/s is in reach of the reference, then the 8B shape; about 470 s)
-# Call 2, carry .whl:   bash benchmarks/gpu.sh cuda-tests variants
-#                       (what the lease has left, about 400 s: the CUDA tests, the frozen steps' captured graphs among
-#                       them (new since 2026-11-27), then the compile variants against the shipped steps at 256 slots,
-#                       each checked for the same top-1 tokens: the frozen whole step with its linears concatenated
-#                       first (on a CPU: 9 launches a layer against 15), inductor's own attention next, then the
-#                       others; cut at the limit, it returns what it measured)
-# Later leases: resize (graphs with the length dynamic: their speed on CUDA) and profiles (PROFILE_SHAPES=smollm2-135m
-# first, the sixteenth session's fix); prefill; the model in parts: host speed trials setup guard study tests.
-# cuda-tests (8 of 8 on 2026-11-27, 60 s; 9 since the frozen steps' case) again whenever CUDA code changed.
+# Stage times on the H200 of 2026-11-27, twentieth session (16 host cores, an empty inductor cache; BENCHMARKS.md,
+# "Twentieth session"): the machine started in about 30 s; info with the wheels' install 8-10 s; speed-8b 151 s;
+# gptfast 210 s (both shapes); cuda-tests 62-83 s; variants on the default shape 46 s with three variants failing, and
+# with the frozen step compiling (105 s) over 200 s, cut at the call's limit. That lease measured the 8B shape against
+# gpt-fast, the frozen step and combo kernels on the default shape. So the next lease runs, in this order:
+# Call 1, carry .whl:   STEP_VARIANTS=frozen,combo VARIANT_SHAPES="llama-3-8b" bash benchmarks/gpu.sh info variants
+#                       (whether the two variants that paid on the default shape, the frozen whole step 1.10-1.13x and
+#                       combo kernels 1.04x, pay where the bytes bound a step; unmeasured there: the default shape's took 180 s)
+# Call 2, carry .whl:   PROFILE_SHAPES="smollm2-135m llama-3-8b" bash benchmarks/gpu.sh head profiles
+#                       (the trimmed head's share of a GPU step, then the cost profiles that --objective modeled needs)
+# Later leases: the other profiles, resize, prefill; the model in parts: host speed trials setup guard study tests.
+# cuda-tests (9 of 9 on 2026-11-27, 68 s) again whenever CUDA code changed.
 # Give each call the run tool's longest timeout: what a stage wrote before the limit still comes back.
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
@@ -154,9 +149,12 @@ for stage in "$@"; do
       done
       ;;
     variants)  # the shipped steps against the frozen whole step, inductor's own attention (as gpt-fast), the whole step
-               # unfrozen, combo kernels, and the last two together
-      timeout 300 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots 256 \
-        --config-only benchmarks/configs/smollm2-135m.json 2>&1 | tee "$LOGS/variants.log" | grep -v "$PROGRESS\|USDT"
+               # unfrozen, combo kernels, and the last two together (STEP_VARIANTS: some of them; VARIANT_SHAPES)
+      for shape in ${VARIANT_SHAPES:-smollm2-135m}; do
+        timeout 400 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots 256 \
+          ${STEP_VARIANTS:+--variants $STEP_VARIANTS} --config-only benchmarks/configs/$shape.json 2>&1 \
+          | tee "$LOGS/variants-$shape.log" | grep -v "$PROGRESS\|USDT"
+      done
       ;;
     resize)  # a resized cache: the regional graphs recompiled once with the length dynamic, then reused; their speed
       timeout 240 python3 benchmarks/cache_resize.py --device cuda --dtype bfloat16 --slots 512,2048,8192 \

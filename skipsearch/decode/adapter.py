@@ -103,11 +103,16 @@ def _cache_keyword_of(cls: type) -> str:
 
 # A constant to compiled code: dynamo calls it while tracing and keeps the result, instead of tracing through the
 # cache (which it warns of on every compile) or guarding on the cache's contents (a dict's length: each new model
-# class looked up would recompile every compiled step).
+# class looked up would recompile every compiled step). It takes the class, not the module: dynamo passes only
+# constants to it, and torch 2.11 holds a whole-step graph's model as a variable that is none (2.13 allows it).
 @torch.compiler.assume_constant_result
+def _constant_cache_keyword_of(cls: type) -> str:
+    return _cache_keyword_of(cls)
+
+
 def cache_keyword(module: nn.Module) -> str:
     """The keyword under which `module`'s forward (a model, a decoder layer or an attention) takes the KV cache."""
-    return _cache_keyword_of(type(module))
+    return _constant_cache_keyword_of(type(module))
 
 
 def model_forward(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor | None, mask: Any, cache: Any,
