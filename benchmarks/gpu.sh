@@ -17,11 +17,11 @@
 # Stage times on the H200 of 2026-11-27, twentieth session (16 host cores, an empty inductor cache; BENCHMARKS.md,
 # "Twentieth session"): the machine started in about 30 s; info with the wheels' install 8-10 s; speed-8b 151 s;
 # gptfast 210 s (both shapes); cuda-tests 62-83 s; variants on the default shape 46 s with three variants failing, and
-# with the frozen step compiling (105 s) over 200 s, cut at the call's limit. That lease measured the 8B shape against
-# gpt-fast, the frozen step and combo kernels on the default shape. So the next lease runs, in this order:
+# cut at the call's limit after 199 s once the frozen step compiled (105 s of it). That lease measured the 8B shape
+# against gpt-fast, the frozen step and combo kernels on the default shape. So the next lease runs, in this order:
 # Call 1, carry .whl:   STEP_VARIANTS=frozen,combo VARIANT_SHAPES="llama-3-8b" bash benchmarks/gpu.sh info variants
 #                       (whether the two variants that paid on the default shape, the frozen whole step 1.10-1.13x and
-#                       combo kernels 1.04x, pay where the bytes bound a step; unmeasured there: the default shape's took 180 s)
+#                       combo kernels 1.04x, pay where the bytes bound a step; its time there is unmeasured)
 # Call 2, carry .whl:   PROFILE_SHAPES="smollm2-135m llama-3-8b" bash benchmarks/gpu.sh head profiles
 #                       (the trimmed head's share of a GPU step, then the cost profiles that --objective modeled needs)
 # Later leases: the other profiles, resize, prefill; the model in parts: host speed trials setup guard study tests.

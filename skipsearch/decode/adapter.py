@@ -103,8 +103,8 @@ def _cache_keyword_of(cls: type) -> str:
 
 # A constant to compiled code: dynamo calls it while tracing and keeps the result, instead of tracing through the
 # cache (which it warns of on every compile) or guarding on the cache's contents (a dict's length: each new model
-# class looked up would recompile every compiled step). It takes the class, not the module: dynamo passes only
-# constants to it, and torch 2.11 holds a whole-step graph's model as a variable that is none (2.13 allows it).
+# class looked up would recompile every compiled step). It takes the class, not the module: dynamo passes it only
+# constants, and torch 2.11 does not take a whole compiled step's model for one (2.13 does).
 @torch.compiler.assume_constant_result
 def _constant_cache_keyword_of(cls: type) -> str:
     return _cache_keyword_of(cls)
