@@ -149,11 +149,15 @@ for stage in "$@"; do
       done
       ;;
     variants)  # the shipped steps against the frozen whole step, inductor's own attention (as gpt-fast), the whole step
-               # unfrozen, combo kernels, and the last two together (STEP_VARIANTS: some of them; VARIANT_SHAPES)
+               # unfrozen, combo kernels, and the last two together. STEP_VARIANTS names some of them, each then run in
+               # a process of its own: the script holds a copy of the model a variant, 16 GB each on the 8B shape.
       for shape in ${VARIANT_SHAPES:-smollm2-135m}; do
-        timeout 400 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots 256 \
-          ${STEP_VARIANTS:+--variants $STEP_VARIANTS} --config-only benchmarks/configs/$shape.json 2>&1 \
-          | tee "$LOGS/variants-$shape.log" | grep -v "$PROGRESS\|USDT"
+        named=${STEP_VARIANTS:-all}
+        for variants in ${named//,/ }; do
+          timeout 400 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots 256 \
+            ${STEP_VARIANTS:+--variants $variants} --config-only benchmarks/configs/$shape.json 2>&1 \
+            | tee -a "$LOGS/variants-$shape.log" | grep -v "$PROGRESS\|USDT"
+        done
       done
       ;;
     resize)  # a resized cache: the regional graphs recompiled once with the length dynamic, then reused; their speed
