@@ -14,18 +14,19 @@
 # so the model's file (94 MiB in parts) costs a call of its own. Without it, `kernels` and `prefill` time the default
 # model's shape with random weights (benchmarks/configs/smollm2-135m.json; prefill then on made-up prompts of 37-300
 # tokens, labelled so in its log): timing does not depend on weights.
-# Stage times on the H200 of 2026-11-27, twentieth session (16 host cores, an empty inductor cache; BENCHMARKS.md,
-# "Twentieth session"): the machine started in about 30 s; info with the wheels' install 8-10 s; speed-8b 151 s;
-# gptfast 210 s (both shapes); cuda-tests 62-83 s; variants on the default shape 46 s with three variants failing, and
-# cut at the call's limit after 199 s once the frozen step compiled (105 s of it). That lease measured the 8B shape
-# against gpt-fast, the frozen step and combo kernels on the default shape. So the next lease runs, in this order:
-# Call 1, carry .whl:   STEP_VARIANTS=frozen,combo VARIANT_SHAPES="llama-3-8b" bash benchmarks/gpu.sh info variants
-#                       (whether the two variants that paid on the default shape, the frozen whole step 1.10-1.13x and
-#                       combo kernels 1.04x, pay where the bytes bound a step; its time there is unmeasured)
-# Call 2, carry .whl:   PROFILE_SHAPES="smollm2-135m llama-3-8b" bash benchmarks/gpu.sh head profiles
-#                       (the trimmed head's share of a GPU step, then the cost profiles that --objective modeled needs)
-# Later leases: the other profiles, resize, prefill; the model in parts: host speed trials setup guard study tests.
-# cuda-tests (9 of 9 on 2026-11-27, 68 s) again whenever CUDA code changed.
+# Stage times on the H200 of 2026-11-27, twenty-first session (16 host cores, an empty inductor cache; BENCHMARKS.md,
+# "Twenty-first session"): info 8 s; head 91 s (both shapes); profiles 39-55 s of contexts a shape, 66-73 s with
+# building and compiling; variants on the 8B shape 32 s (combo) and 118 s (frozen, 94 s of it compiling); resize 39 s;
+# prefill 34 s. The twentieth's: the machine started in about 30 s; speed-8b 151 s; gptfast 210 s; cuda-tests 62-83 s.
+# The profiles of that lease had a wrong calibration (their overheads per round and per drafted token held the longest
+# context's cache), fixed since; the shipped copies carry those two overheads as 0. So the next lease runs:
+# Call 1, carry .whl:   PROFILE_SHAPES="smollm2-135m llama-3-8b llama-2-7b llama-2-13b qwen2.5-1.5b" \
+#                         bash benchmarks/gpu.sh info cuda-tests profiles
+#                       (about 440 s: the profiles with measured overheads, to replace skipsearch/profiles/nvidia-h200/,
+#                       and the CUDA tests, since Engine.release_cache is new)
+# Call 2, carry .whl:   bash benchmarks/gpu.sh speed-shape kernels
+#                       (the default shape end to end, random weights, and its kernels, against 639.9 tok/s of 2026-11-27)
+# Later leases: the model in parts: host speed trials setup guard study tests.
 # Give each call the run tool's longest timeout: what a stage wrote before the limit still comes back.
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a

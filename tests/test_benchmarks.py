@@ -489,3 +489,24 @@ def test_step_variants_refuses_an_unknown_variant():
     result = subprocess.run([sys.executable, "benchmarks/step_variants.py", "--variants", "math,fast"], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--variants: unknown fast" in result.stderr
+
+
+def test_projection():  # not a stage: predictions from the shipped GPU profiles
+    projection = load_benchmark("projection")
+    from skipsearch.decode.cost_profile import CostProfile
+    from skipsearch.decode.economics import committed_tokens
+
+    stats = projection.rounds_at(0.8, 4, 512)
+    assert stats.verify_contexts == {(5, 512): 1000} and stats.drafted == 4000
+    assert (stats.accepted + stats.rounds) / stats.rounds == pytest.approx(committed_tokens(0.8, 4), abs=1e-3)
+    mapped = projection.skip_sets(32)
+    assert len(mapped) == 2 and all(max(s.attn + s.mlp) < 32 and s.size >= 28 for s in mapped.values())
+    assert [s.size for s in projection.skip_sets(40).values()] == [34, 34]  # the published sets as they are
+    profile = CostProfile.load("nvidia-h200/llama-2-13b")
+    skip = next(iter(projection.skip_sets(40).values()))
+    speedups = [projection.best_speedup(profile, skip, a, 512)[0] for a in projection.ACCEPTANCE]
+    assert speedups == sorted(speedups) and speedups[0] < 1.0 < speedups[-1]  # too dear at 0.6, paying at 0.95
+    out = run_script("benchmarks/projection.py", "--shapes", "llama-3-8b", "--head-rows", 16384)
+    assert "PREDICTED speedup over compiled plain decoding" in out and "head of 16,384 rows" in out
+    rows = re.findall(r"^\| (0\.\d\d) \|( [\d.]+x \(k=\d\) \|){4}$", out, re.M)
+    assert [acceptance for acceptance, _ in rows] == ["0.60", "0.70", "0.80", "0.90", "0.95"]

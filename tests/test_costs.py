@@ -418,3 +418,65 @@ def test_a_compiled_profile_times_the_engines_own_steps(monkeypatch):
     assert costs.verify_s == pytest.approx([11e-3, 12e-3, 13e-3])
     assert costs.attn_s == pytest.approx(1e-3) and costs.mlp_s == pytest.approx(0.5e-3)
     assert costs.rest_s == pytest.approx(11e-3 - 4 * 1.5e-3)
+
+
+def test_the_calibration_decodes_on_a_cache_of_its_own_length(monkeypatch):
+    """A compiled step costs what its cache's slots cost, whatever the position (on an H200, 3.3x at 8,192 slots what
+    it costs at 256). The profile's longest context grows the engine's cache; its calibration must not decode on that
+    cache, or the longer cache's cost lands in the overheads (the lease of 2026-11-27 measured 3.4 ms a round on a
+    1.5 ms forward so). Here every compiled step costs 1 ms per 256 slots on top of its width, and the decoder pays
+    nothing besides its steps: the overheads are zero."""
+    from skipsearch.decode import engine as engine_module
+    from skipsearch.decode import loop as decoding
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    now, real_call = [0.0], engine_module.Step.__call__
+
+    def charged(step, ids):
+        now[0] += (10 + ids.shape[1] + step.cache.capacity / 256) / 1e3
+        return real_call(step, ids)
+
+    monkeypatch.setattr(engine_module.Step, "__call__", charged)
+    monkeypatch.setattr(decoding, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    profile = profile_costs(model, contexts=(8, 600), max_verify_tokens=5, repeats=2, clock=lambda: now[0],
+                            compile_mode="regional")
+    assert profile.forward_at(600) - profile.forward_at(8) == pytest.approx(2e-3)  # 768 slots against 256
+    # On the longest context's cache both would be about 2 ms; the profile prices the runs' forwards by position,
+    # between its two contexts, which leaves a tenth of a millisecond.
+    assert profile.overheads.round_s == pytest.approx(0.0, abs=0.2e-3)
+    assert profile.overheads.draft_token_s == pytest.approx(0.0, abs=0.2e-3)
+    assert engine_module.engine_for(model).cache.capacity == 256  # the calibration's own length, in blocks
+
+
+def test_releasing_the_cache_drops_the_steps_that_write_it():
+    from skipsearch.decode.engine import CompileSettings, engine_for
+
+    model = tiny_model()
+    engine, settings = engine_for(model), CompileSettings(mode="regional")
+    engine.prepare(200, SkipSet.of((1,), (), 4), settings, 3)
+    assert engine.cache.capacity == 256 and engine.steps
+    engine.release_cache()
+    assert engine.cache is None and not engine.steps
+    assert engine.prepare(20, None, settings, 1).cache.capacity == 256 and engine.cache is not None
+
+
+def test_the_shipped_gpu_profiles_load_by_name_and_match_their_shapes():
+    """Each shipped profile is read by its name, is a GPU's (at the shortest context, verifying 9 tokens costs little
+    more than one, where the weights' reads dominate; a CPU's costs several times more), and has its shape's layers;
+    a missing file names the shipped ones."""
+    from skipsearch.decode.cost_profile import SHIPPED_PROFILES, shipped_profiles
+
+    names = shipped_profiles()
+    assert {"nvidia-h200/smollm2-135m", "nvidia-h200/llama-3-8b", "nvidia-h200/llama-2-13b"} <= set(names)
+    configs = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
+    for name in names:
+        profile = CostProfile.load(name)
+        assert profile == CostProfile.load(SHIPPED_PROFILES / f"{name}.json")
+        assert profile.device.startswith("cuda") and profile.provenance["device_name"]
+        config = json.loads((configs / f"{name.split('/')[1]}.json").read_text())
+        assert profile.num_hidden_layers == config["num_hidden_layers"] and profile.vocab_size == config["vocab_size"]
+        assert profile.contexts[0].verify_s[-1] < 1.25 * profile.contexts[0].verify_s[0]
+    with pytest.raises(ValueError, match="does not exist \\(shipped profiles: .*nvidia-h200/llama-3-8b"):
+        CostProfile.load("nvidia-h200/no-such-shape")

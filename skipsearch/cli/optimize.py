@@ -56,8 +56,9 @@ def add_search_flags(search: argparse._ArgumentGroup) -> None:
                         help="speedup x acceptance rate, speedup alone, both as a Pareto front, or the speedup "
                              "the cost model predicts from measured acceptance (deterministic)")
     search.add_argument("--cost-profile", type=Path, default=None,
-                        help="with --objective modeled: a profile from `python -m skipsearch profile`, e.g. of a "
-                             "GPU (default: profile this device when the study starts)")
+                        help="with --objective modeled: a profile from `python -m skipsearch profile`, or a shipped "
+                             "profile's name, e.g. nvidia-h200/llama-3-8b (default: profile this device when the "
+                             "study starts)")
     add_projection_flag(search, "the best sets'")
     search.add_argument("--sampler", choices=SAMPLERS, default="tpe", help="Optuna sampler")
     search.add_argument("--n-trials", type=positive_int, default=20,

@@ -5,13 +5,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..decode.cost_profile import shipped_profiles
 from .arguments import add_model_flags, add_studies_dir, context_lengths, positive_int, settings_of
 
 
 HELP = "measure the cost model of this device and save it as JSON"
 DESCRIPTION = ("Time attention, MLP, the rest of a forward and verification of 1..9 tokens at several "
                "context lengths on this device and dtype, and what decoding pays besides forwards; "
-               "`optimize --objective modeled --cost-profile`, `bench` and `--project-with` read the file.")
+               "`optimize --objective modeled --cost-profile`, `bench` and `--project-with` read the file. They "
+               "also take the name of a profile that ships with skipsearch, measured on a GPU with random weights: "
+               f"{', '.join(shipped_profiles())}.")
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

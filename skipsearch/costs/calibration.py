@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from ..decode.cost_profile import CostProfile, Overheads
-from ..decode.engine import synchronize
+from ..decode.engine import engine_for, synchronize
 from ..decode.loop import generate
 from ..decode.policy import DraftPolicy
 from ..decode.skipping import draft_mode
@@ -84,6 +84,11 @@ def _decoding_runs(model: torch.nn.Module, profile: CostProfile, repeats: int,
                    compile_mode: str | None = None) -> list[tuple[DecodeStats, DecodeStats]]:
     """`repeats` pairs of real decoding runs: plain, and fixed drafting."""
     prompt, skip, fixed = _calibration(model, profile)
+    if compile_mode is not None:
+        # Compiled runs decode on the engine's cache, which the profile's longest context grew; a step's cost follows
+        # the cache's slots, not the position, and these runs' forwards are priced at the shortest context: so the
+        # cache is made again at the runs' own length.
+        engine_for(model).release_cache()
 
     def run(skip_set: SkipSet | None) -> DecodeStats:
         return generate(model, prompt, skip=skip_set, max_new_tokens=_NEW_TOKENS, policy=fixed,

@@ -25,6 +25,16 @@ if TYPE_CHECKING:  # the types it prices: a plain value needs neither torch nor 
 
 PROFILE_FORMAT = "skipsearch/cost-profile"
 
+# Profiles measured on GPUs, shipped so that any machine can price decoding there: <device>/<shape>.json, random
+# weights from benchmarks/configs/<shape>.json, their provenance inside (BENCHMARKS.md, "Twenty-first session").
+SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
+
+
+def shipped_profiles() -> list[str]:
+    """The names of the shipped profiles, `<device>/<shape>` (e.g. "nvidia-h200/llama-3-8b"): `CostProfile.load`
+    and every `--cost-profile` or `--project-with` take one in place of a file."""
+    return sorted(f"{path.parent.name}/{path.stem}" for path in SHIPPED_PROFILES.glob("*/*.json"))
+
 
 # 4 added the LM head's cost and the vocabulary (a trimmed draft head is priced by its rows); 3 each layer's sublayer
 # shares; 2 (no shares) reads as all alike, 3 as a head that trimming does not make cheaper
@@ -218,6 +228,12 @@ class CostProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
+        """A profile from its file, or from a shipped profile's name (`shipped_profiles`) where no such file exists."""
+        if not Path(path).exists() and str(path) in shipped_profiles():
+            path = SHIPPED_PROFILES / f"{path}.json"
+        elif not Path(path).exists():
+            raise ValueError(f"cost profile {str(path)!r} does not exist (shipped profiles: "
+                             f"{', '.join(shipped_profiles())})")
         data = read_json(path, "cost profile")
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
             raise ValueError(f"{path}: not a skipsearch cost profile (expected \"format\": \"{PROFILE_FORMAT}\")")

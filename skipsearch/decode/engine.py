@@ -345,18 +345,24 @@ class Engine:
         return Prefill(self.model, self.cache, {w: self.prefill_steps[w, settings] for w in PREFILL_WIDTHS},
                        self.prefill_row, self.attention)
 
+    def release_cache(self) -> None:
+        """Drop the cache and the steps that write it; the next compiled call makes a cache of its own length. The
+        cache only grows otherwise, and every step attends over all its slots: on an H200, the default model's step
+        costs 3.3x at 8,192 slots what it costs at 256, whatever the position (BENCHMARKS.md, twenty-first session)."""
+        for skip, _ in self.draft_steps:
+            forget_draft(self.model, skip)
+        # The steps close over the old cache: freed first, so that two caches are never held at once.
+        self.verify_steps.clear()
+        self.draft_steps.clear()
+        self.prefill_steps.clear()
+        for compiled in self.layers.values():
+            compiled.resized()
+        self.cache = None
+
     def _fit_cache(self, length: int) -> None:
         model, device = self.model, self.model.device
         if self.cache is None or not self.cache.matches(length, model.dtype, device):
-            for skip, _ in self.draft_steps:
-                forget_draft(model, skip)
-            # The steps close over the old cache: freed first, so that two caches are never held at once.
-            self.verify_steps.clear()
-            self.draft_steps.clear()
-            self.prefill_steps.clear()
-            for compiled in self.layers.values():
-                compiled.resized()
-            self.cache = None
+            self.release_cache()
             # A capacity in blocks serves many lengths with one cache, and so one set of captured CUDA graphs.
             self.cache = SpeculativeCache(model.config, -(-length // CACHE_BLOCK) * CACHE_BLOCK, device, model.dtype)
             self.graph_pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
