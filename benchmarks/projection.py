@@ -46,7 +46,7 @@ def skip_sets(num_layers: int) -> dict[str, SkipSet]:
     for name in SETS:
         entry = published[name]
         if num_layers == 40:
-            sets[f"{entry.origin}"] = entry.skip_set(40)
+            sets[entry.origin] = entry.skip_set(40)
         else:
             def mapped(ids):
                 return sorted({min(num_layers - 1, round(i * num_layers / 40)) for i in ids})
@@ -59,8 +59,8 @@ def table(profile: CostProfile, shape: str, context: int, head_rows: int) -> lis
     heads = {"full head": None, f"head of {head_rows:,} rows": DraftHead(tuple(range(head_rows)))}
     columns = [(set_name, head_name, SkipSet.of(skip.attn, skip.mlp, profile.num_hidden_layers, head=head))
                for set_name, skip in sets.items() for head_name, head in heads.items()]
-    lines = [f"### {shape}: {profile.label()}, context {context}; PREDICTED speedup over compiled plain decoding "
-             "(best draft length)", "",
+    lines = [f"### {shape}, context {context}: PREDICTED speedup over compiled plain decoding (best draft length)", "",
+             f"Profile: {profile.label()}.", "",
              "| acceptance | " + " | ".join(f"{s} ({s_skip.size} sublayers), {h}" for s, h, s_skip in columns) + " |",
              "| --- |" + " --- |" * len(columns)]
     for acceptance in ACCEPTANCE:
@@ -73,8 +73,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="nvidia-h200", help="the shipped profiles' device (default: %(default)s)")
     parser.add_argument("--shapes", default="llama-2-7b,llama-3-8b,llama-2-13b", help="(default: %(default)s)")
-    parser.add_argument("--context", type=int, default=512, help="tokens cached at each round (default: 512)")
-    parser.add_argument("--head-rows", type=int, default=8192, help="a trimmed head's rows (default: 8192)")
+    parser.add_argument("--context", type=int, default=512, help="tokens cached at each round (default: %(default)s)")
+    parser.add_argument("--head-rows", type=int, default=8192, help="a trimmed head's rows (default: %(default)s)")
     args = parser.parse_args()
     for shape in args.shapes.split(","):
         profile = CostProfile.load(f"{args.device}/{shape}")

@@ -452,14 +452,30 @@ def test_the_calibration_decodes_on_a_cache_of_its_own_length(monkeypatch):
 
 def test_releasing_the_cache_drops_the_steps_that_write_it():
     from skipsearch.decode.engine import CompileSettings, engine_for
+    from skipsearch.decode.skipping import _draft_cache
 
     model = tiny_model()
-    engine, settings = engine_for(model), CompileSettings(mode="regional")
-    engine.prepare(200, SkipSet.of((1,), (), 4), settings, 3)
-    assert engine.cache.capacity == 256 and engine.steps
+    engine, settings, skip = engine_for(model), CompileSettings(mode="regional"), SkipSet.of((1,), (), 4)
+    engine.prepare(600, skip, settings, 3).draft(torch.tensor([[5]]))  # the draft compiles the layer kinds
+    assert engine.cache.capacity == 768 and engine.steps and engine.layers["inductor"].warmed and _draft_cache(model)
     engine.release_cache()
-    assert engine.cache is None and not engine.steps
-    assert engine.prepare(20, None, settings, 1).cache.capacity == 256 and engine.cache is not None
+    assert engine.cache is None and not engine.steps and not _draft_cache(model)
+    assert not engine.layers["inductor"].warmed  # the next set's setup warms the kinds again, at the new length
+    assert engine.prepare(20, None, settings, 1).cache.capacity == 256  # without the release, 768 would serve
+
+
+def test_a_context_measured_again_is_timed_on_a_cache_of_its_own_length():
+    """The profile measures contexts again while their repeats disagree, after the longest grew the cache: each is
+    timed on a cache of its own length again."""
+    from skipsearch.costs.profiler import _compiled_forwards
+    from skipsearch.decode.engine import CompileSettings, engine_for
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    engine_for(model).prepare(600, None, CompileSettings(mode="regional"), 1)  # the longest context's cache
+    cache, _, _ = _compiled_forwards(model, torch.randint(0, 96, (1, 40)), 8, 3, "regional")
+    assert cache.capacity == 256
 
 
 def test_the_shipped_gpu_profiles_load_by_name_and_match_their_shapes():
@@ -473,10 +489,28 @@ def test_the_shipped_gpu_profiles_load_by_name_and_match_their_shapes():
     configs = Path(__file__).resolve().parent.parent / "benchmarks" / "configs"
     for name in names:
         profile = CostProfile.load(name)
-        assert profile == CostProfile.load(SHIPPED_PROFILES / f"{name}.json")
+        assert profile == CostProfile.load(Path(name)) == CostProfile.load(SHIPPED_PROFILES / f"{name}.json")
         assert profile.device.startswith("cuda") and profile.provenance["device_name"]
         config = json.loads((configs / f"{name.split('/')[1]}.json").read_text())
         assert profile.num_hidden_layers == config["num_hidden_layers"] and profile.vocab_size == config["vocab_size"]
         assert profile.contexts[0].verify_s[-1] < 1.25 * profile.contexts[0].verify_s[0]
     with pytest.raises(ValueError, match="does not exist \\(shipped profiles: .*nvidia-h200/llama-3-8b"):
         CostProfile.load("nvidia-h200/no-such-shape")
+
+
+def test_a_profile_refuses_a_model_of_another_shape_and_names_the_shipped_ones_that_fit():
+    """The layers and the vocabulary must match (a Llama-3-8B profile read for a Llama-2-7B: 32 layers both, 128,256
+    tokens against 32,000); the error names the shipped profiles of the model's shape."""
+    from skipsearch.decode.cost_profile import model_shape
+
+    llama_3_8b = CostProfile.load("nvidia-h200/llama-3-8b")
+    config = json.loads((Path(__file__).resolve().parent.parent / "benchmarks/configs/llama-2-7b.json").read_text())
+    small = LlamaConfig(**{**config, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                           "num_key_value_heads": 4})
+    llama_2_7b = AutoModelForCausalLM.from_config(small)  # its shape's layers and vocabulary, tiny matrices
+    assert model_shape(llama_2_7b) == ("LlamaForCausalLM", 32, 32000)
+    with pytest.raises(ValueError, match=r"with 32 layers and 128,256 tokens, not LlamaForCausalLM with 32 layers "
+                                         r"and 32,000 tokens \(shipped profiles of its shape: nvidia-h200/llama-2-7b\)$"):
+        llama_3_8b.check_model(llama_2_7b)
+    CostProfile.load("nvidia-h200/llama-2-7b").check_model(llama_2_7b)
+    assert "not measured, priced at 0: round_s, draft_token_s" in llama_3_8b.label()

@@ -202,6 +202,7 @@ def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
     first_trials = _first_trials(warm_files, model_info, space, not s.no_warm_starts, say)
     if profile is not None:
         profile.check_model(loaded.model)
+        say(f"the modeled objective prices rounds with {s.cost_profile} [{profile.label()}]")
     encoded = encode_rows(loaded, rows, s.raw, s.max_new_tokens, policy.max_draft_tokens, s.too_long, say,
                           not s.no_progress)
     if prompt_datasets is not None:  # each prompt kept, with its dataset

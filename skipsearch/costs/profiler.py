@@ -29,7 +29,7 @@ import torch
 from ..decode import adapter
 from ..decode.cost_profile import ContextCosts, CostProfile
 from ..decode.economics import sublayer_weights
-from ..decode.engine import CompileSettings, engine_for, forward_at_position, synchronize
+from ..decode.engine import CACHE_BLOCK, CompileSettings, engine_for, forward_at_position, synchronize
 from ..decode.kvcache import SpeculativeCache
 from ..decode.skipping import draft_mode
 from ..decode.skipset import DraftHead, SkipSet
@@ -240,6 +240,10 @@ def _compiled_forwards(model: torch.nn.Module, ids: torch.Tensor, context: int, 
     one-token forwards of each draft kind (the full one is the plain step). Each step advances the position."""
     engine, settings = engine_for(model), CompileSettings(mode=mode)
     length = context + max_verify_tokens
+    if engine.cache is not None and engine.cache.capacity - length >= CACHE_BLOCK:
+        # A step costs what its cache's slots cost: a context measured again (the noise's retries) after a longer one
+        # is timed on a cache of its own length, as the first time.
+        engine.release_cache()
     verify = {n: engine.prepare(length, None, settings, n).verify for n in range(1, max_verify_tokens + 1)}
     steps = {name: engine.prepare(length, skip, settings, 1).draft or verify[1]
              for name, skip in _draft_kinds(model.config.num_hidden_layers).items()}

@@ -30,6 +30,11 @@ PROFILE_FORMAT = "skipsearch/cost-profile"
 SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 
 
+def model_shape(model: torch.nn.Module) -> tuple[str, int, int]:
+    """What a profile must match: the model's class, its layers and its vocabulary (0 where its config has none)."""
+    return type(model).__name__, model.config.num_hidden_layers, getattr(model.config, "vocab_size", 0) or 0
+
+
 def shipped_profiles() -> list[str]:
     """The names of the shipped profiles, `<device>/<shape>` (e.g. "nvidia-h200/llama-3-8b"): `CostProfile.load`
     and every `--cost-profile` or `--project-with` take one in place of a file."""
@@ -245,12 +250,26 @@ class CostProfile:
             raise ValueError(f"{path}: {error}") from None
 
     def check_model(self, model: torch.nn.Module) -> None:
-        if (self.architecture, self.num_hidden_layers) != (type(model).__name__, model.config.num_hidden_layers):
-            raise ValueError(
-                f"cost profile is for {self.architecture} with {self.num_hidden_layers} layers, not "
-                f"{type(model).__name__} with {model.config.num_hidden_layers}"
-            )
+        """A ValueError where `model` is not of this profile's shape (architecture, layers, and the vocabulary where
+        the profile has one), naming the shipped profiles of the model's shape."""
+        architecture, layers, vocab = shape = model_shape(model)
+        if self.fits(*shape):
+            return
+        tokens = f" and {self.vocab_size:,} tokens" if self.vocab_size else ""
+        matching = ", ".join(name for name in shipped_profiles() if CostProfile.load(name).fits(*shape))
+        raise ValueError(f"cost profile is for {self.architecture} with {self.num_hidden_layers} layers{tokens}, not "
+                         f"{architecture} with {layers} layers and {vocab:,} tokens"
+                         + (f" (shipped profiles of its shape: {matching})" if matching else ""))
+
+    def fits(self, architecture: str, layers: int, vocab: int) -> bool:
+        """Whether the profile prices a model of this shape; a vocabulary unknown on either side (a profile before
+        version 4, a config without one) is not compared."""
+        same_vocabulary = not self.vocab_size or not vocab or self.vocab_size == vocab
+        return (self.architecture, self.num_hidden_layers) == (architecture, layers) and same_vocabulary
 
     def label(self) -> str:
+        """The device and dtype, and the overheads the profile lacks, for whoever reads a prediction made with it."""
         name = self.provenance.get("device_name")
-        return f"{self.device}{f' ({name})' if name else ''}, {self.dtype}"
+        unmeasured = ", ".join(self.provenance.get("unmeasured", ()))
+        return (f"{self.device}{f' ({name})' if name else ''}, {self.dtype}"
+                + (f"; not measured, priced at 0: {unmeasured}" if unmeasured else ""))

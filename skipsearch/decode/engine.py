@@ -357,7 +357,7 @@ class Engine:
         self.prefill_steps.clear()
         for compiled in self.layers.values():
             compiled.resized()
-        self.cache = None
+        self.cache, self.graph_pool, self.prefill_row = None, None, None
 
     def _fit_cache(self, length: int) -> None:
         model, device = self.model, self.model.device
