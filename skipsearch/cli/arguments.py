@@ -212,9 +212,9 @@ def add_compile_flag(parser: argparse.ArgumentParser,
 
 def add_projection_flag(group: argparse._ActionsContainer, whose: str, stored: str = "") -> None:
     group.add_argument("--project-with", type=Path, action="append", metavar="PROFILE",
-                       help=f"also print {whose} speedup PREDICTED with this cost profile, e.g. a GPU's: a file or a shipped "
-                            f"profile's name such as nvidia-h200/llama-3-8b (repeatable; a prediction, not a "
-                            f"measurement{stored})")
+                       help=f"also print {whose} speedup PREDICTED with this cost profile, e.g. a GPU's: a file "
+                            f"or a shipped profile's name such as nvidia-h200/llama-3-8b (repeatable; a prediction, "
+                            f"not a measurement{stored})")
 
 
 def add_number_flags(group: argparse._ActionsContainer,

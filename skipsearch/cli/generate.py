@@ -63,8 +63,9 @@ def add_generate_flags(gen: argparse.ArgumentParser) -> None:
                           "(several files, or a file that carries several), the prefill chooses one of them or plain "
                           "decoding for the prompt")
     gen.add_argument("--cost-profile", type=Path, default=None,
-                     help="with several skip sets: price each set's drafts with this profile (a file from `profile` or a "
-                          "shipped profile's name) when choosing (default: the share of the weights each draft reads)")
+                     help="with several skip sets: price each set's drafts with this profile (a file from `profile` "
+                          "or a shipped profile's name) when choosing (default: the share of the weights each draft "
+                          "reads)")
     gen.add_argument("--skip-attn", type=layer_ids, default=None, help="attention layers to skip, e.g. 3,7")
     gen.add_argument("--skip-mlp", type=layer_ids, default=None, help="MLP layers to skip, e.g. 12")
     gen.add_argument("--autoregressive", action="store_true", help="decode plainly through the same loop")

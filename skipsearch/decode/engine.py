@@ -351,7 +351,7 @@ class Engine:
         costs 3.3x at 8,192 slots what it costs at 256, whatever the position (BENCHMARKS.md, twenty-first session)."""
         for skip, _ in self.draft_steps:
             forget_draft(self.model, skip)
-        # The steps close over the old cache: freed first, so that two caches are never held at once.
+        # The steps close over the old cache: freed first, so that the engine never holds two caches at once.
         self.verify_steps.clear()
         self.draft_steps.clear()
         self.prefill_steps.clear()
