@@ -40,17 +40,14 @@ def best_speedup(profile: CostProfile, skip: SkipSet, acceptance: float, context
 
 
 def skip_sets(num_layers: int) -> dict[str, SkipSet]:
-    """The published LLaMA-2-13B sets, mapped by position to `num_layers` where the shape has fewer layers."""
+    """The published LLaMA-2-13B sets, each layer mapped by position to `num_layers` (the same layer at 40)."""
     published = {s.name: s for s in published_skip_sets()}
     sets = {}
     for name in SETS:
         entry = published[name]
-        if num_layers == 40:
-            sets[entry.origin] = entry.skip_set(40)
-        else:
-            def mapped(ids):
-                return sorted({min(num_layers - 1, round(i * num_layers / 40)) for i in ids})
-            sets[f"{entry.origin}, mapped"] = SkipSet.of(mapped(entry.attn), mapped(entry.mlp), num_layers)
+        ratio = num_layers / entry.model["num_hidden_layers"]
+        attn, mlp = ({min(num_layers - 1, round(i * ratio)) for i in ids} for ids in (entry.attn, entry.mlp))
+        sets[entry.origin + (", mapped" if ratio != 1 else "")] = SkipSet.of(attn, mlp, num_layers)
     return sets
 
 

@@ -234,11 +234,11 @@ class CostProfile:
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
         """A profile from its file, or from a shipped profile's name (`shipped_profiles`) where no such file exists."""
-        if not Path(path).exists() and str(path) in shipped_profiles():
+        if not Path(path).exists():
+            if str(path) not in shipped_profiles():
+                raise ValueError(f"cost profile {str(path)!r} does not exist (shipped profiles: "
+                                 f"{', '.join(shipped_profiles())})")
             path = SHIPPED_PROFILES / f"{path}.json"
-        elif not Path(path).exists():
-            raise ValueError(f"cost profile {str(path)!r} does not exist (shipped profiles: "
-                             f"{', '.join(shipped_profiles())})")
         data = read_json(path, "cost profile")
         if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
             raise ValueError(f"{path}: not a skipsearch cost profile (expected \"format\": \"{PROFILE_FORMAT}\")")
