@@ -14,19 +14,24 @@
 # so the model's file (94 MiB in parts) costs a call of its own. Without it, `kernels` and `prefill` time the default
 # model's shape with random weights (benchmarks/configs/smollm2-135m.json; prefill then on made-up prompts of 37-300
 # tokens, labelled so in its log): timing does not depend on weights.
-# Stage times on the H200 of 2026-11-27, twenty-first session (16 host cores, an empty inductor cache; BENCHMARKS.md,
-# "Twenty-first session"): info 8 s; head 91 s (both shapes); profiles 39-55 s of contexts a shape, 66-73 s with
-# building and compiling; variants on the 8B shape 32 s (combo) and 118 s (frozen, 94 s of it compiling); resize 39 s;
-# prefill 34 s. The twentieth's: the machine started in about 30 s; speed-8b 151 s; gptfast 210 s; cuda-tests 62-83 s.
-# The profiles of that lease had a wrong calibration (their overheads per round and per drafted token held the longest
-# context's cache), fixed since; the shipped copies carry those two overheads as 0. So the next lease runs:
-# Call 1, carry .whl:   PROFILE_SHAPES="smollm2-135m llama-3-8b llama-2-7b llama-2-13b qwen2.5-1.5b" \
-#                         bash benchmarks/gpu.sh info cuda-tests profiles
-#                       (about 440 s: the profiles with measured overheads, to replace skipsearch/profiles/nvidia-h200/,
-#                       and the CUDA tests, since Engine.release_cache is new)
-# Call 2, carry .whl:   bash benchmarks/gpu.sh speed-shape kernels
-#                       (the default shape end to end, random weights, and its kernels, against 639.9 tok/s of 2026-11-27)
-# Later leases: the model in parts: host speed trials setup guard study tests.
+# Stage times on the H200 of 2026-11-27, twenty-second session (16 host cores, an empty inductor cache; BENCHMARKS.md,
+# "Twenty-second session"): the machine started in about 30 s; info 9 s; cuda-tests 112 s; profiles 345 s for five
+# shapes (43-52 s of contexts each); speed-shape 121 s; kernels 59 s (both shapes). The twenty-first's: head 91 s;
+# variants on the 8B shape 32 s (combo) and 118 s (frozen, 94 s of it compiling); resize 39 s; prefill 34 s. The
+# twentieth's: speed-8b 151 s; gptfast 210 s.
+# The shipped profiles are measured whole (twenty-second session). They show a step's attention far below the
+# bandwidth on long caches (Qwen2.5-1.5B's shape: 0.70 ms a layer at 32,758 slots, about 48 GB/s), so the next lease
+# first times SDPA's other kernels there, then runs the default model on its real weights, which no H200 lease has:
+# its study with the trimmed head (issue 40's "the default model's study with it"). The model travels in three parts
+# of at most 40 MB (`split -b 40000000 FILE .gpu/gguf.`; .gpu/ is ignored, so only what a call carries travels), .whl
+# and the first part together under the 64 MiB a call carries:
+# Call 1, carry .whl .gpu/gguf.aa:
+#   VARIANT_SLOTS=256,4096 STEP_VARIANTS=math,efficient VARIANT_SHAPES="smollm2-135m qwen2.5-1.5b llama-2-7b" \
+#     bash benchmarks/gpu.sh info variants          (not timed yet: six processes, about 40-60 s each)
+# Call 2, carry .gpu/gguf.ab .gpu/gguf.ac, on the same warm machine (the parts, the wheels and the converted model
+# are kept under $KEEP there):
+#   STUDY_TRIALS=12 bash benchmarks/gpu.sh study    (give it what is left of the lease)
+# Later leases: host speed trials setup guard tests, with the model in parts again.
 # Give each call the run tool's longest timeout: what a stage wrote before the limit still comes back.
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
@@ -35,7 +40,7 @@
 #     optuna alembic SQLAlchemy colorlog Mako datasets dill multiprocess gguf cmaes transformers
 # gpt-fast, the reference (`gptfast` stage), travels as a copy of ../shared/anchors/gpt-fast in .gptfast/ (ignored):
 #   mkdir -p .gptfast && cp ../shared/anchors/gpt-fast/*.py .gptfast/
-# The default model's GGUF is larger than one transfer, so it travels in parts, .gpu/gguf.* (`split -b 46000000 FILE .gpu/gguf.`),
+# The default model's GGUF is larger than one transfer, so it travels in parts, .gpu/gguf.* (`split -b 40000000 FILE .gpu/gguf.`),
 # over consecutive calls to the same warm machine (see BENCHMARKS.md, "GPU"). Ignored folders of the repo are not kept
 # between calls there, so the parts, the installed wheels and the converted model are kept under $KEEP.
 set -uo pipefail
@@ -102,8 +107,8 @@ for stage in "$@"; do
     trials)  # a study's figure for a skip set against bench's, same prompts
       timeout 400 python3 benchmarks/trial_vs_bench.py --device cuda --dtype bfloat16 2>&1 | tee "$LOGS/trials.log" | grep -v "$PROGRESS"
       ;;
-    study)  # a 30-distinct-set study on the default model: wall time and verdict
-      /usr/bin/time -v timeout 560 python3 -m skipsearch optimize --study-name gpu30 --n-trials 30 --no-progress \
+    study)  # a study on the default model (STUDY_TRIALS distinct sets, 30 unless set): wall time and verdict
+      /usr/bin/time -v timeout 560 python3 -m skipsearch optimize --study-name gpu --n-trials ${STUDY_TRIALS:-30} --no-progress \
         --studies-dir "$LOGS/studies" 2>&1 | tee "$LOGS/study.log" | grep -v "^\s" | tail -25
       ;;
     host)  # host work per token and per round, by part, through the CUDA graphs
@@ -152,10 +157,11 @@ for stage in "$@"; do
     variants)  # the shipped steps against the frozen whole step, inductor's own attention (as gpt-fast), the whole step
                # unfrozen, combo kernels, and the last two together. STEP_VARIANTS names some of them, each then run in
                # a process of its own: the script holds a copy of the model a variant, 16 GB each on the 8B shape.
+               # VARIANT_SLOTS sets the cache's slots (256 unless set; a list such as 256,8192 measures each).
       for shape in ${VARIANT_SHAPES:-smollm2-135m}; do
         named=${STEP_VARIANTS:-all}
         for variants in ${named//,/ }; do
-          timeout 400 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots 256 \
+          timeout 400 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots ${VARIANT_SLOTS:-256} \
             ${STEP_VARIANTS:+--variants $variants} --config-only benchmarks/configs/$shape.json 2>&1 \
             | tee -a "$LOGS/variants-$shape.log" | grep -v "$PROGRESS\|USDT"
         done

@@ -16,6 +16,9 @@ here is a way to launch fewer:
   skip set;
 - "combo": inductor's combo kernels, which launch independent pointwise kernels as one (CUDA's Triton code only);
 - "math+combo": both;
+- "efficient" (named, not run by default): SDPA's memory-efficient kernel alone instead of its own choice (cuDNN's on
+  the H200): on long caches a step's attention is far below the bandwidth there (BENCHMARKS.md, "Twenty-second
+  session"), and each kernel splits the work its own way;
 - "unguarded" (named, not run by default): the shipped steps with dynamo's guards left unchecked
   (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), what the guards cost a regional step on a CPU, where
   each layer's compiled function checks its guards at every call (on CUDA the steps replay as CUDA graphs and check
@@ -65,7 +68,8 @@ VARIANTS = {"shipped": Variant(), "frozen": Variant(settings=FROZEN), "math": Va
             "frozen+math": Variant(backends=[SDPBackend.MATH], settings=FROZEN),
             "combo": Variant(inductor={"combo_kernels": True}),
             "math+combo": Variant(backends=[SDPBackend.MATH], inductor={"combo_kernels": True}),
-            "whole": Variant(settings=CompileSettings(mode="reduce-overhead")), "unguarded": Variant(unguarded=True)}
+            "whole": Variant(settings=CompileSettings(mode="reduce-overhead")), "unguarded": Variant(unguarded=True),
+            "efficient": Variant(backends=[SDPBackend.EFFICIENT_ATTENTION])}
 
 
 @contextlib.contextmanager

@@ -518,4 +518,15 @@ def test_a_profile_refuses_a_model_of_another_shape_and_names_the_shipped_ones_t
     with pytest.raises(ValueError, match=refusal):
         llama_3_8b.check_model(llama_2_7b)
     CostProfile.load("nvidia-h200/llama-2-7b").check_model(llama_2_7b)
-    assert "not measured, priced at 0: round_s, draft_token_s" in llama_3_8b.label()
+
+
+def test_a_profile_label_names_the_overheads_it_prices_at_zero():
+    """The shipped profiles measure every overhead (their label names only the device); one whose provenance lists
+    overheads as unmeasured says, in every prediction's label, that they are priced at 0."""
+    from dataclasses import replace
+
+    llama_3_8b = CostProfile.load("nvidia-h200/llama-3-8b")
+    assert llama_3_8b.label() == "cuda:0 (NVIDIA H200), bfloat16"
+    assert llama_3_8b.overheads.round_s > 0 and llama_3_8b.overheads.draft_token_s > 0
+    partial = replace(llama_3_8b, provenance={**llama_3_8b.provenance, "unmeasured": ["round_s", "draft_token_s"]})
+    assert partial.label().endswith("; not measured, priced at 0: round_s, draft_token_s")
