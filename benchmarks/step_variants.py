@@ -19,6 +19,10 @@ here is a way to launch fewer:
 - "efficient" (named, not run by default): SDPA's memory-efficient kernel alone instead of its own choice (cuDNN's on
   the H200): on long caches a step's attention is far below the bandwidth there (BENCHMARKS.md, "Twenty-second
   session"), and each kernel splits the work its own way;
+- "unfolded" (named, not run by default): transformers' own SDPA attention in the steps instead of the engine's
+  (`decode/attention.py`), which copies each key/value head out to its query heads rather than folding the query
+  heads into the query's rows: more heads for the kernel to spread over, at the price of the copy (the same
+  question as "efficient": is the fold what starves a long cache's attention on the H200?);
 - "unguarded" (named, not run by default): the shipped steps with dynamo's guards left unchecked
   (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), what the guards cost a regional step on a CPU, where
   each layer's compiled function checks its guards at every call (on CUDA the steps replay as CUDA graphs and check
@@ -41,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -48,6 +53,8 @@ import torch._functorch.config
 import torch._inductor.config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from skipsearch.decode import adapter
+from skipsearch.decode.attention import grouped_sdpa
 from skipsearch.decode.engine import CompileSettings
 
 from cache_resize import SETTINGS, prepared
@@ -58,6 +65,7 @@ from verify_head import pair
 
 class Variant(NamedTuple):
     backends: list[SDPBackend] | None = None  # SDPA's backends; None: its own choice
+    attention: Callable | None = None  # what the engine's attention name runs; None: the engine's own (grouped_sdpa)
     inductor: dict = {}  # inductor settings patched while the steps compile
     settings: CompileSettings = SETTINGS  # the engine's: regional steps unless named
     unguarded: bool = False  # run with dynamo's guards unchecked
@@ -69,7 +77,21 @@ VARIANTS = {"shipped": Variant(), "frozen": Variant(settings=FROZEN), "math": Va
             "combo": Variant(inductor={"combo_kernels": True}),
             "math+combo": Variant(backends=[SDPBackend.MATH], inductor={"combo_kernels": True}),
             "whole": Variant(settings=CompileSettings(mode="reduce-overhead")), "unguarded": Variant(unguarded=True),
-            "efficient": Variant(backends=[SDPBackend.EFFICIENT_ATTENTION])}
+            "efficient": Variant(backends=[SDPBackend.EFFICIENT_ATTENTION]),
+            "unfolded": Variant(attention=adapter.sdpa_attention)}
+
+
+@contextlib.contextmanager
+def engine_attention_running(function: Callable | None):
+    """Inside: the engine's steps attend through `function` (None: through the engine's own attention)."""
+    if function is None:
+        yield
+        return
+    adapter.register_attention(adapter.ENGINE_ATTENTION, function)
+    try:
+        yield
+    finally:
+        adapter.register_attention(adapter.ENGINE_ATTENTION, grouped_sdpa)
 
 
 @contextlib.contextmanager
@@ -79,6 +101,7 @@ def compiled_as(variant: str):
     spec = VARIANTS[variant]
     uncached = {} if variant == "shipped" else {"fx_graph_cache": False}
     with (sdpa_kernel(spec.backends) if spec.backends else contextlib.nullcontext(),
+          engine_attention_running(spec.attention),
           torch._inductor.config.patch({**spec.inductor, **uncached}),
           torch._functorch.config.patch(enable_autograd_cache=variant == "shipped")):
         yield

@@ -101,3 +101,29 @@ def test_a_config_is_benched_as_deployed_and_as_its_study_measured_it():
     assert list(config_decoders(unguarded)) == ["skipsearch attn=[1] mlp=[] (unguarded)"]
     assert list(config_decoders(SkipConfig(model=config.model, skip=SkipSet()))) == [
         "skipsearch config (skips nothing)"]
+
+
+def test_bench_profiles_the_steps_it_decodes_with():
+    """bench's own cost profile times what bench runs: eager forwards, or with --compile on CUDA the regional steps as
+    CUDA graphs (eager forwards there time the host's Python); a CPU's frozen steps are priced by eager forwards."""
+    from skipsearch.api.bench import profiled_mode
+
+    assert profiled_mode(True, torch.device("cuda", 0)) == "regional"
+    assert profiled_mode(False, torch.device("cuda", 0)) is None
+    assert profiled_mode(True, torch.device("cpu")) is None and profiled_mode(False, torch.device("cpu")) is None
+
+
+def test_bench_passes_its_profiled_mode_to_the_profile(monkeypatch):
+    """The wiring: bench's profile is taken with the mode `profiled_mode` gives for its --compile and device."""
+    import types
+
+    from skipsearch.api import bench
+
+    model = tiny_model()
+    config = SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [], 4), draft=DraftPolicy())
+    taken = []
+    monkeypatch.setattr(bench, "profile_costs", lambda model, **kwargs: taken.append(kwargs["compile_mode"]))
+    loaded = types.SimpleNamespace(model=model, device=torch.device("cuda", 0))  # only the device is read as cuda
+    for compile in (True, False):
+        bench._profile(bench.BenchSettings(compile=compile), loaded, config, [[1, 2, 3]])
+    assert taken == ["regional", None]

@@ -454,6 +454,35 @@ def test_step_variants_reports_a_failing_variant_and_measures_the_next(monkeypat
     assert re.search(r"^  verify step \(5 tokens\) +math .* top-1 same in 5/5 rows", out, re.M)
 
 
+def test_step_variants_unfolded_attends_through_transformers_sdpa_and_restores_the_engines(monkeypatch, capsys):
+    """The "unfolded" variant's steps attend through the function it names (transformers' SDPA, here counted), its
+    logits agree with the shipped steps', and the engine's own attention is registered again afterwards."""
+    from transformers import AttentionInterface
+
+    from skipsearch.decode import adapter
+    from skipsearch.decode.attention import grouped_sdpa
+
+    step_variants = load_benchmark("step_variants")
+    queries = []
+
+    def counted(module, query, *args, **kwargs):
+        queries.append(tuple(query.shape))
+        return adapter.sdpa_attention(module, query, *args, **kwargs)
+
+    compile_with = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_with(*args, **{**kwargs, "backend": "eager"}))
+    monkeypatch.setitem(step_variants.VARIANTS, "unfolded", step_variants.Variant(attention=counted))
+    monkeypatch.setattr(step_variants, "profile_inductor_cpu_kernels", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["step_variants.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256",
+                                      "--repeats", "2", "--variants", "unfolded"])
+    step_variants.main()
+    out = capsys.readouterr().out
+    assert (1, 4, 1, 16) in queries and (1, 4, 5, 16) in queries  # both steps' queries: batch, 4 heads, width, dim
+    assert re.search(r"^  one-token step +unfolded .* top-1 same in 1/1 rows", out, re.M)
+    assert re.search(r"^  verify step \(5 tokens\) +unfolded .* top-1 same in 5/5 rows", out, re.M)
+    assert AttentionInterface()[adapter.ENGINE_ATTENTION] is grouped_sdpa
+
+
 FACTOR = 2  # read by `times`, and so guarded by dynamo
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..costs.profiler import contexts_for, device_name, profile_costs
+from ..costs.profiler import contexts_for, device_name, profile_costs, study_compile_mode
 from ..decode.config import SkipConfig, load_skip_config
 from ..decode.cost_profile import CostProfile
 from ..io.data import BUILTIN, categories_of, load_rows
@@ -129,7 +129,14 @@ def _profile(s: BenchSettings, loaded: LoadedModel, config: SkipConfig | None, e
         profile.check_model(loaded.model)
         return profile
     return profile_costs(loaded.model, contexts=contexts_for(loaded.model, encoded, s.max_new_tokens),
-                         show_progress=not s.no_progress)
+                         show_progress=not s.no_progress, compile_mode=profiled_mode(s.compile, loaded.device))
+
+
+def profiled_mode(compile: bool, device: torch.device) -> str | None:
+    """The steps bench's own profile times, as bench decodes: eager forwards, or with `compile` on CUDA the regional
+    steps as CUDA graphs. A CPU's compiled steps (frozen, about 100 s of compiling a step) are priced by the eager
+    forwards: a frozen profile would compile a step for every part and width it times."""
+    return study_compile_mode(device) if compile else None
 
 
 def _written_settings(s: BenchSettings, loaded: LoadedModel, num_prompts: int) -> dict:

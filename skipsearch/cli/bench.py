@@ -36,7 +36,9 @@ def add_bench_flags(bench: argparse.ArgumentParser) -> None:
     ])
     bench.add_argument("--cost-profile", type=Path, default=None,
                        help="cost profile for the predicted speedup: a file from `profile` or a shipped profile's "
-                            "name, e.g. nvidia-h200/llama-3-8b (default: profile this device)")
+                            "name, e.g. nvidia-h200/llama-3-8b (default: profile this device as bench decodes: "
+                            "eager forwards, or with --compile on CUDA the compiled steps; a CPU's compiled steps "
+                            "are priced by its eager forwards)")
     add_projection_flag(bench, "the config's", "; stored in bench.json")
     bench.add_argument("--seed", type=seed_value, default=0, help="seed of the prompt selection")
     bench.add_argument("--output-dir", type=Path, default=None,
