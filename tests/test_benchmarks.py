@@ -454,31 +454,32 @@ def test_step_variants_reports_a_failing_variant_and_measures_the_next(monkeypat
     assert re.search(r"^  verify step \(5 tokens\) +math .* top-1 same in 5/5 rows", out, re.M)
 
 
-def test_step_variants_unfolded_attends_through_transformers_sdpa_and_restores_the_engines(monkeypatch, capsys):
-    """The "unfolded" variant's steps attend through the function it names (transformers' SDPA, here counted), its
-    logits agree with the shipped steps', and the engine's own attention is registered again afterwards."""
+def test_step_variants_attend_through_the_variants_function_and_restore_the_engines(monkeypatch, capsys):
+    """A variant's steps attend through the function it names: "unfolded" (transformers' own SDPA) agrees with the
+    shipped steps, and a made-up variant whose attention outputs zeros changes the logits, which only the variant's
+    steps can do; the engine's own attention is registered again afterwards."""
     from transformers import AttentionInterface
 
     from skipsearch.decode import adapter
     from skipsearch.decode.attention import grouped_sdpa
 
     step_variants = load_benchmark("step_variants")
-    queries = []
+    assert step_variants.VARIANTS["unfolded"].attention is adapter.sdpa_attention
 
-    def counted(module, query, *args, **kwargs):
-        queries.append(tuple(query.shape))
-        return adapter.sdpa_attention(module, query, *args, **kwargs)
+    def silent(module, query, *args, **kwargs):  # no attention at all: (batch, width, heads, dim) of zeros
+        return torch.zeros_like(query).transpose(1, 2).contiguous(), None
 
     compile_with = torch.compile
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: compile_with(*args, **{**kwargs, "backend": "eager"}))
-    monkeypatch.setitem(step_variants.VARIANTS, "unfolded", step_variants.Variant(attention=counted))
+    monkeypatch.setitem(step_variants.VARIANTS, "silent", step_variants.Variant(attention=silent))
     monkeypatch.setattr(step_variants, "profile_inductor_cpu_kernels", lambda: None)
     monkeypatch.setattr(sys, "argv", ["step_variants.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256",
-                                      "--repeats", "2", "--variants", "unfolded"])
+                                      "--repeats", "2", "--variants", "unfolded,silent"])
     step_variants.main()
     out = capsys.readouterr().out
-    assert (1, 4, 1, 16) in queries and (1, 4, 5, 16) in queries  # both steps' queries: batch, 4 heads, width, dim
-    assert re.search(r"^  one-token step +unfolded .* top-1 same in 1/1 rows", out, re.M)
+    differences = dict(re.findall(r"^  one-token step +(\S+) .* max difference ([\d.e+-]+) ", out, re.M))
+    assert set(differences) == {"unfolded", "silent"}
+    assert float(differences["unfolded"]) < 1e-4 < float(differences["silent"])
     assert re.search(r"^  verify step \(5 tokens\) +unfolded .* top-1 same in 5/5 rows", out, re.M)
     assert AttentionInterface()[adapter.ENGINE_ATTENTION] is grouped_sdpa
 
