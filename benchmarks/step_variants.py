@@ -19,10 +19,10 @@ here is a way to launch fewer:
 - "efficient" (named, not run by default): SDPA's memory-efficient kernel alone instead of its own choice (cuDNN's on
   the H200): on long caches a step's attention is far below the bandwidth there (BENCHMARKS.md, "Twenty-second
   session"), and each kernel splits the work its own way;
-- "unfolded" (named, not run by default): transformers' own SDPA attention in the steps instead of the engine's
-  (`decode/attention.py`), which copies each key/value head out to its query heads rather than folding the query
-  heads into the query's rows: more heads for the kernel to spread over, at the price of the copy (the same
-  question as "efficient": is the fold what starves a long cache's attention on the H200?);
+- "unfolded" (named, not run by default): transformers' own SDPA attention, which copies each key/value head out to
+  its query heads, instead of the engine's (`decode/attention.py`), which folds the query heads into the query's
+  rows: more heads for the kernel to spread over, at the price of the copy. It asks whether the fold is what starves
+  a long cache's attention on the H200 (a model without grouped queries folds nothing: the same steps there);
 - "unguarded" (named, not run by default): the shipped steps with dynamo's guards left unchecked
   (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), what the guards cost a regional step on a CPU, where
   each layer's compiled function checks its guards at every call (on CUDA the steps replay as CUDA graphs and check

@@ -123,7 +123,8 @@ def test_bench_passes_its_profiled_mode_to_the_profile(monkeypatch):
     config = SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [], 4), draft=DraftPolicy())
     taken = []
     monkeypatch.setattr(bench, "profile_costs", lambda model, **kwargs: taken.append(kwargs["compile_mode"]))
-    loaded = types.SimpleNamespace(model=model, device=torch.device("cuda", 0))  # only the device is read as cuda
-    for compile in (True, False):
-        bench._profile(bench.BenchSettings(compile=compile), loaded, config, [[1, 2, 3]])
-    assert taken == ["regional", None]
+    for device in (torch.device("cuda", 0), torch.device("cpu")):  # the model stays on the CPU: only this is read
+        loaded = types.SimpleNamespace(model=model, device=device)
+        for compile in (True, False):
+            bench._profile(bench.BenchSettings(compile=compile), loaded, config, [[1, 2, 3]])
+    assert taken == ["regional", None, None, None]

@@ -495,6 +495,7 @@ def test_the_shipped_gpu_profiles_load_by_name_and_match_their_shapes():
         profile = CostProfile.load(name)
         assert profile == CostProfile.load(Path(name)) == CostProfile.load(SHIPPED_PROFILES / f"{name}.json")
         assert profile.device.startswith("cuda") and profile.provenance["device_name"]
+        assert "unmeasured" not in profile.provenance and profile.overheads.draft_token_s > 0  # measured whole
         config = json.loads((SHAPES / f"{name.split('/')[1]}.json").read_text())
         assert profile.num_hidden_layers == config["num_hidden_layers"] and profile.vocab_size == config["vocab_size"]
         assert profile.contexts[0].verify_s[-1] < 1.25 * profile.contexts[0].verify_s[0]
@@ -527,6 +528,6 @@ def test_a_profile_label_names_the_overheads_it_prices_at_zero():
 
     llama_3_8b = CostProfile.load("nvidia-h200/llama-3-8b")
     assert llama_3_8b.label() == "cuda:0 (NVIDIA H200), bfloat16"
-    assert llama_3_8b.overheads.round_s > 0 and llama_3_8b.overheads.draft_token_s > 0
+    assert "unmeasured" not in llama_3_8b.provenance
     partial = replace(llama_3_8b, provenance={**llama_3_8b.provenance, "unmeasured": ["round_s", "draft_token_s"]})
     assert partial.label().endswith("; not measured, priced at 0: round_s, draft_token_s")
