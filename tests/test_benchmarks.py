@@ -31,7 +31,7 @@ STAGE_SCRIPTS = {
     "prefill": "benchmarks/prefill.py", "speed": "benchmarks/engine_speed.py",
     "speed-8b": "benchmarks/engine_speed.py", "speed-shape": "benchmarks/engine_speed.py", "profiles": "-m skipsearch profile", "guard": "benchmarks/guard.py",
     "head": "benchmarks/draft_head.py", "resize": "benchmarks/cache_resize.py", "gptfast": "benchmarks/gptfast_anchor.py",
-    "variants": "benchmarks/step_variants.py",
+    "variants": "benchmarks/step_variants.py", "attention": "benchmarks/attention_kernels.py",
 }
 GPT_FAST = ROOT.parent / "shared" / "anchors" / "gpt-fast"  # beside a developer's checkout; not in CI
 
@@ -429,6 +429,22 @@ def test_step_variants():  # stage "variants"
     assert [(same, rows) for *_, same, rows in found] == [("1", "1"), ("5", "5")] * len(variants) * 2  # fp32: same
     # The math backend reaches the compiled steps (SDPA's CPU kernel is one operator, the math backend several).
     assert [int(count) for _, name, count, *_ in found if name == "math"] != [int(count) for _, count in shipped]
+
+
+def test_attention_kernels():  # stage "attention"
+    """Every method's row for each cache size and width, each method's output equal to the engine's attention (the
+    same attention, other kernels), and a kernel this device lacks (the memory-efficient one on a CPU) one line."""
+    out = run_script("benchmarks/attention_kernels.py", *SMALL, "--shapes", "tiny-llama,qwen2.5-1.5b", "--slots",
+                     "64,256", "--widths", "1,5", "--calls", 2, "--repeats", 2)
+    rows = re.findall(r"^(\S+) (\d+) slots (\d+) token\(s\): folded [\d.]+ ms \d+ GB/s; (.*)$", out, re.M)
+    assert [row[:3] for row in rows] == [(shape, slots, width) for shape in ("tiny-llama", "qwen2.5-1.5b")
+                                         for slots in ("64", "256") for width in ("1", "5")]
+    for *_, cells in rows:
+        measured = re.findall(r"(unfolded|math) [\d.]+ ms \d+ GB/s [\d.]+x \([\d.]+-[\d.inf]+\) "
+                              r"\(max diff ([\d.e+-]+)\)", cells)
+        assert [name for name, _ in measured] == ["unfolded", "math"]
+        assert all(float(difference) < 1e-5 for _, difference in measured)
+        assert re.search(r"efficient FAILED \([^)]*\)", cells)
 
 
 def test_step_variants_reports_a_failing_variant_and_measures_the_next(monkeypatch, capsys):
