@@ -128,3 +128,17 @@ def test_cuda_grouped_attention_folds_the_query_heads(width):
     out, _ = attention.grouped_sdpa(module, query, key, value, mask, scaling=0.25)
     expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_attention_kernels_time_a_captured_graph_of_the_calls():
+    """gpu.sh's attention stage times each way of attending as one CUDA graph of `calls` calls: warmed 3 times, then
+    captured (capturing runs nothing), and each replay runs every call once."""
+    from test_benchmarks import load_benchmark
+
+    attention_kernels = load_benchmark("attention_kernels")
+    counter = torch.zeros(1, device="cuda")
+    replay = attention_kernels.runner(lambda: counter.add_(1), torch.device("cuda"), 5)
+    assert float(counter) == 3
+    replay()
+    replay()
+    assert float(counter) == 13
