@@ -31,7 +31,7 @@
 #   VARIANT_SLOTS=256,4096 VARIANT_SHAPES="qwen2.5-1.5b:unfolded,math,efficient llama-2-7b:math,efficient" \
 #     bash benchmarks/gpu.sh info attention variants
 #   (not timed yet. attention: one layer's attention alone, four shapes, 256-16,384 slots, each way of attending,
-#   in under a minute, the question's answer; variants: the same ways in whole compiled steps, five processes of
+#   the question's answer without compiling; variants: the same ways in whole compiled steps, five processes of
 #   about 40-60 s each, to see what a step gains. unfolded asks whether the fold is the cause (Llama-2-7B folds
 #   nothing), math and efficient for a cure)
 # Call 2, carry .gpu/gguf.ab .gpu/gguf.ac, on the same warm machine (the parts, the wheels and the converted model

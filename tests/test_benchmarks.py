@@ -433,9 +433,11 @@ def test_step_variants():  # stage "variants"
 
 def test_attention_kernels():  # stage "attention"
     """Every method's row for each cache size and width, each method's output equal to the engine's attention (the
-    same attention, other kernels), and a kernel this device lacks (the memory-efficient one on a CPU) one line."""
+    same attention, other kernels), and a kernel this device lacks (cuDNN's and the memory-efficient one on a CPU)
+    one line. The calls cycle through copies of the cache (as on CUDA, against its L2)."""
     out = run_script("benchmarks/attention_kernels.py", *SMALL, "--shapes", "tiny-llama,qwen2.5-1.5b", "--slots",
-                     "64,256", "--widths", "1,5", "--calls", 2, "--repeats", 2)
+                     "64,256", "--widths", "1,5", "--calls", 2, "--repeats", 2, "--ring-mb", "0.2")
+    assert "calls cycle through 0.2 MB of caches" in out
     rows = re.findall(r"^(\S+) (\d+) slots (\d+) token\(s\): folded [\d.]+ ms \d+ GB/s; (.*)$", out, re.M)
     assert [row[:3] for row in rows] == [(shape, slots, width) for shape in ("tiny-llama", "qwen2.5-1.5b")
                                          for slots in ("64", "256") for width in ("1", "5")]
@@ -444,7 +446,7 @@ def test_attention_kernels():  # stage "attention"
                               r"\(max diff ([\d.e+-]+)\)", cells)
         assert [name for name, _ in measured] == ["unfolded", "math"]
         assert all(float(difference) < 1e-5 for _, difference in measured)
-        assert re.search(r"efficient FAILED \([^)]*\)", cells)
+        assert re.search(r"cudnn FAILED \([^)]*\); unfolded .*; efficient FAILED \([^)]*\); math ", cells)
 
 
 def test_step_variants_reports_a_failing_variant_and_measures_the_next(monkeypatch, capsys):
