@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import statistics
 import types
@@ -38,6 +37,8 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from skipsearch.decode.attention import grouped_sdpa
+from skipsearch.decode.kvcache import cache_bytes, kv_shape
+from skipsearch.io.models import load_config
 
 from verify_head import _x, pair
 
@@ -66,16 +67,10 @@ METHODS: dict[str, Callable] = {
 }
 
 
-def heads_of(config: dict) -> tuple[int, int, int]:
-    """Query heads, key/value heads and head size of a model config."""
-    heads = config["num_attention_heads"]
-    return heads, config.get("num_key_value_heads") or heads, config.get("head_dim") or config["hidden_size"] // heads
-
-
-def inputs(config: dict, slots: int, width: int, device: torch.device, dtype: torch.dtype, copies: int):
+def inputs(config, slots: int, width: int, device: torch.device, dtype: torch.dtype, copies: int):
     """A layer's attention module stand-in, its query, `copies` caches of keys and values, and the mask of a step
     at the cache's last slots (every slot attended)."""
-    heads, kv_heads, dim = heads_of(config)
+    heads, (kv_heads, dim) = config.num_attention_heads, kv_shape(config)
     module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
     q = torch.randn(1, heads, width, dim, device=device, dtype=dtype)
     caches = [tuple(torch.randn(1, kv_heads, slots, dim, device=device, dtype=dtype) for _ in range(2))
@@ -109,12 +104,11 @@ def runner(calls: list[Callable[[], torch.Tensor]], device: torch.device) -> Cal
     return replay
 
 
-def measure(name: str, config: dict, slots: int, width: int, args) -> None:
+def measure(name: str, config, slots: int, width: int, args) -> None:
     """One row: folded's time and read rate, then each method's, paired with folded, and its largest difference
     from folded's output relative to that output's largest value."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    _, kv_heads, dim = heads_of(config)
-    layer_bytes = 2 * slots * kv_heads * dim * torch.finfo(dtype).bits // 8  # keys and values
+    layer_bytes = cache_bytes(config, slots, dtype) // config.num_hidden_layers  # one layer's keys and values
     copies = max(1, math.ceil(args.ring_mb * 1e6 / layer_bytes))  # each call reads a cache the last did not
     module, q, caches, mask = inputs(config, slots, width, device, dtype, copies)
     calls = max(args.calls, copies)
@@ -163,7 +157,7 @@ def main() -> None:
     print(f"one layer's attention on {args.device} ({args.dtype}); folded over each method, 95% interval; "
           f"calls cycle through {args.ring_mb:g} MB of caches")
     for name in args.shapes.split(","):
-        config = json.loads((CONFIGS / f"{name}.json").read_text())
+        config = load_config(str(CONFIGS / f"{name}.json"))
         for slots in (int(s) for s in args.slots.split(",")):
             for width in (int(w) for w in args.widths.split(",")):
                 try:

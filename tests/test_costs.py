@@ -531,3 +531,21 @@ def test_a_profile_label_names_the_overheads_it_prices_at_zero():
     assert "unmeasured" not in llama_3_8b.provenance
     partial = replace(llama_3_8b, provenance={**llama_3_8b.provenance, "unmeasured": ["round_s", "draft_token_s"]})
     assert partial.label().endswith("; not measured, priced at 0: round_s, draft_token_s")
+
+
+def test_default_contexts_on_cuda_fit_a_quarter_of_free_memory(monkeypatch):
+    """On CUDA a profile's contexts go as far as a quarter of the free memory holds their cache (every layer's keys
+    and values, `cache_bytes`) and the prefill's activations; the CUDA call alone is stood in for."""
+    import types
+
+    from skipsearch.costs.profiler import CUDA_CONTEXTS, default_contexts
+    from skipsearch.decode.kvcache import cache_bytes
+
+    model = positions_1024()
+    config = LlamaConfig(**{**model.config.to_dict(), "max_position_embeddings": 1 << 20})
+    per_token = cache_bytes(config, 1, torch.float32) + 4 * config.intermediate_size * 4
+    assert per_token == 2 * 4 * 2 * 8 * 4 + 4 * 64 * 4  # 4 layers, 2 key/value heads of 8, fp32; the MLP's 64
+    stand_in = types.SimpleNamespace(config=config, dtype=torch.float32, device=torch.device("cuda", 0))
+    fitting = CUDA_CONTEXTS[len(CUDA_CONTEXTS) // 2]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * fitting * per_token, 1 << 40))
+    assert default_contexts(stand_in) == [c for c in CUDA_CONTEXTS if c <= fitting]

@@ -147,7 +147,6 @@ def test_cuda_attention_kernels_time_a_captured_graph_of_the_calls():
 def test_cuda_attention_kernels_measure_every_way_on_a_gpu(capsys):
     """The stage's row on CUDA in bf16 (tiny shape): the engine's folded attention timed through captured graphs, and
     the unfolded and math ways agreeing with it to bf16's rounding."""
-    import json
     import re
     import types
 
@@ -155,7 +154,7 @@ def test_cuda_attention_kernels_measure_every_way_on_a_gpu(capsys):
 
     attention_kernels = load_benchmark("attention_kernels")
     args = types.SimpleNamespace(device="cuda", dtype="bfloat16", calls=3, repeats=2, ring_mb=1.0)
-    config = json.loads((attention_kernels.CONFIGS / "tiny-llama.json").read_text())
+    config = attention_kernels.load_config(str(attention_kernels.CONFIGS / "tiny-llama.json"))
     attention_kernels.measure("tiny-llama", config, 256, 5, args)
     row = capsys.readouterr().out
     assert row.startswith("tiny-llama 256 slots 5 token(s): folded ")

@@ -30,7 +30,7 @@ from ..decode import adapter
 from ..decode.cost_profile import ContextCosts, CostProfile
 from ..decode.economics import sublayer_weights
 from ..decode.engine import CACHE_BLOCK, CompileSettings, engine_for, forward_at_position, synchronize
-from ..decode.kvcache import SpeculativeCache
+from ..decode.kvcache import SpeculativeCache, cache_bytes
 from ..decode.skipping import draft_mode
 from ..decode.skipset import DraftHead, SkipSet
 from .calibration import calibrated
@@ -50,12 +50,9 @@ def default_contexts(model: torch.nn.Module, max_verify_tokens: int = 9) -> list
     limit = (getattr(model.config, "max_position_embeddings", None) or 1 << 30) - max_verify_tokens - 1
     candidates = CPU_CONTEXTS
     if model.device.type == "cuda":
-        config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
-        # The prefill's activations (an MLP's intermediate output is the largest) count too.
-        per_token += 4 * config.intermediate_size * model.dtype.itemsize
+        # A token's keys and values, and the prefill's activations (an MLP's intermediate output is the largest).
+        per_token = (cache_bytes(model.config, 1, model.dtype)
+                     + 4 * model.config.intermediate_size * model.dtype.itemsize)
         free, _ = torch.cuda.mem_get_info(model.device)
         candidates = [c for c in CUDA_CONTEXTS if c * per_token <= free // 4] or CUDA_CONTEXTS[:1]
     return sorted({min(c, limit) for c in candidates if min(c, limit) >= 1})

@@ -66,7 +66,7 @@ class PositionalLayer(adapter.static_layer_class()):
 CACHE_ADVICE = "decode fewer new tokens (--max-new-tokens) or give a shorter prompt"
 
 
-def _kv_shape(text_config) -> tuple[int, int]:
+def kv_shape(text_config) -> tuple[int, int]:
     """Key/value heads and head size per layer."""
     heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
@@ -76,7 +76,7 @@ def _kv_shape(text_config) -> tuple[int, int]:
 def cache_bytes(config, capacity: int, dtype: torch.dtype) -> int:
     """The bytes a `SpeculativeCache` of `capacity` slots allocates: keys and values of every layer, full length."""
     text_config = config.get_text_config(decoder=True)
-    heads, head_dim = _kv_shape(text_config)
+    heads, head_dim = kv_shape(text_config)
     return 2 * text_config.num_hidden_layers * heads * head_dim * capacity * dtype.itemsize
 
 
@@ -114,7 +114,7 @@ class SpeculativeCache(adapter.cache_class()):
             # cache the device cannot hold is one line, not the allocator's traceback.
             check_memory(cache_bytes(config, capacity, dtype), torch.device(device),
                          f"the KV cache for {capacity} tokens", CACHE_ADVICE)
-            heads, head_dim = _kv_shape(text_config)
+            heads, head_dim = kv_shape(text_config)
             self.early_initialization(1, heads, head_dim, dtype, torch.device(device))
 
     def seek(self, position: int) -> None:
