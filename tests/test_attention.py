@@ -34,8 +34,9 @@ def inputs(width: int, heads: int = 9, kv_heads: int = 3, slots: int = 40, dim: 
 
 
 @pytest.mark.parametrize("width", [1, 5])
-@pytest.mark.parametrize("device_path", ["cpu", "folded"])
+@pytest.mark.parametrize("device_path", ["cpu", "folded", "cpu, fold=True", "folded, fold=False"])
 def test_grouped_attention_gives_transformers_sdpa_output_without_repeating_keys(width, device_path, monkeypatch):
+    """On a CPU SDPA's own grouped query, elsewhere the query heads folded, unless `fold` chooses the other way."""
     query, key, value, mask = inputs(width)
     module = Heads(groups=3)
     expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
@@ -47,14 +48,15 @@ def test_grouped_attention_gives_transformers_sdpa_output_without_repeating_keys
         return real(q, k, v, **kwargs)
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
-    if device_path == "folded":  # the path of devices other than a CPU, run here on the CPU
+    if device_path.startswith("folded"):  # the path of devices other than a CPU, run here on the CPU
         monkeypatch.setattr(attention, "_native_grouped_query", lambda device: False)
-    out, weights = grouped_sdpa(module, query, key, value, mask, scaling=0.25)
+    fold = {"cpu, fold=True": True, "folded, fold=False": False}.get(device_path)
+    out, weights = grouped_sdpa(module, query, key, value, mask, scaling=0.25, fold=fold)
     assert weights is None and out.shape == (1, width, 9, 16)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     (q_shape, k_shape, native, mask_shape), = seen
     assert k_shape == (1, 3, 40, 16)  # the cache's own keys: 3 heads, not repeated to 9
-    if device_path == "cpu":
+    if device_path in ("cpu", "folded, fold=False"):
         assert native and q_shape == (1, 9, width, 16) and mask_shape == (1, 1, width, 40)
     else:  # three query heads share a key head: folded into 3 x width query rows, each fold with the mask's rows
         assert not native and q_shape == (1, 3, 3 * width, 16) and mask_shape == (1, 1, 3 * width, 40)

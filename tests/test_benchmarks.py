@@ -442,11 +442,30 @@ def test_attention_kernels():  # stage "attention"
     assert [row[:3] for row in rows] == [(shape, slots, width) for shape in ("tiny-llama", "qwen2.5-1.5b")
                                          for slots in ("64", "256") for width in ("1", "5")]
     for *_, cells in rows:
-        measured = re.findall(r"(unfolded|math) [\d.]+ ms \d+ GB/s [\d.]+x \([\d.]+-[\d.inf]+\) "
+        measured = re.findall(r"(unfolded|math|gqa) [\d.]+ ms \d+ GB/s [\d.]+x \([\d.]+-[\d.inf]+\) "
                               r"\(max diff ([\d.e+-]+)\)", cells)
-        assert [name for name, _ in measured] == ["unfolded", "math"]
+        assert [name for name, _ in measured] == ["unfolded", "math", "gqa"]
         assert all(float(difference) < 1e-5 for _, difference in measured)
-        assert re.search(r"cudnn FAILED \([^)]*\); unfolded .*; efficient FAILED \([^)]*\); math ", cells)
+        assert re.search(r"cudnn FAILED \([^)]*\); unfolded .*; efficient FAILED \([^)]*\); math .*; gqa .*; "
+                         r"gqa-cudnn FAILED \([^)]*\)$", cells)
+
+
+def test_attention_kernels_gqa_neither_folds_nor_copies(monkeypatch):
+    """"gqa" gives the grouped query heads to SDPA as they are (`enable_gqa`, the keys not repeated) on a device
+    whose engine folds them, and agrees with the folded attention."""
+    from skipsearch.decode import attention
+    from test_attention import Heads, inputs
+
+    attention_kernels = load_benchmark("attention_kernels")
+    monkeypatch.setattr(attention, "_native_grouped_query", lambda device: False)  # a folding device, as CUDA
+    query, key, value, mask = inputs(1)
+    shapes, real = [], attention.F.scaled_dot_product_attention
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kwargs: shapes.append((q.shape, k.shape)) or real(q, k, v, **kwargs))
+    grouped = attention_kernels.METHODS["gqa"](Heads(3), query, key, value, mask)
+    folded = attention_kernels.folded(Heads(3), query, key, value, mask)
+    assert shapes == [((1, 9, 1, 16), (1, 3, 40, 16)), ((1, 3, 3, 16), (1, 3, 40, 16))]
+    torch.testing.assert_close(grouped, folded, rtol=1e-12, atol=1e-12)
 
 
 def test_step_variants_reports_a_failing_variant_and_measures_the_next(monkeypatch, capsys):
@@ -473,8 +492,8 @@ def test_step_variants_reports_a_failing_variant_and_measures_the_next(monkeypat
 
 
 def test_step_variants_attend_through_the_variants_function_and_restore_the_engines(monkeypatch, capsys):
-    """A variant's steps attend through the function it names: "unfolded" (transformers' own SDPA) agrees with the
-    shipped steps, and a made-up variant whose attention outputs zeros changes the logits, which only the variant's
+    """A variant's steps attend through the function it names: "unfolded" (transformers' own SDPA) and "gqa" (the
+    engine's attention, never folded) agree with the shipped steps, and a made-up variant whose attention outputs zeros changes the logits, which only the variant's
     steps can do; the engine's own attention is registered again afterwards."""
     from transformers import AttentionInterface
 
@@ -483,6 +502,8 @@ def test_step_variants_attend_through_the_variants_function_and_restore_the_engi
 
     step_variants = load_benchmark("step_variants")
     assert step_variants.VARIANTS["unfolded"].attention is adapter.sdpa_attention
+    gqa = step_variants.VARIANTS["gqa"].attention
+    assert gqa.func is grouped_sdpa and gqa.keywords == {"fold": False}
 
     def silent(module, query, *args, **kwargs):  # no attention at all: (batch, width, heads, dim) of zeros
         return torch.zeros_like(query).transpose(1, 2).contiguous(), None
@@ -492,12 +513,12 @@ def test_step_variants_attend_through_the_variants_function_and_restore_the_engi
     monkeypatch.setitem(step_variants.VARIANTS, "silent", step_variants.Variant(attention=silent))
     monkeypatch.setattr(step_variants, "profile_inductor_cpu_kernels", lambda: None)
     monkeypatch.setattr(sys, "argv", ["step_variants.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256",
-                                      "--repeats", "2", "--variants", "unfolded,silent"])
+                                      "--repeats", "2", "--variants", "unfolded,silent,gqa"])
     step_variants.main()
     out = capsys.readouterr().out
     differences = dict(re.findall(r"^  one-token step +(\S+) .* max difference ([\d.e+-]+) ", out, re.M))
-    assert set(differences) == {"unfolded", "silent"}
-    assert float(differences["unfolded"]) < 1e-4 < float(differences["silent"])
+    assert set(differences) == {"unfolded", "silent", "gqa"}
+    assert max(float(differences["unfolded"]), float(differences["gqa"])) < 1e-4 < float(differences["silent"])
     assert re.search(r"^  verify step \(5 tokens\) +unfolded .* top-1 same in 5/5 rows", out, re.M)
     assert AttentionInterface()[adapter.ENGINE_ATTENTION] is grouped_sdpa
 

@@ -113,21 +113,26 @@ def test_cuda_memory_stays_flat_over_many_skip_sets():
     assert allocated[29] <= allocated[9] + 2**20, allocated
 
 
+@pytest.mark.parametrize("fold", [None, False])
 @pytest.mark.parametrize("width", [1, 5])
-def test_cuda_grouped_attention_folds_the_query_heads(width):
-    """On CUDA the engine's attention folds query heads into the query length (SDPA's efficient kernels take no
-    grouped query with a mask): transformers' SDPA's output, keys and values never repeated."""
+def test_cuda_grouped_attention_folds_the_query_heads(width, fold):
+    """On CUDA the engine's attention folds query heads into the query length (SDPA's memory-efficient kernel takes
+    no grouped query with a mask), or with `fold=False` gives them to SDPA's own grouped query (the next lease's
+    candidate cure, gpu.sh's header): transformers' SDPA's output either way, in float32 and in bfloat16 (where
+    cuDNN's kernel may run), keys and values never repeated by the engine."""
     from test_attention import inputs
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from skipsearch.decode import attention
 
-    query, key, value, mask = (t.to("cuda", torch.float32) for t in inputs(width))
     module = torch.nn.Module()
     module.num_key_value_groups = 3
-    assert not attention._native_grouped_query(query.device)
-    out, _ = attention.grouped_sdpa(module, query, key, value, mask, scaling=0.25)
-    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        query, key, value, mask = (t.to("cuda", dtype) if t.is_floating_point() else t.to("cuda")
+                                   for t in inputs(width))
+        assert not attention._native_grouped_query(query.device)
+        out, _ = attention.grouped_sdpa(module, query, key, value, mask, scaling=0.25, fold=fold)
+        expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+        torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
 
 
 def test_cuda_attention_kernels_time_a_captured_graph_of_the_calls():

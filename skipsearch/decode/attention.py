@@ -7,8 +7,11 @@ keys and values at every layer. Without the copy the default model's one-token s
 as fast at 256 cache slots and 1.13-1.14x at 1,024 on a 2-core Intel Xeon (BENCHMARKS.md, "Fifteenth
 session"; benchmarks/attention_speed.py). `grouped_sdpa` attends without it:
 - on a CPU, SDPA's own grouped-query attention (`enable_gqa`), which its CPU kernel runs with a mask;
-- elsewhere (CUDA's efficient kernels take no grouped query with a mask), the query heads of one
-  key/value head folded into the query length, each fold seeing the same mask rows.
+- elsewhere, the query heads of one key/value head folded into the query length, each fold seeing the
+  same mask rows, which every kernel takes: CUDA's memory-efficient kernel takes no grouped query with
+  a mask (cuDNN's does, pytorch/pytorch#139586; SDPA's math kernel repeats the keys). On an H200 a folded
+  one-token step read a long grouped cache at 51-203 GB/s of about 4,200 (BENCHMARKS.md, "Twenty-second
+  session"): which way reads it fastest is measured by `benchmarks/attention_kernels.py` (`fold`).
 Anything transformers' SDPA does beyond that (no mask, a soft cap, a position bias, dropout, attention
 weights asked for) goes to transformers' SDPA itself, so the function is SDPA wherever it does not
 fold. The engine switches a model to it only while its steps run (`adapter.attention_switched`, shared
@@ -40,23 +43,27 @@ def _native_grouped_query(device: torch.device) -> bool:
 
 def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                 is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                 is_causal: bool | None = None, fold: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """Attention output (batch, query length, heads, head dim) as transformers' SDPA gives it, with query heads
-    grouped over shared key/value heads without repeating the keys and values."""
+    grouped over shared key/value heads without repeating the keys and values: folded into the query's rows
+    (`fold` True) or given to SDPA's own grouped-query attention (False); None, as the device's kernels need (module
+    doc). On CUDA the choice sets which kernel reads a long cache, and how fast (`benchmarks/attention_kernels.py`)."""
     groups = getattr(module, "num_key_value_groups", 1)
     shared_mask = attention_mask is not None and attention_mask.shape[1] == 1  # one mask for every head
     if (groups == 1 or not shared_mask or dropout or kwargs.get("output_attentions")
             or any(kwargs.get(name) is not None for name in _SDPA_ONLY)):
         return adapter.sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if fold is None:
+        fold = not _native_grouped_query(query.device)
     batch, heads, width, dim = query.shape
-    if _native_grouped_query(query.device):
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                             enable_gqa=True)
-    else:
+    if fold:
         folded = query.reshape(batch, heads // groups, groups * width, dim)
         mask = attention_mask.unsqueeze(2).expand(-1, -1, groups, -1, -1).flatten(2, 3)  # rows: fold, then token
         out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             enable_gqa=True)
     return out.reshape(batch, heads, width, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
