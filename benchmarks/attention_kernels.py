@@ -12,8 +12,9 @@ building or compiling a model, so that one short run answers which way of attend
 - "math": the folded attention through SDPA's math backend, in eager kernels (inductor fuses them in a compiled
   step); in bf16 it computes in fp32 (torch's default), so it moves more bytes than the cache's;
 - "gqa", "gqa-cudnn": neither folded nor copied: SDPA's own grouped-query attention (`enable_gqa`, the engine's way
-  on a CPU, `grouped_sdpa`'s `fold=False`), by SDPA's choice of kernel and with cuDNN's forced (cuDNN's kernel takes
-  a grouped query with a mask; the memory-efficient one does not, and SDPA's math kernel copies the keys).
+  on a CPU, `grouped_sdpa`'s `fold=False`), by SDPA's choice of kernel and with cuDNN's forced: of SDPA's CUDA
+  kernels only cuDNN's takes a grouped query with a mask (in fp16 and bf16); where SDPA picks its math kernel
+  instead, that one repeats the keys, and "gqa" is slower than "gqa-cudnn".
 Each is timed at the cache's last slots (every slot attended), for the shapes' key/value heads and head size, one
 token and a verification's width, paired and interleaved with "folded": folded over the method, with its 95%
 interval (above 1: the method is faster), each one's milliseconds a call and the GB/s of keys and values it read,

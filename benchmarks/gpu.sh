@@ -33,7 +33,8 @@
 #   (not timed yet. attention: one layer's attention alone, four shapes, 256-16,384 slots, each way of attending,
 #   the question's answer without compiling; variants: the same ways in whole compiled steps, six processes of
 #   about 40-60 s each, to see what a step gains. unfolded asks whether the fold is the cause (Llama-2-7B folds
-#   nothing); gqa (SDPA's own grouped query, neither folded nor copied), math and efficient for a cure. If gqa wins
+#   nothing); gqa (SDPA's own grouped query, not folded; no copy where cuDNN runs it), math and efficient for a
+#   cure (the attention stage's gqa-cudnn row says whether SDPA's choice is cuDNN's). If gqa wins
 #   at 4,096 slots and loses nothing at 256, `grouped_sdpa`'s fold=False becomes CUDA's way: `_native_grouped_query`)
 # Call 2, carry .gpu/gguf.ab .gpu/gguf.ac, on the same warm machine (the parts, the wheels and the converted model
 # are kept under $KEEP there):

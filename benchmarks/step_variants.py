@@ -24,8 +24,9 @@ here is a way to launch fewer:
   rows: more heads for the kernel to spread over, at the price of the copy. It asks whether the fold is what starves
   a long cache's attention on the H200 (a model without grouped queries folds nothing: the same steps there);
 - "gqa" (named, not run by default): the engine's attention with the query heads neither folded nor copied, given to
-  SDPA's own grouped-query attention (`grouped_sdpa`'s `fold=False`, a CPU's way), which cuDNN's kernel takes with a
-  mask: the cure the fold's question points to, at no copy's price;
+  SDPA's own grouped-query attention (`grouped_sdpa`'s `fold=False`, a CPU's way), by SDPA's choice of kernel: on
+  CUDA only cuDNN's takes it with a mask (in fp16 and bf16), and the math kernel SDPA falls back to repeats the keys;
+  "gqa-cudnn" forces cuDNN's (`attention_kernels.py` times both for one layer);
 - "unguarded" (named, not run by default): the shipped steps with dynamo's guards left unchecked
   (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), what the guards cost a regional step on a CPU, where
   each layer's compiled function checks its guards at every call (on CUDA the steps replay as CUDA graphs and check
@@ -83,7 +84,9 @@ VARIANTS = {"shipped": Variant(), "frozen": Variant(settings=FROZEN), "math": Va
             "whole": Variant(settings=CompileSettings(mode="reduce-overhead")), "unguarded": Variant(unguarded=True),
             "efficient": Variant(backends=[SDPBackend.EFFICIENT_ATTENTION]),
             "unfolded": Variant(attention=adapter.sdpa_attention),
-            "gqa": Variant(attention=functools.partial(grouped_sdpa, fold=False))}
+            "gqa": Variant(attention=functools.partial(grouped_sdpa, fold=False)),
+            "gqa-cudnn": Variant(backends=[SDPBackend.CUDNN_ATTENTION],
+                                 attention=functools.partial(grouped_sdpa, fold=False))}
 
 
 @contextlib.contextmanager

@@ -504,6 +504,9 @@ def test_step_variants_attend_through_the_variants_function_and_restore_the_engi
     assert step_variants.VARIANTS["unfolded"].attention is adapter.sdpa_attention
     gqa = step_variants.VARIANTS["gqa"].attention
     assert gqa.func is grouped_sdpa and gqa.keywords == {"fold": False}
+    from torch.nn.attention import SDPBackend
+    forced = step_variants.VARIANTS["gqa-cudnn"]
+    assert forced.attention.keywords == {"fold": False} and forced.backends == [SDPBackend.CUDNN_ATTENTION]
 
     def silent(module, query, *args, **kwargs):  # no attention at all: (batch, width, heads, dim) of zeros
         return torch.zeros_like(query).transpose(1, 2).contiguous(), None

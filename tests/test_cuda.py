@@ -115,17 +115,18 @@ def test_cuda_memory_stays_flat_over_many_skip_sets():
 
 @pytest.mark.parametrize("fold", [None, False])
 @pytest.mark.parametrize("width", [1, 5])
-def test_cuda_grouped_attention_folds_the_query_heads(width, fold):
-    """On CUDA the engine's attention folds query heads into the query length (SDPA's memory-efficient kernel takes
-    no grouped query with a mask), or with `fold=False` gives them to SDPA's own grouped query (the next lease's
-    candidate cure, gpu.sh's header): transformers' SDPA's output either way, in float32 and in bfloat16 (where
-    cuDNN's kernel may run), keys and values never repeated by the engine."""
+def test_cuda_grouped_attention_without_repeating_keys(width, fold):
+    """On CUDA the engine's attention folds query heads into the query length (the kernels SDPA has there do not all
+    take a grouped query with a mask), or with `fold=False` gives them to SDPA's own grouped query (the next lease's
+    candidate cure, gpu.sh's header): transformers' SDPA's output either way, and the CPU's in float64 (CUDA's
+    kernels are checked against no CUDA kernel alone), in float32 and in bfloat16 (where cuDNN's kernel may run)."""
     from test_attention import inputs
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from skipsearch.decode import attention
 
     module = torch.nn.Module()
     module.num_key_value_groups = 3
+    exact, _ = sdpa_attention_forward(module, *inputs(width), scaling=0.25)  # on the CPU, in float64
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         query, key, value, mask = (t.to("cuda", dtype) if t.is_floating_point() else t.to("cuda")
                                    for t in inputs(width))
@@ -133,20 +134,22 @@ def test_cuda_grouped_attention_folds_the_query_heads(width, fold):
         out, _ = attention.grouped_sdpa(module, query, key, value, mask, scaling=0.25, fold=fold)
         expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
         torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(out.cpu().double(), exact, rtol=tolerance, atol=tolerance)
 
 
 def test_cuda_attention_kernels_time_a_captured_graph_of_the_calls():
-    """gpu.sh's attention stage times each way of attending as one CUDA graph of `calls` calls: warmed 3 times, then
-    captured (capturing runs nothing), and each replay runs every call once."""
+    """gpu.sh's attention stage times each way of attending as one CUDA graph of its calls: the first 3 run to warm,
+    the graph is captured (capturing runs nothing) and replayed once before any timing, and each replay runs every
+    call once."""
     from test_benchmarks import load_benchmark
 
     attention_kernels = load_benchmark("attention_kernels")
     counter = torch.zeros(1, device="cuda")
-    replay = attention_kernels.runner(lambda: counter.add_(1), torch.device("cuda"), 5)
-    assert float(counter) == 3
+    replay = attention_kernels.runner([lambda: counter.add_(1)] * 5, torch.device("cuda"))
+    assert float(counter) == 3 + 5  # warmed by the first 3 calls, captured, replayed once untimed
     replay()
     replay()
-    assert float(counter) == 13
+    assert float(counter) == 8 + 2 * 5
 
 
 def test_cuda_attention_kernels_measure_every_way_on_a_gpu(capsys):

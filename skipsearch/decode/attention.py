@@ -8,8 +8,9 @@ as fast at 256 cache slots and 1.13-1.14x at 1,024 on a 2-core Intel Xeon (BENCH
 session"; benchmarks/attention_speed.py). `grouped_sdpa` attends without it:
 - on a CPU, SDPA's own grouped-query attention (`enable_gqa`), which its CPU kernel runs with a mask;
 - elsewhere, the query heads of one key/value head folded into the query length, each fold seeing the
-  same mask rows, which every kernel takes: CUDA's memory-efficient kernel takes no grouped query with
-  a mask (cuDNN's does, pytorch/pytorch#139586; SDPA's math kernel repeats the keys). On an H200 a folded
+  same mask rows, which every kernel takes. Of SDPA's CUDA kernels, flash takes a grouped query but no
+  mask, the memory-efficient one (torch 2.11) a mask but no grouped query, cuDNN's both in fp16 and bf16
+  (pytorch/pytorch#139586), and the math kernel repeats the keys. On an H200 a folded
   one-token step read a long grouped cache at 51-203 GB/s of about 4,200 (BENCHMARKS.md, "Twenty-second
   session"): which way reads it fastest is measured by `benchmarks/attention_kernels.py` (`fold`).
 Anything transformers' SDPA does beyond that (no mask, a soft cap, a position bias, dropout, attention
@@ -37,7 +38,7 @@ _SDPA_ONLY = ("softcap", "position_bias")
 
 def _native_grouped_query(device: torch.device) -> bool:
     """Whether SDPA's own grouped-query attention takes a mask on `device` without falling back to a kernel that
-    repeats the keys and values (a CPU's does; CUDA's efficient kernels do not)."""
+    repeats the keys and values: a CPU's does; on CUDA only cuDNN's, in fp16 and bf16 (module doc)."""
     return device.type == "cpu"
 
 
