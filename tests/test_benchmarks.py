@@ -493,8 +493,10 @@ def test_step_variants_reports_a_failing_variant_and_measures_the_next(monkeypat
 
 def test_step_variants_attend_through_the_variants_function_and_restore_the_engines(monkeypatch, capsys):
     """A variant's steps attend through the function it names: "unfolded" (transformers' own SDPA) and "gqa" (the
-    engine's attention, never folded) agree with the shipped steps, and a made-up variant whose attention outputs zeros changes the logits, which only the variant's
-    steps can do; the engine's own attention is registered again afterwards."""
+    engine's attention, never folded) agree with the shipped steps, and a made-up variant whose attention outputs
+    zeros changes the logits, which only the variant's steps can do; the engine's own attention is registered again
+    afterwards."""
+    from torch.nn.attention import SDPBackend
     from transformers import AttentionInterface
 
     from skipsearch.decode import adapter
@@ -504,7 +506,6 @@ def test_step_variants_attend_through_the_variants_function_and_restore_the_engi
     assert step_variants.VARIANTS["unfolded"].attention is adapter.sdpa_attention
     gqa = step_variants.VARIANTS["gqa"].attention
     assert gqa.func is grouped_sdpa and gqa.keywords == {"fold": False}
-    from torch.nn.attention import SDPBackend
     forced = step_variants.VARIANTS["gqa-cudnn"]
     assert forced.attention.keywords == {"fold": False} and forced.backends == [SDPBackend.CUDNN_ATTENTION]
 
