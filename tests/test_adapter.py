@@ -1,7 +1,7 @@
 """Each assumption skipsearch makes about transformers' internals (adapter.TOUCHPOINTS), tested by its name.
 
-`.ci/newest` runs this file against the newest releases of transformers, torch and Optuna: a
-failure here names the touchpoint that a release broke. The end-to-end checks at the bottom are
+`.ci/check-releases` runs this file against other releases (the newest of transformers, torch and Optuna,
+the oldest tested transformers and torch): a failure here names the touchpoint that a release broke. The end-to-end checks at the bottom are
 what a user would hit first: eager and compiled decoding with two skip sets in one process, and
 transformers' own `generate` through `custom_generate`, equal to HF greedy and without
 deprecation warnings.
@@ -10,6 +10,7 @@ deprecation warnings.
 import logging
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,8 +60,10 @@ def test_the_tested_window_bounds_versions():
 
 
 def test_a_release_outside_the_window_is_named_once_and_runs_on():
-    with pytest.warns(UserWarning, match="transformers 6.0.0 is outside skipsearch's tested window"):
+    with pytest.warns(UserWarning, match="transformers 6.0.0 is outside skipsearch's tested window") as caught:
         adapter.warn_if_untested("6.0.0")
+    command = re.search(r"`bash (\S+) 6\.0\.0`", str(caught[0].message))  # the check it names exists
+    assert command and (Path(__file__).parents[1] / command[1]).is_file()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         adapter.warn_if_untested(f"{adapter.TESTED_TRANSFORMERS[-1]}.0")

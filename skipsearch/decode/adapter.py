@@ -6,7 +6,7 @@ only for public names (`AutoModelForCausalLM`, configs, `GenerationConfig`, logi
 reaches everything else through here. Each touchpoint is named in `TOUCHPOINTS` and tested by name
 (tests/test_adapter.py); when one fails on a release outside the tested window, the error is an
 `AdapterError` naming the touchpoint and the window in one line, not an AttributeError from inside a
-forward. `.ci/newest` runs those tests against the newest releases.
+forward. `.ci/check-releases` runs those tests against the newest releases and the oldest tested ones.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def warn_if_untested(version: str = transformers.__version__) -> None:
     """Say that transformers is outside the tested window (once, at import); the tool runs on regardless."""
     if not within_tested_window(version):
         warnings.warn(f"transformers {version} is outside skipsearch's tested window ({TESTED_TRANSFORMERS[0]} to "
-                      f"{TESTED_TRANSFORMERS[-1]}); `bash .ci/newest` checks a release", UserWarning, stacklevel=2)
+                      f"{TESTED_TRANSFORMERS[-1]}); `bash .ci/check-releases {version}` in its repository checks that "
+                      "release", UserWarning, stacklevel=2)
 
 
 # --- cache keyword -------------------------------------------------------------------------------------------------
