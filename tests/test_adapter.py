@@ -1,10 +1,10 @@
 """Each assumption skipsearch makes about transformers' internals (adapter.TOUCHPOINTS), tested by its name.
 
 `.ci/check-releases` runs this file against other releases (the newest of transformers, torch and Optuna,
-the oldest tested transformers and torch): a failure here names the touchpoint that a release broke. The end-to-end checks at the bottom are
-what a user would hit first: eager and compiled decoding with two skip sets in one process, and
-transformers' own `generate` through `custom_generate`, equal to HF greedy and without
-deprecation warnings.
+the oldest tested transformers and torch): a failure here names the touchpoint that a release broke. The
+end-to-end checks at the bottom are what a user would hit first: eager and compiled decoding with two skip
+sets in one process, and transformers' own `generate` through `custom_generate`, equal to HF greedy and
+without deprecation warnings.
 """
 
 import logging
