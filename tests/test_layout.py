@@ -129,6 +129,22 @@ def test_the_ci_scripts_name_modules_that_exist():
         importlib.import_module(name)
 
 
+def test_check_releases_refuses_what_is_no_release_before_making_a_venv(tmp_path):
+    """A typo (`--help`, a flag, two releases) is refused in one line with exit code 2, not a venv installed for
+    minutes and then a pip error about `transformers==--help`."""
+    import shutil
+    import subprocess
+
+    ci = tmp_path / ".ci"
+    ci.mkdir()
+    shutil.copy(PACKAGE.parent / ".ci" / "check-releases", ci)  # run from a copy: its venvs land in tmp_path
+    for arguments in (["--help"], ["5.25.0", "6.0.0"], ["torch==latest"]):
+        run = subprocess.run(["bash", str(ci / "check-releases"), *arguments], capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 2 and len(run.stderr.splitlines()) == 1 and "expected one release" in run.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ci"]
+
+
 def test_each_pytest_xdist_worker_and_its_processes_take_a_share_of_the_cores():
     """conftest's `pytest_configure`: two workers each running torch's default thread count on 2 cores made a study
     test 4x slower than alone. Only a run under several pytest-xdist workers (the README's test command) checks it."""
