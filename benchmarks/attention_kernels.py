@@ -2,9 +2,11 @@
 
 On an H200 a one-token step's attention read a grouped-query model's cache at 51-203 GB/s, and a model without
 grouped queries at the bandwidth (BENCHMARKS.md, "Twenty-second session"). This times the attention alone, without
-building or compiling a model, so that one short run answers which way of attending reads a long cache fastest:
-- "folded": the engine's (`decode/attention.py`'s `grouped_sdpa`): a key/value head's query heads folded into the
-  query's rows (on CUDA; a CPU's SDPA takes the grouped heads itself), SDPA's own choice of kernel;
+building or compiling a model, so that one short run answers which way of attending reads a long cache fastest (on
+the H200 of 2026-11-28 "gqa", by 1.2-24x, now the engine's way there: BENCHMARKS.md, "Twenty-fifth session"):
+- "folded": `decode/attention.py`'s `grouped_sdpa` with `fold=True`: a key/value head's query heads folded into the
+  query's rows (the engine's way on CUDA where cuDNN's kernel does not take a grouped query), SDPA's own choice of
+  kernel;
 - "cudnn", "efficient": the same with SDPA's cuDNN kernel (the H200's own choice, to confirm it) or its
   memory-efficient one;
 - "unfolded": each key/value head copied out to its query heads (transformers' `repeat_kv` in a compiled step, the
@@ -12,9 +14,9 @@ building or compiling a model, so that one short run answers which way of attend
 - "math": the folded attention through SDPA's math backend, in eager kernels (inductor fuses them in a compiled
   step); in bf16 it computes in fp32 (torch's default), so it moves more bytes than the cache's;
 - "gqa", "gqa-cudnn": neither folded nor copied: SDPA's own grouped-query attention (`enable_gqa`, the engine's way
-  on a CPU, `grouped_sdpa`'s `fold=False`), by SDPA's choice of kernel and with cuDNN's forced: of SDPA's CUDA
-  kernels only cuDNN's takes a grouped query with a mask (in fp16 and bf16); where SDPA picks its math kernel
-  instead, that one repeats the keys, and "gqa" is slower than "gqa-cudnn".
+  on a CPU and on Hopper GPUs in fp16 and bf16, `grouped_sdpa`'s `fold=False`), by SDPA's choice of kernel and with
+  cuDNN's forced: of SDPA's CUDA kernels only cuDNN's takes a grouped query with a mask (in fp16 and bf16); where
+  SDPA picks its math kernel instead, that one repeats the keys, and "gqa" is slower than "gqa-cudnn".
 Each is timed at the cache's last slots (every slot attended), for the shapes' key/value heads and head size, one
 token and a verification's width, paired and interleaved with "folded": folded over the method, with its 95%
 interval (above 1: the method is faster), each one's milliseconds a call and the GB/s of keys and values it read,
@@ -49,7 +51,7 @@ from verify_head import _x, pair
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
-def folded(module, q, k, v, mask, backends=None, fold=None):
+def folded(module, q, k, v, mask, backends=None, fold=True):
     with sdpa_kernel(backends) if backends else contextlib.nullcontext():
         return grouped_sdpa(module, q, k, v, mask, scaling=q.shape[-1] ** -0.5, fold=fold)[0]
 

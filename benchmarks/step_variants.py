@@ -20,13 +20,18 @@ here is a way to launch fewer:
   the H200): on long caches a step's attention is far below the bandwidth there (BENCHMARKS.md, "Twenty-second
   session"), and each kernel splits the work its own way;
 - "unfolded" (named, not run by default): transformers' own SDPA attention, which copies each key/value head out to
-  its query heads, instead of the engine's (`decode/attention.py`), which folds the query heads into the query's
-  rows: more heads for the kernel to spread over, at the price of the copy. It asks whether the fold is what starves
-  a long cache's attention on the H200 (a model without grouped queries folds nothing: the same steps there);
+  its query heads, instead of the engine's (`decode/attention.py`), which neither copies nor folds them on a CPU and
+  on Hopper GPUs in fp16 and bf16, and elsewhere folds the query heads into the query's rows (a model without grouped
+  queries folds nothing: the same steps there);
 - "gqa" (named, not run by default): the engine's attention with the query heads neither folded nor copied, given to
-  SDPA's own grouped-query attention (`grouped_sdpa`'s `fold=False`, a CPU's way), by SDPA's choice of kernel: on
-  CUDA only cuDNN's takes it with a mask (in fp16 and bf16), and the math kernel SDPA falls back to repeats the keys;
-  "gqa-cudnn" forces cuDNN's (`attention_kernels.py` times both for one layer);
+  SDPA's own grouped-query attention (`grouped_sdpa`'s `fold=False`), by SDPA's choice of kernel: on CUDA only
+  cuDNN's takes it with a mask (in fp16 and bf16), and the math kernel SDPA falls back to repeats the keys;
+  "gqa-cudnn" forces cuDNN's (`attention_kernels.py` times both for one layer). The shipped steps' way on a CPU and,
+  since the H200 of 2026-11-28 measured it 1.71x as fast on a 4,096-slot cache (BENCHMARKS.md, "Twenty-fifth
+  session"), on Hopper GPUs in fp16 and bf16: there it is the shipped step;
+- "folded" (named, not run by default): the engine's attention with the query heads always folded
+  (`grouped_sdpa`'s `fold=True`), the shipped steps' way on CUDA until that lease, against which "shipped" on a GPU
+  now measures the change;
 - "unguarded" (named, not run by default): the shipped steps with dynamo's guards left unchecked
   (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), what the guards cost a regional step on a CPU, where
   each layer's compiled function checks its guards at every call (on CUDA the steps replay as CUDA graphs and check
@@ -85,6 +90,7 @@ VARIANTS = {"shipped": Variant(), "frozen": Variant(settings=FROZEN), "math": Va
             "efficient": Variant(backends=[SDPBackend.EFFICIENT_ATTENTION]),
             "unfolded": Variant(attention=adapter.sdpa_attention),
             "gqa": Variant(attention=functools.partial(grouped_sdpa, fold=False)),
+            "folded": Variant(attention=functools.partial(grouped_sdpa, fold=True)),
             "gqa-cudnn": Variant(backends=[SDPBackend.CUDNN_ATTENTION],
                                  attention=functools.partial(grouped_sdpa, fold=False))}
 

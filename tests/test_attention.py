@@ -49,7 +49,7 @@ def test_grouped_attention_gives_transformers_sdpa_output_without_repeating_keys
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
     if device_path.startswith("folded"):  # the path of devices other than a CPU, run here on the CPU
-        monkeypatch.setattr(attention, "_native_grouped_query", lambda device: False)
+        monkeypatch.setattr(attention, "_native_grouped_query", lambda device, dtype: False)
     fold = {"cpu, fold=True": True, "folded, fold=False": False}.get(device_path)
     out, weights = grouped_sdpa(module, query, key, value, mask, scaling=0.25, fold=fold)
     assert weights is None and out.shape == (1, width, 9, 16)
@@ -60,6 +60,32 @@ def test_grouped_attention_gives_transformers_sdpa_output_without_repeating_keys
         assert native and q_shape == (1, 9, width, 16) and mask_shape == (1, 1, width, 40)
     else:  # three query heads share a key head: folded into 3 x width query rows, each fold with the mask's rows
         assert not native and q_shape == (1, 3, 3 * width, 16) and mask_shape == (1, 1, 3 * width, 40)
+
+
+@pytest.mark.parametrize("device, dtype, cudnn, native", [
+    ("cpu", torch.float32, False, True), ("cpu", torch.bfloat16, False, True),
+    ("cuda", torch.bfloat16, True, True), ("cuda:1", torch.float16, True, True),
+    ("cuda", torch.bfloat16, False, False), ("cuda", torch.float32, True, False), ("mps", torch.bfloat16, True, False)])
+def test_the_grouped_query_goes_to_sdpa_where_a_kernel_takes_it_with_a_mask(device, dtype, cudnn, native, monkeypatch):
+    """A CPU's SDPA and, on CUDA, cuDNN's kernel in fp16 and bf16 (on a Hopper GPU with SDPA's cuDNN backend on) take
+    the grouped query as it is; any other device or dtype folds it (module doc). Asked of the device it runs on."""
+    asked = []
+    monkeypatch.setattr(attention, "_cudnn_attention_enabled", lambda index: asked.append(index) or cudnn)
+    assert attention._native_grouped_query(torch.device(device), dtype) is native
+    assert asked == ([torch.device(device).index] if device.startswith("cuda") and dtype != torch.float32 else [])
+
+
+def test_cudnn_is_asked_once_while_a_step_compiles_and_its_answer_kept(monkeypatch):
+    """Under torch.compile the device's answer is a constant of the graph (no CUDA query traced into a step, no
+    graph break): CUDA's queries, faked here, run while the step compiles, and not when it runs again."""
+    asked = []
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: asked.append("enabled") or True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or (9, 0))
+    step = torch.compile(lambda x: x * 2 if attention._native_grouped_query(torch.device("cuda", 1), torch.bfloat16)
+                         else x, fullgraph=True, backend="eager")
+    for _ in range(3):
+        torch.testing.assert_close(step(torch.ones(2)), torch.full((2,), 2.0))
+    assert asked == ["enabled", 1]
 
 
 @pytest.mark.parametrize("case", ["no mask", "one group", "soft cap", "per-head mask"])

@@ -457,7 +457,7 @@ def test_attention_kernels_gqa_neither_folds_nor_copies(monkeypatch):
     from test_attention import Heads, inputs
 
     attention_kernels = load_benchmark("attention_kernels")
-    monkeypatch.setattr(attention, "_native_grouped_query", lambda device: False)  # a folding device, as CUDA
+    monkeypatch.setattr(attention, "_native_grouped_query", lambda device, dtype: False)  # a folding device, as CUDA
     query, key, value, mask = inputs(1)
     shapes, real = [], attention.F.scaled_dot_product_attention
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
@@ -492,8 +492,8 @@ def test_step_variants_reports_a_failing_variant_and_measures_the_next(monkeypat
 
 
 def test_step_variants_attend_through_the_variants_function_and_restore_the_engines(monkeypatch, capsys):
-    """A variant's steps attend through the function it names: "unfolded" (transformers' own SDPA) and "gqa" (the
-    engine's attention, never folded) agree with the shipped steps, and a made-up variant whose attention outputs
+    """A variant's steps attend through the function it names: "unfolded" (transformers' own SDPA), "gqa" and
+    "folded" (the engine's attention, never and always folded) agree with the shipped steps, and a made-up variant whose attention outputs
     zeros changes the logits, which only the variant's steps can do; the engine's own attention is registered again
     afterwards."""
     from torch.nn.attention import SDPBackend
@@ -506,6 +506,8 @@ def test_step_variants_attend_through_the_variants_function_and_restore_the_engi
     assert step_variants.VARIANTS["unfolded"].attention is adapter.sdpa_attention
     gqa = step_variants.VARIANTS["gqa"].attention
     assert gqa.func is grouped_sdpa and gqa.keywords == {"fold": False}
+    folded = step_variants.VARIANTS["folded"].attention
+    assert folded.func is grouped_sdpa and folded.keywords == {"fold": True}
     forced = step_variants.VARIANTS["gqa-cudnn"]
     assert forced.attention.keywords == {"fold": False} and forced.backends == [SDPBackend.CUDNN_ATTENTION]
 
@@ -517,12 +519,12 @@ def test_step_variants_attend_through_the_variants_function_and_restore_the_engi
     monkeypatch.setitem(step_variants.VARIANTS, "silent", step_variants.Variant(attention=silent))
     monkeypatch.setattr(step_variants, "profile_inductor_cpu_kernels", lambda: None)
     monkeypatch.setattr(sys, "argv", ["step_variants.py", *SMALL, "--config-only", TINY_CONFIG, "--slots", "256",
-                                      "--repeats", "2", "--variants", "unfolded,silent,gqa"])
+                                      "--repeats", "2", "--variants", "unfolded,silent,gqa,folded"])
     step_variants.main()
     out = capsys.readouterr().out
     differences = dict(re.findall(r"^  one-token step +(\S+) .* max difference ([\d.e+-]+) ", out, re.M))
-    assert set(differences) == {"unfolded", "silent", "gqa"}
-    assert max(float(differences["unfolded"]), float(differences["gqa"])) < 1e-4 < float(differences["silent"])
+    assert set(differences) == {"unfolded", "silent", "gqa", "folded"}
+    assert max(float(differences[name]) for name in ("unfolded", "gqa", "folded")) < 1e-4 < float(differences["silent"])
     assert re.search(r"^  verify step \(5 tokens\) +unfolded .* top-1 same in 5/5 rows", out, re.M)
     assert AttentionInterface()[adapter.ENGINE_ATTENTION] is grouped_sdpa
 

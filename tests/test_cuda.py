@@ -4,6 +4,8 @@ whole steps on request) and bf16.
 Skipped where no GPU is visible (CI has none); `bash benchmarks/gpu.sh cuda-tests` runs them on a GPU machine.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -113,28 +115,32 @@ def test_cuda_memory_stays_flat_over_many_skip_sets():
     assert allocated[29] <= allocated[9] + 2**20, allocated
 
 
-@pytest.mark.parametrize("fold", [None, False])
+@pytest.mark.parametrize("fold", [None, False, True])
 @pytest.mark.parametrize("width", [1, 5])
 def test_cuda_grouped_attention_without_repeating_keys(width, fold):
-    """On CUDA the engine's attention folds query heads into the query length (the kernels SDPA has there do not all
-    take a grouped query with a mask), or with `fold=False` gives them to SDPA's own grouped query (the next lease's
-    candidate cure, gpu.sh's header): transformers' SDPA's output either way, and the CPU's in float64 (CUDA's
-    kernels are checked against no CUDA kernel alone), in float32 and in bfloat16 (where cuDNN's kernel may run)."""
+    """On CUDA the engine's attention gives the grouped query heads to SDPA's own grouped query where cuDNN's kernel
+    takes it (fp16 and bf16 on a Hopper GPU), and elsewhere (fp32 here) folds them into the query length; `fold`
+    forces either way: transformers' SDPA's output every way, and the CPU's in float64 (CUDA's kernels are checked
+    against no CUDA kernel alone), in float32 and in bfloat16 (where cuDNN's kernel may run); compiled in bf16 as
+    the engine's steps are, with no graph break, the same output."""
     from test_attention import inputs
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from skipsearch.decode import attention
 
     module = torch.nn.Module()
     module.num_key_value_groups = 3
+    hopper = torch.cuda.get_device_capability() >= (9, 0) and torch.backends.cuda.cudnn_sdp_enabled()
     exact, _ = sdpa_attention_forward(module, *inputs(width), scaling=0.25)  # on the CPU, in float64
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         query, key, value, mask = (t.to("cuda", dtype) if t.is_floating_point() else t.to("cuda")
                                    for t in inputs(width))
-        assert not attention._native_grouped_query(query.device)
+        assert attention._native_grouped_query(query.device, dtype) is (hopper and dtype == torch.bfloat16)
         out, _ = attention.grouped_sdpa(module, query, key, value, mask, scaling=0.25, fold=fold)
         expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
         torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
         torch.testing.assert_close(out.cpu().double(), exact, rtol=tolerance, atol=tolerance)
+    step = torch.compile(functools.partial(attention.grouped_sdpa, module, scaling=0.25, fold=fold), fullgraph=True)
+    torch.testing.assert_close(step(query, key, value, mask)[0], out, rtol=tolerance, atol=tolerance)
 
 
 def test_cuda_attention_kernels_time_a_captured_graph_of_the_calls():

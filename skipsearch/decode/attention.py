@@ -6,13 +6,16 @@ torch.compile: so every compiled step, and every eager verification, copies the 
 keys and values at every layer. Without the copy the default model's one-token steps ran 1.02-1.06x
 as fast at 256 cache slots and 1.13-1.14x at 1,024 on a 2-core Intel Xeon (BENCHMARKS.md, "Fifteenth
 session"; benchmarks/attention_speed.py). `grouped_sdpa` attends without it:
-- on a CPU, SDPA's own grouped-query attention (`enable_gqa`), which its CPU kernel runs with a mask;
+- SDPA's own grouped-query attention (`enable_gqa`) where a kernel takes it with a mask: a CPU's does, and on
+  CUDA cuDNN's, in fp16 and bf16 (pytorch/pytorch#139586), on the Hopper GPUs where it was measured;
 - elsewhere, the query heads of one key/value head folded into the query length, each fold seeing the
-  same mask rows, which every kernel takes. Of SDPA's CUDA kernels, flash takes a grouped query but no
-  mask, the memory-efficient one (torch 2.11) a mask but no grouped query, cuDNN's both in fp16 and bf16
-  (pytorch/pytorch#139586), and the math kernel repeats the keys. On an H200 a folded
-  one-token step read a long grouped cache at 51-203 GB/s of about 4,200 (BENCHMARKS.md, "Twenty-second
-  session"): which way reads it fastest is measured by `benchmarks/attention_kernels.py` (`fold`).
+  same mask rows, which every kernel takes. Of SDPA's other CUDA kernels, flash takes a grouped query but no
+  mask, the memory-efficient one (torch 2.11) a mask but no grouped query, and the math kernel repeats the keys.
+On an H200 (bf16, torch 2.11) the folded way read a long grouped cache at 42-53 GB/s a layer, the grouped query
+given to cuDNN at up to 2,758: one layer's one-token attention 6.5-24x as fast at 4,096-16,384 slots, 1.2-1.3x
+at 256, a verification's 1.00-1.25x; a whole compiled one-token step of Qwen2.5-1.5B's shape 1.71x as fast at
+4,096 slots and 0.98x at 256 (BENCHMARKS.md, "Twenty-fifth session"; benchmarks/attention_kernels.py and
+step_variants.py, which time both ways: `fold`).
 Anything transformers' SDPA does beyond that (no mask, a soft cap, a position bias, dropout, attention
 weights asked for) goes to transformers' SDPA itself, so the function is SDPA wherever it does not
 fold. The engine switches a model to it only while its steps run (`adapter.attention_switched`, shared
@@ -36,10 +39,23 @@ from . import adapter
 _SDPA_ONLY = ("softcap", "position_bias")
 
 
-def _native_grouped_query(device: torch.device) -> bool:
-    """Whether SDPA's own grouped-query attention takes a mask on `device` without falling back to a kernel that
-    repeats the keys and values: a CPU's does; on CUDA only cuDNN's, in fp16 and bf16 (module doc)."""
-    return device.type == "cpu"
+# Where SDPA's own grouped query with a mask was measured to run as cuDNN's kernel: Hopper (an H200, 2026-11-28).
+_CUDNN_CAPABILITY = (9, 0)
+_CUDNN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@torch.compiler.assume_constant_result  # asked while a step compiles, its answer a constant of the graph
+def _cudnn_attention_enabled(device_index: int | None) -> bool:
+    index = torch.cuda.current_device() if device_index is None else device_index
+    return torch.backends.cuda.cudnn_sdp_enabled() and torch.cuda.get_device_capability(index) >= _CUDNN_CAPABILITY
+
+
+def _native_grouped_query(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether SDPA's own grouped-query attention takes a mask on `device` in `dtype` without falling back to a
+    kernel that repeats the keys and values: a CPU's does; on CUDA cuDNN's, in fp16 and bf16 (module doc)."""
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and dtype in _CUDNN_DTYPES and _cudnn_attention_enabled(device.index)
 
 
 def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -56,7 +72,7 @@ def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         return adapter.sdpa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if fold is None:
-        fold = not _native_grouped_query(query.device)
+        fold = not _native_grouped_query(query.device, query.dtype)
     batch, heads, width, dim = query.shape
     if fold:
         folded = query.reshape(batch, heads // groups, groups * width, dim)
