@@ -88,6 +88,20 @@ def test_cudnn_is_asked_once_while_a_step_compiles_and_its_answer_kept(monkeypat
     assert asked == ["enabled", 1]
 
 
+def test_attention_way_says_how_the_steps_attend_on_the_models_device(monkeypatch):
+    """A profile's provenance names the way its steps attended: grouped on a CPU, folded where the device's kernels
+    need it, plain SDPA without grouped heads, and a model loaded with eager attention its own."""
+    assert attention.attention_way(tiny_model()) == "SDPA's own grouped query"
+    ungrouped = tiny_model()
+    ungrouped.config.num_key_value_heads = 4
+    assert attention.attention_way(ungrouped) == "SDPA, no grouped query"
+    eager = tiny_model()
+    eager.config._attn_implementation = "eager"
+    assert attention.attention_way(eager) == "the model's own (eager)"
+    monkeypatch.setattr(attention, "_native_grouped_query", lambda device, dtype: False)
+    assert attention.attention_way(tiny_model()) == "query heads folded into the query's rows, then SDPA"
+
+
 @pytest.mark.parametrize("case", ["no mask", "one group", "soft cap", "per-head mask"])
 def test_what_grouping_does_not_cover_runs_transformers_sdpa(case, monkeypatch):
     query, key, value, mask = inputs(3)

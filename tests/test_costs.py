@@ -125,6 +125,7 @@ def test_profile_has_one_table_per_context_and_round_trips(tmp_path):
         assert len(costs.verify_s) == 3 and all(t > 0 for t in costs.verify_s)
         assert costs.attn_s >= 0 and costs.mlp_s >= 0 and costs.rest_s >= 0
     assert profile.provenance["torch"] == torch.__version__ and profile.overheads == Overheads()
+    assert profile.provenance["attention"] == "SDPA's own grouped query"  # the way a CPU's steps attend
     profile.save(tmp_path / "p.json")
     saved = json.loads((tmp_path / "p.json").read_text())
     assert saved["version"] == 4 and [c["context_tokens"] for c in saved["contexts"]] == [64, 512]

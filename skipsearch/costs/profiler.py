@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..decode import adapter
+from ..decode.attention import attention_way
 from ..decode.cost_profile import ContextCosts, CostProfile
 from ..decode.economics import sublayer_weights
 from ..decode.engine import CACHE_BLOCK, CompileSettings, engine_for, forward_at_position, synchronize
@@ -84,7 +85,8 @@ def _provenance(model: torch.nn.Module) -> dict:
 
     return {"created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device_name": device_name(model.device), "torch": torch.__version__,
-            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads()}
+            "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
+            "attention": attention_way(model)}
 
 
 class NoisyMachine(ValueError):

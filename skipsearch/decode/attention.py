@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import adapter
+from .kvcache import kv_shape
 
 # What transformers' SDPA reads from its keywords besides the scaling; with any of them set, it runs instead.
 _SDPA_ONLY = ("softcap", "position_bias")
@@ -56,6 +57,19 @@ def _native_grouped_query(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type == "cpu":
         return True
     return device.type == "cuda" and dtype in _CUDNN_DTYPES and _cudnn_attention_enabled(device.index)
+
+
+def attention_way(model: nn.Module) -> str:
+    """How the engine's steps attend on `model`'s device and dtype, in words for a cost profile's provenance: a
+    profile timed one way prices a long context's attention wrongly for the other (module doc)."""
+    config = model.config.get_text_config(decoder=True)
+    if config._attn_implementation != "sdpa":
+        return f"the model's own ({config._attn_implementation})"
+    if kv_shape(config)[0] == config.num_attention_heads:
+        return "SDPA, no grouped query"
+    if _native_grouped_query(model.device, model.dtype):
+        return "SDPA's own grouped query"
+    return "query heads folded into the query's rows, then SDPA"
 
 
 def grouped_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
