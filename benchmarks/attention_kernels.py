@@ -3,7 +3,8 @@
 On an H200 a one-token step's attention read a grouped-query model's cache at 51-203 GB/s, and a model without
 grouped queries at the bandwidth (BENCHMARKS.md, "Twenty-second session"). This times the attention alone, without
 building or compiling a model, so that one short run answers which way of attending reads a long cache fastest (on
-the H200 of 2026-11-28 "gqa", by 1.2-24x, now the engine's way there: BENCHMARKS.md, "Twenty-fifth session"):
+the H200 of 2026-11-28 "gqa", one token 1.2-24x the folded way, now the engine's way there: BENCHMARKS.md,
+"Twenty-fifth session"):
 - "folded": `decode/attention.py`'s `grouped_sdpa` with `fold=True`: a key/value head's query heads folded into the
   query's rows (the engine's way on CUDA where cuDNN's kernel does not take a grouped query), SDPA's own choice of
   kernel;

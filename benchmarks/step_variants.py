@@ -17,8 +17,8 @@ here is a way to launch fewer:
 - "combo": inductor's combo kernels, which launch independent pointwise kernels as one (CUDA's Triton code only);
 - "math+combo": both;
 - "efficient" (named, not run by default): SDPA's memory-efficient kernel alone instead of its own choice (cuDNN's on
-  the H200): on long caches a step's attention is far below the bandwidth there (BENCHMARKS.md, "Twenty-second
-  session"), and each kernel splits the work its own way;
+  the H200), each kernel splitting the work its own way (on the H200 of 2026-11-28 0.55-0.95x the shipped steps:
+  BENCHMARKS.md, "Twenty-fifth session");
 - "unfolded" (named, not run by default): transformers' own SDPA attention, which copies each key/value head out to
   its query heads, instead of the engine's (`decode/attention.py`), which neither copies nor folds them on a CPU and
   on Hopper GPUs in fp16 and bf16, and elsewhere folds the query heads into the query's rows (a model without grouped

@@ -49,7 +49,7 @@ def test_grouped_attention_gives_transformers_sdpa_output_without_repeating_keys
 
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
     if device_path.startswith("folded"):  # the path of devices other than a CPU, run here on the CPU
-        monkeypatch.setattr(attention, "_native_grouped_query", lambda device, dtype: False)
+        monkeypatch.setattr(attention, "_native_grouped_query", lambda device, dtype, head_dim: False)
     fold = {"cpu, fold=True": True, "folded, fold=False": False}.get(device_path)
     out, weights = grouped_sdpa(module, query, key, value, mask, scaling=0.25, fold=fold)
     assert weights is None and out.shape == (1, width, 9, 16)
@@ -62,17 +62,36 @@ def test_grouped_attention_gives_transformers_sdpa_output_without_repeating_keys
         assert not native and q_shape == (1, 3, 3 * width, 16) and mask_shape == (1, 1, 3 * width, 40)
 
 
-@pytest.mark.parametrize("device, dtype, cudnn, native", [
-    ("cpu", torch.float32, False, True), ("cpu", torch.bfloat16, False, True),
-    ("cuda", torch.bfloat16, True, True), ("cuda:1", torch.float16, True, True),
-    ("cuda", torch.bfloat16, False, False), ("cuda", torch.float32, True, False), ("mps", torch.bfloat16, True, False)])
-def test_the_grouped_query_goes_to_sdpa_where_a_kernel_takes_it_with_a_mask(device, dtype, cudnn, native, monkeypatch):
-    """A CPU's SDPA and, on CUDA, cuDNN's kernel in fp16 and bf16 (on a Hopper GPU with SDPA's cuDNN backend on) take
-    the grouped query as it is; any other device or dtype folds it (module doc). Asked of the device it runs on."""
+@pytest.mark.parametrize("device, dtype, head_dim, cudnn, native", [
+    ("cpu", torch.float32, 64, False, True), ("cpu", torch.bfloat16, 256, False, True),
+    ("cuda", torch.bfloat16, 128, True, True), ("cuda:1", torch.float16, 64, True, True),
+    ("cuda", torch.bfloat16, 256, True, False), ("cuda", torch.bfloat16, 64, False, False),
+    ("cuda", torch.float32, 64, True, False), ("mps", torch.bfloat16, 64, True, False)])
+def test_the_grouped_query_goes_to_sdpa_where_a_kernel_takes_it_with_a_mask(device, dtype, head_dim, cudnn, native,
+                                                                            monkeypatch):
+    """A CPU's SDPA and, on CUDA, cuDNN's kernel in fp16 and bf16 with heads of up to 128 (where the device's answer
+    says it runs) take the grouped query as it is; any other device, dtype or head size folds it (module doc)."""
     asked = []
     monkeypatch.setattr(attention, "_cudnn_attention_enabled", lambda index: asked.append(index) or cudnn)
-    assert attention._native_grouped_query(torch.device(device), dtype) is native
-    assert asked == ([torch.device(device).index] if device.startswith("cuda") and dtype != torch.float32 else [])
+    assert attention._native_grouped_query(torch.device(device), dtype, head_dim) is native
+    cuda_asked = device.startswith("cuda") and dtype != torch.float32 and head_dim <= 128
+    assert asked == ([torch.device(device).index] if cuda_asked else [])
+
+
+@pytest.mark.parametrize("change, enabled", [(None, True), ("capability (8, 9)", False), ("capability (10, 0)", False),
+                                             ("cuDNN's attention off", False), ("no cuDNN", False),
+                                             ("ROCm", False), ("deterministic", False)])
+def test_cuda_answers_for_cudnn_only_where_torch_tries_it_first(change, enabled, monkeypatch):
+    """CUDA's answer, its queries faked: yes on a capability 9.0 GPU with cuDNN and its attention on, no on other
+    capabilities (torch tries its math kernel, which copies the keys, before cuDNN's there), without cuDNN, on ROCm
+    and where deterministic algorithms are asked for (cuDNN's attention refuses them)."""
+    capability = {"capability (8, 9)": (8, 9), "capability (10, 0)": (10, 0)}.get(change, (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: change != "cuDNN's attention off")
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: change != "no cuDNN")
+    monkeypatch.setattr(torch.version, "hip", "6.4" if change == "ROCm" else None)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: change == "deterministic")
+    assert attention._cudnn_attention_enabled(0) is enabled
 
 
 def test_cudnn_is_asked_once_while_a_step_compiles_and_its_answer_kept(monkeypatch):
@@ -81,8 +100,10 @@ def test_cudnn_is_asked_once_while_a_step_compiles_and_its_answer_kept(monkeypat
     asked = []
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: asked.append("enabled") or True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or (9, 0))
-    step = torch.compile(lambda x: x * 2 if attention._native_grouped_query(torch.device("cuda", 1), torch.bfloat16)
-                         else x, fullgraph=True, backend="eager")
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    step = torch.compile(lambda x: x * 2 if attention._native_grouped_query(torch.device("cuda", 1), torch.bfloat16,
+                                                                            64) else x, fullgraph=True, backend="eager")
     for _ in range(3):
         torch.testing.assert_close(step(torch.ones(2)), torch.full((2,), 2.0))
     assert asked == ["enabled", 1]
@@ -98,7 +119,7 @@ def test_attention_way_says_how_the_steps_attend_on_the_models_device(monkeypatc
     eager = tiny_model()
     eager.config._attn_implementation = "eager"
     assert attention.attention_way(eager) == "the model's own (eager)"
-    monkeypatch.setattr(attention, "_native_grouped_query", lambda device, dtype: False)
+    monkeypatch.setattr(attention, "_native_grouped_query", lambda device, dtype, head_dim: False)
     assert attention.attention_way(tiny_model()) == "query heads folded into the query's rows, then SDPA"
 
 

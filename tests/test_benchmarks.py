@@ -451,13 +451,12 @@ def test_attention_kernels():  # stage "attention"
 
 
 def test_attention_kernels_gqa_neither_folds_nor_copies(monkeypatch):
-    """"gqa" gives the grouped query heads to SDPA as they are (`enable_gqa`, the keys not repeated) on a device
-    whose engine folds them, and agrees with the folded attention."""
+    """"gqa" gives the grouped query heads to SDPA as they are (`enable_gqa`, the keys not repeated) and "folded", the
+    rows' baseline, folds them on any device (here a CPU's, whose engine would not); the two agree."""
     from skipsearch.decode import attention
     from test_attention import Heads, inputs
 
     attention_kernels = load_benchmark("attention_kernels")
-    monkeypatch.setattr(attention, "_native_grouped_query", lambda device, dtype: False)  # a folding device, as CUDA
     query, key, value, mask = inputs(1)
     shapes, real = [], attention.F.scaled_dot_product_attention
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention",
@@ -493,9 +492,9 @@ def test_step_variants_reports_a_failing_variant_and_measures_the_next(monkeypat
 
 def test_step_variants_attend_through_the_variants_function_and_restore_the_engines(monkeypatch, capsys):
     """A variant's steps attend through the function it names: "unfolded" (transformers' own SDPA), "gqa" and
-    "folded" (the engine's attention, never and always folded) agree with the shipped steps, and a made-up variant whose attention outputs
-    zeros changes the logits, which only the variant's steps can do; the engine's own attention is registered again
-    afterwards."""
+    "folded" (the engine's attention, never and always folded) agree with the shipped steps, and a made-up variant
+    whose attention outputs zeros changes the logits, which only the variant's steps can do; the engine's own
+    attention is registered again afterwards."""
     from torch.nn.attention import SDPBackend
     from transformers import AttentionInterface
 

@@ -486,8 +486,8 @@ def test_a_context_measured_again_is_timed_on_a_cache_of_its_own_length():
 
 def test_the_shipped_gpu_profiles_load_by_name_and_match_their_shapes():
     """Each shipped profile is read by its name, is a GPU's (at the shortest context, verifying 9 tokens costs little
-    more than one, where the weights' reads dominate; a CPU's costs several times more), and has its shape's layers;
-    a missing file names the shipped ones."""
+    more than one, where the weights' reads dominate; a CPU's costs several times more), has its shape's layers and
+    says how its steps attended; a missing file names the shipped ones."""
     from skipsearch.decode.cost_profile import SHIPPED_PROFILES, shipped_profiles
 
     names = shipped_profiles()
@@ -500,6 +500,9 @@ def test_the_shipped_gpu_profiles_load_by_name_and_match_their_shapes():
         config = json.loads((SHAPES / f"{name.split('/')[1]}.json").read_text())
         assert profile.num_hidden_layers == config["num_hidden_layers"] and profile.vocab_size == config["vocab_size"]
         assert profile.contexts[0].verify_s[-1] < 1.25 * profile.contexts[0].verify_s[0]
+        grouped = config.get("num_key_value_heads", config["num_attention_heads"]) < config["num_attention_heads"]
+        ways = ("query heads folded", "SDPA's own grouped query") if grouped else ("SDPA, no grouped query",)
+        assert profile.provenance["attention"].startswith(ways)  # how its steps attended, for whoever reads it
     with pytest.raises(ValueError, match="does not exist \\(shipped profiles: .*nvidia-h200/llama-3-8b"):
         CostProfile.load("nvidia-h200/no-such-shape")
 

@@ -119,7 +119,8 @@ def test_cuda_memory_stays_flat_over_many_skip_sets():
 @pytest.mark.parametrize("width", [1, 5])
 def test_cuda_grouped_attention_without_repeating_keys(width, fold):
     """On CUDA the engine's attention gives the grouped query heads to SDPA's own grouped query where cuDNN's kernel
-    takes it (fp16 and bf16 on a Hopper GPU), and elsewhere (fp32 here) folds them into the query length; `fold`
+    takes it (fp16 and bf16 on a capability 9.0 GPU, the leases' H100 and H200), and elsewhere (fp32 here) folds them
+    into the query length; `fold`
     forces either way: transformers' SDPA's output every way, and the CPU's in float64 (CUDA's kernels are checked
     against no CUDA kernel alone), in float32 and in bfloat16 (where cuDNN's kernel may run); compiled in bf16 as
     the engine's steps are, with no graph break, the same output."""
@@ -129,18 +130,41 @@ def test_cuda_grouped_attention_without_repeating_keys(width, fold):
 
     module = torch.nn.Module()
     module.num_key_value_groups = 3
-    hopper = torch.cuda.get_device_capability() >= (9, 0) and torch.backends.cuda.cudnn_sdp_enabled()
+    hopper = torch.cuda.get_device_capability() == (9, 0)
     exact, _ = sdpa_attention_forward(module, *inputs(width), scaling=0.25)  # on the CPU, in float64
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         query, key, value, mask = (t.to("cuda", dtype) if t.is_floating_point() else t.to("cuda")
                                    for t in inputs(width))
-        assert attention._native_grouped_query(query.device, dtype) is (hopper and dtype == torch.bfloat16)
+        assert attention._native_grouped_query(query.device, dtype, 16) is (hopper and dtype == torch.bfloat16)
         out, _ = attention.grouped_sdpa(module, query, key, value, mask, scaling=0.25, fold=fold)
         expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
         torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
         torch.testing.assert_close(out.cpu().double(), exact, rtol=tolerance, atol=tolerance)
     step = torch.compile(functools.partial(attention.grouped_sdpa, module, scaling=0.25, fold=fold), fullgraph=True)
     torch.testing.assert_close(step(query, key, value, mask)[0], out, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1, 5])
+def test_cuda_grouped_query_runs_as_cudnn_where_the_engine_gives_it_so(width, dtype):
+    """Where the engine gives SDPA the grouped query as it is, cuDNN's kernel takes it: forced alone here, so that a
+    fall back to the math kernel (which copies the keys, silently, at a fraction of the speed) raises; a layer like
+    the engine's (9 query heads over 3 key/value heads of 64, 256 slots, its boolean mask), transformers' output."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from test_attention import inputs
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from skipsearch.decode import attention
+
+    query, key, value, mask = (t.to("cuda", dtype) if t.is_floating_point() else t.to("cuda")
+                               for t in inputs(width, dim=64, slots=256))
+    if not attention._native_grouped_query(query.device, dtype, 64):
+        pytest.skip(f"this GPU ({torch.cuda.get_device_name()}) folds the grouped query")
+    module = torch.nn.Module()
+    module.num_key_value_groups = 3
+    expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out, _ = attention.grouped_sdpa(module, query, key, value, mask, scaling=0.125)
+    torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
 def test_cuda_attention_kernels_time_a_captured_graph_of_the_calls():
