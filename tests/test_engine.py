@@ -237,6 +237,27 @@ def test_the_cuda_path_reads_back_once_per_round(monkeypatch, policy, compiled):
     assert plain.tokens == out.tokens and reads.count == 1 + -(-(n - 1) // decoding.PLAIN_STEPS_PER_READ)
 
 
+def test_another_models_regional_steps_leave_this_ones_static(monkeypatch):
+    """Two models in one process with another norm epsilon: each engine's compiled layers learn what changes between
+    their own calls only. Named alike, the second model's steps took its epsilon as a float input, uploaded at every
+    layer's call (torch 2.11 and 2.15; sizes that differ would have turned dynamic alike)."""
+    monkeypatch.setattr(decoding, "host_reads_stall", lambda device: True)
+    first = tiny_model("qwen2", seed=11, rms_norm_eps=1e-5)
+    generate(first, [5, 9, 14, 3, 8], skip=SkipSet.of([1], [2], NUM_LAYERS), max_new_tokens=6, **REGIONAL)
+    second, prompt = tiny_model("qwen2", seed=10, rms_norm_eps=1e-6), [5, 9, 14, 3, 8]
+    generate(second, prompt, skip=SkipSet.of([1], [2], NUM_LAYERS), max_new_tokens=4, **REGIONAL)  # compiles
+    reads, decode = HostReads(), decoding._decode
+
+    def counted(*args, **kwargs):  # the loop, from the prefill on (the API makes the prompt a tensor once)
+        with reads:
+            return decode(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "_decode", counted)
+    out = generate(second, prompt, skip=SkipSet.of([1], [2], NUM_LAYERS), max_new_tokens=12, eos_token_id=None,
+                   **REGIONAL)
+    assert reads.uploads == 0 and out.tokens == hf_greedy(second, prompt, 12, eos=None)
+
+
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(do_sample=True, top_k=20)], ids=["greedy", "sampling"])
 def test_the_cuda_path_drafts_the_length_it_chose_before_each_round(monkeypatch, sampling):
     """Where reads stall the device, adaptive drafting reads no confidence: each round drafts the length the controller

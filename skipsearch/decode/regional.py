@@ -4,6 +4,7 @@ new skip set compiles nothing (engine.py's "regional" mode)."""
 
 from __future__ import annotations
 
+import itertools
 import types
 from collections.abc import Callable
 from typing import NamedTuple
@@ -23,15 +24,20 @@ def _run_layer(layer: nn.Module, hidden: torch.Tensor, mask, position_embeddings
     return adapter.run_decoder_layer(layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
 
 
-def own_code(fn: Callable) -> Callable:
-    """`fn` with a code object of its own.
+def own_code(fn: Callable, name: str | None = None) -> Callable:
+    """`fn` with a code object of its own, named `name` (`fn`'s own name unless given).
 
     Dynamo keeps compiled graphs per code object and fails a fullgraph compile once one code
     object has `recompile_limit` graphs: each compiled function here gets its own code, so each
     holds at most two (its first cache's length, then the length dynamic), however many skip sets,
-    layer kinds and models a process compiles.
+    layer kinds and models a process compiles. What dynamo learns changes between calls (automatic dynamic
+    shapes and floats) it keeps per source function instead: its file, first line and name.
     """
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    code = fn.__code__ if name is None else fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+_ENGINE_NUMBERS = itertools.count()
 
 
 class LayerKind(NamedTuple):
@@ -52,13 +58,17 @@ class CompiledLayers:
     so no compiled code depends on which layer it runs, and dynamo does not specialise per layer.
     The first cache's graphs are specialised to its length; a cache of another length recompiles each function once,
     with the length dynamic (dynamo's automatic dynamic shapes), and every later length reuses that graph: a profile's
-    contexts and a study's longer prompts compile nothing more. Dynamo remembers the change per source function, which
-    every function here shares, so once any cache of the process has changed length, later compiles take the length
-    dynamic from their first call. On a CPU a dynamic length changed a step's time by -8% to +4% (BENCHMARKS.md).
+    contexts and a study's longer prompts compile nothing more. Dynamo remembers the change per source function (its
+    name among them), which every function here shares under a name of their own, so once their cache has changed
+    length, later compiles take the length dynamic from their first call. Another engine's functions, another model's
+    with other sizes or another norm epsilon, are named apart: what differs between models is no change to them (with
+    one name, a second model made a layer's epsilon a float input uploaded at every call, torch 2.11 and 2.15). On a
+    CPU a dynamic length changed a step's time by -8% to +4% (BENCHMARKS.md).
     """
 
     def __init__(self, backend: str):
         self.backend = backend
+        self.code_name = f"_run_layer_{next(_ENGINE_NUMBERS)}"  # dynamo's memory of changes, this engine's own
         self.functions: dict[tuple[LayerKind, int], Callable] = {}
         self.warmed = False  # every one-token kind compiled for the current cache (Engine._warm_layer_kinds)
 
@@ -71,7 +81,8 @@ class CompiledLayers:
                  position_ids, kv, keyword: str):
         key = (kind, hidden.shape[1])
         if key not in self.functions:
-            self.functions[key] = torch.compile(own_code(_run_layer), backend=self.backend, fullgraph=True)
+            self.functions[key] = torch.compile(own_code(_run_layer, self.code_name), backend=self.backend,
+                                                fullgraph=True)
         return self.functions[key](layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
 
 
