@@ -237,6 +237,20 @@ def test_the_cuda_path_reads_back_once_per_round(monkeypatch, policy, compiled):
     assert plain.tokens == out.tokens and reads.count == 1 + -(-(n - 1) // decoding.PLAIN_STEPS_PER_READ)
 
 
+def test_own_code_copies_the_code_object_and_names_it_as_asked():
+    """Each compiled function holds dynamo's graphs for its own code object (at most `recompile_limit`): a copy even
+    when not renamed; renamed, dynamo's memory of what changes between calls is the name's own."""
+    from skipsearch.decode.regional import own_code
+
+    def step(x, y=2):
+        return x * y
+
+    copy, renamed = own_code(step), own_code(step, "_run_layer_7")
+    assert copy.__code__ is not step.__code__ and copy.__name__ == "step" and copy(3) == 6
+    assert renamed.__code__.co_name == renamed.__code__.co_qualname == renamed.__name__ == "_run_layer_7"
+    assert renamed.__code__ is not copy.__code__ and renamed(3, 3) == 9
+
+
 def test_another_models_regional_steps_leave_this_ones_static(monkeypatch):
     """Two models in one process with another norm epsilon: each engine's compiled layers learn what changes between
     their own calls only. Named alike, the second model's steps took its epsilon as a float input, uploaded at every

@@ -33,7 +33,8 @@ def own_code(fn: Callable, name: str | None = None) -> Callable:
     layer kinds and models a process compiles. What dynamo learns changes between calls (automatic dynamic
     shapes and floats) it keeps per source function instead: its file, first line and name.
     """
-    code = fn.__code__ if name is None else fn.__code__.replace(co_name=name, co_qualname=name)
+    names = {} if name is None else {"co_name": name, "co_qualname": name}
+    code = fn.__code__.replace(**names)  # a copy even unrenamed: a code object of its own
     return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
