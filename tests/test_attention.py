@@ -6,7 +6,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from skipsearch.decode import adapter, attention
 from skipsearch.decode.attention import grouped_sdpa
-from skipsearch.decode.engine import CompileSettings, engine_for
 from skipsearch.decode.loop import generate
 from skipsearch.decode.policy import DraftPolicy
 from skipsearch.decode.skipset import SkipSet

@@ -328,6 +328,12 @@ class Engine:
             self.verifier = self.model if head is None else model_with_head(self.model, head)
         return self.verifier
 
+    def _layers_for(self, backend: str) -> CompiledLayers:
+        """The engine's compiled layers for `backend`, made once: each holds its functions under a name of its own."""
+        if backend not in self.layers:
+            self.layers[backend] = CompiledLayers(backend)
+        return self.layers[backend]
+
     def _prefill(self, settings: CompileSettings) -> Prefill:
         """Compiled prefill steps where layers compile per width (regional: one compile per width, then a CUDA graph
         each on CUDA) on the devices where that pays (`COMPILED_PREFILL_DEVICES`); else the eager prefill, as in
@@ -335,7 +341,7 @@ class Engine:
         regional = settings.resolved(self.model.device) == "regional"
         if not regional or self.model.device.type not in COMPILED_PREFILL_DEVICES:
             return Prefill(self.model, self.cache, attention=self.attention)
-        compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
+        compiled = self._layers_for(settings.backend)
         for width in PREFILL_WIDTHS:
             if (width, settings) not in self.prefill_steps:
                 view = regional_view(self.model, None, self.cache, compiled)
@@ -391,7 +397,7 @@ class Engine:
     def _compiled_step(self, skip: SkipSet | None, settings: CompileSettings) -> Step:
         mode, cache = settings.resolved(self.model.device), self.cache
         if mode == "regional":
-            compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
+            compiled = self._layers_for(settings.backend)
             return Step(_step(regional_view(self.model, skip, cache, compiled), cache), cache, compiled=True,
                         graph_pool=self.graph_pool, attention=self.attention)
         view, frozen = draft_model(self.model, skip) if skip else self.model, mode == "frozen"
@@ -407,7 +413,7 @@ class Engine:
         Runs one forward of each kind through every layer (a family may vary its layers in ways the kind does not
         name, as SmolLM3's layers without rotary embeddings: dynamo compiles each variant now, not in a later trial)
         at the position (stale slots) and rolls the position back."""
-        compiled = self.layers.setdefault(settings.backend, CompiledLayers(settings.backend))
+        compiled = self._layers_for(settings.backend)
         compiled.warmed = True
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.model.device)
         position = self.cache.position.clone()
