@@ -265,6 +265,15 @@ class Engine:
         self.attention = engine_attention(model)  # every step's attention function (attention.py)
         self._kept_skip_sets = DRAFT_STEPS_KEPT
 
+    # Neither copied nor saved with its model. A deep copy of the engine would run the copy's steps through graphs
+    # compiled for the original's cache (a copy of a model decoded wrong tokens), and its steps are code, not data
+    # (torch.save of the model failed on them): a copy makes an engine of its own, and a saved model loads without one.
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+    def __reduce__(self):
+        return type(None), ()
+
     @property
     def kept_skip_sets(self) -> int:
         """How many skip sets keep their compiled draft steps (and, on CUDA, their captured graphs), least recently
@@ -437,7 +446,7 @@ def _step(model: nn.Module, cache: SpeculativeCache) -> Callable[[torch.Tensor],
 def engine_for(model: nn.Module) -> Engine:
     """The model's engine, made on first use and kept on the model (it lives and dies with it)."""
     engine = model.__dict__.get("_skipsearch_engine")
-    if engine is None:
+    if engine is None or engine.model is not model:  # none yet, or a shallow copy's, which runs the original
         adapter.check_touchpoints(model)
         engine = Engine(model)
         object.__setattr__(model, "_skipsearch_engine", engine)

@@ -115,11 +115,22 @@ def _draft_layer(layer: nn.Module, skip_attn: bool, skip_mlp: bool, hidden_size:
     return _with_modules(layer, swaps)
 
 
+class _Memo(dict):
+    """A dict that a copy or a saved copy of its model gets empty: it is made again from the copy's own layers."""
+
+    def __deepcopy__(self, memo) -> _Memo:
+        return _Memo()
+
+    def __reduce__(self):
+        return _Memo, ()
+
+
 def _draft_cache(model: nn.Module) -> dict:
-    """Per-model memo of draft paths, keyed by skip set (kept on the model, so it lives and dies with it)."""
+    """Per-model memo of draft paths, keyed by skip set (kept on the model, so it lives and dies with it; not copied
+    with it: `_Memo`)."""
     memo = model.__dict__.get("_skipsearch_drafts")
     if memo is None:
-        memo = {}
+        memo = _Memo()
         object.__setattr__(model, "_skipsearch_drafts", memo)
     return memo
 
