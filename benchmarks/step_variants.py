@@ -32,6 +32,9 @@ here is a way to launch fewer:
 - "folded" (named, not run by default): the engine's attention with the query heads always folded
   (`grouped_sdpa`'s `fold=True`), the shipped steps' way on CUDA until that lease, against which "shipped" on a GPU
   now measures the change;
+- "unfused" (named, not run by default): the regional steps without their linears of one input fused (a layer's
+  query, key and value projections as three GEMMs, its gate and up projections as two: decode/fused.py), the shipped
+  steps' way until the twenty-sixth session;
 - "unguarded" (named, not run by default): the shipped steps with dynamo's guards left unchecked
   (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), what the guards cost a regional step on a CPU, where
   each layer's compiled function checks its guards at every call (on CUDA the steps replay as CUDA graphs and check
@@ -65,7 +68,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from skipsearch.decode import adapter
 from skipsearch.decode.attention import grouped_sdpa
-from skipsearch.decode.engine import CompileSettings
+from skipsearch.decode.engine import CompileSettings, engine_for
 
 from cache_resize import SETTINGS, prepared
 from decode_speed import add_model_arguments, load_for_benchmark
@@ -79,6 +82,7 @@ class Variant(NamedTuple):
     inductor: dict = {}  # inductor settings patched while the steps compile
     settings: CompileSettings = SETTINGS  # the engine's: regional steps unless named
     unguarded: bool = False  # run with dynamo's guards unchecked
+    fused: bool = True  # the regional steps' linears of one input fused (decode/fused.py)
 
 
 FROZEN = CompileSettings(mode="frozen")
@@ -87,6 +91,7 @@ VARIANTS = {"shipped": Variant(), "frozen": Variant(settings=FROZEN), "math": Va
             "combo": Variant(inductor={"combo_kernels": True}),
             "math+combo": Variant(backends=[SDPBackend.MATH], inductor={"combo_kernels": True}),
             "whole": Variant(settings=CompileSettings(mode="reduce-overhead")), "unguarded": Variant(unguarded=True),
+            "unfused": Variant(fused=False),
             "efficient": Variant(backends=[SDPBackend.EFFICIENT_ATTENTION]),
             "unfolded": Variant(attention=adapter.sdpa_attention),
             "gqa": Variant(attention=functools.partial(grouped_sdpa, fold=False)),
@@ -193,6 +198,7 @@ def compiled_steps(model, variant: str, slots: int, width: int) -> dict:
     """The one-token and verify steps of `model`'s engine at `slots`, compiled and run as `variant`, each called twice
     more: torch.compile's own CUDA graphs (the whole step's) warm up on a first call, record on the second and replay
     from the third (the engine's regional steps capture on their first), and a count must see a replay."""
+    engine_for(model).fuse_projections = VARIANTS[variant].fused
     with compiled_as(variant):
         steps, graphs, seconds, capacity = prepared(model, slots, width, VARIANTS[variant].settings)
         for call in [*steps.values()] * 2:

@@ -65,6 +65,38 @@ def test_the_draft_is_the_model_with_its_skipped_sublayers_zeroed(family):
     torch.testing.assert_close(zeroed_logits(model, ids, SkipSet.of(every, every)), passed, atol=1e-4, rtol=0)
 
 
+# The families whose layers' linears of one input fuse (decode/fused.py), and which of their sublayers fuse.
+FUSED_SUBLAYERS = {"phi3": set(), "qwen3_moe": {"self_attn"}, "mixtral": {"self_attn"}, "gpt_oss": {"self_attn"}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_layer_with_its_projections_fused_computes_what_the_layer_does(family):
+    """What inductor's regional steps run (fused.py), checked eagerly against the family's own layers: each fused
+    projection is its linear's columns of the group's GEMM, the model's parameters keep their values and become views
+    of the fused weights (no memory more), and only the sublayers with the names fused.py knows are fused (Phi-3's
+    projections are fused by the family already, a routed mixture of experts has no gate and up projections)."""
+    from skipsearch.decode.fused import FusedProjections, ProjectionSlice
+
+    model = family_model(family, seed=1)
+    ids = torch.tensor([PROMPT])
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with torch.no_grad():
+        expected = model(ids).logits
+    fusion = FusedProjections()
+    layers = torch.nn.ModuleList(fusion.layer(layer) for layer in adapter.decoder_layers(model))
+    fused = {name for name in ("self_attn", "mlp")
+             if any(isinstance(child, ProjectionSlice) for child in getattr(layers[0], name).children())}
+    assert fused == FUSED_SUBLAYERS.get(family, {"self_attn", "mlp"})
+    with torch.no_grad():
+        torch.testing.assert_close(model_with_layers(model, layers)(ids).logits, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(model(ids).logits, expected, atol=0, rtol=0)  # the model's own forward, unchanged
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+    assert fusion.intact() and (len(fusion.groups) == NUM_LAYERS * len(fused))
+    for linears, group in fusion.groups:  # the linears read the fused weights
+        assert {linear.weight.untyped_storage().data_ptr() for linear in linears} == {
+            group.weight.untyped_storage().data_ptr()}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_trimmed_draft_head_is_the_argmax_over_its_rows_of_the_full_logits(family):
     """The definition of a trimmed head: the draft path's logits at the head's rows, the lowest finite value at every

@@ -256,6 +256,8 @@ def masks_by_layer_type(masks: dict[str, torch.Tensor]) -> torch.Tensor | dict[s
 # --- decoder structure ---------------------------------------------------------------------------------------------
 
 ATTENTION, FEED_FORWARD = "self_attn", "mlp"  # a decoder layer's sublayers, by attribute name
+# The linears of a sublayer that read one input, by attribute name (fused.py fuses each group where it finds it).
+FUSIBLE_PROJECTIONS = {ATTENTION: (("q_proj", "k_proj", "v_proj"),), FEED_FORWARD: (("gate_proj", "up_proj"),)}
 
 
 def family(model_or_config: Any) -> str:

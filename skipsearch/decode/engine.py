@@ -44,6 +44,7 @@ from . import adapter
 from .adapter import decoder_layers
 from .attention import engine_attention
 from .kvcache import SpeculativeCache
+from .fused import FusedProjections
 from .packed import packed_head
 from .regional import CompiledLayers, own_code, regional_view
 from .skipping import draft_model, forget_draft, model_with_head
@@ -264,6 +265,9 @@ class Engine:
         self.verifier: nn.Module | None = None  # the eager verify step's model (`eager_verifier`)
         self.attention = engine_attention(model)  # every step's attention function (attention.py)
         self._kept_skip_sets = DRAFT_STEPS_KEPT
+        # Inductor's regional steps fuse a layer's linears of one input (fused.py); set before the first compiled call
+        # (benchmarks/step_variants.py's "unfused" compares both).
+        self.fuse_projections = True
 
     # Neither copied nor saved with its model. A deep copy of the engine would run the copy's steps through graphs
     # compiled for the original's cache (a copy of a model decoded wrong tokens), and its steps are code, not data
@@ -340,7 +344,8 @@ class Engine:
     def _layers_for(self, backend: str) -> CompiledLayers:
         """The engine's compiled layers for `backend`, made once: each holds its functions under a name of its own."""
         if backend not in self.layers:
-            self.layers[backend] = CompiledLayers(backend)
+            fused = FusedProjections() if backend == "inductor" and self.fuse_projections else None
+            self.layers[backend] = CompiledLayers(backend, fused)
         return self.layers[backend]
 
     def _prefill(self, settings: CompileSettings) -> Prefill:
@@ -376,6 +381,12 @@ class Engine:
 
     def _fit_cache(self, length: int) -> None:
         model, device = self.model, self.model.device
+        if not all(compiled.fused is None or compiled.fused.intact() for compiled in self.layers.values()):
+            # The model's linears are no longer views of the fused weights (moved, cast, given new parameters): the
+            # steps, and CUDA graphs that read the fused weights' addresses, go; the next regional step fuses again.
+            self.release_cache()
+            for compiled in self.layers.values():
+                compiled.fused = None if compiled.fused is None else FusedProjections()
         if self.cache is None or not self.cache.matches(length, model.dtype, device):
             self.release_cache()
             # A capacity in blocks serves many lengths with one cache, and so one set of captured CUDA graphs.

@@ -14,6 +14,7 @@ from torch import nn
 
 from . import adapter
 from .adapter import decoder_layers
+from .fused import FusedProjections, SharedGemms
 from .kvcache import SpeculativeCache
 from .skipping import SkippedLayer, draft_layers, model_with_layers
 from .skipset import SkipSet
@@ -67,8 +68,9 @@ class CompiledLayers:
     CPU a dynamic length changed a step's time by -8% to +4% (BENCHMARKS.md).
     """
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, fused: FusedProjections | None = None):
         self.backend = backend
+        self.fused = fused  # the layers' linears of one input fused (fused.py), inductor's steps only
         self.code_name = f"_run_layer_{next(_ENGINE_NUMBERS)}"  # dynamo's memory of changes, this engine's own
         self.functions: dict[tuple[LayerKind, int], Callable] = {}
         self.warmed = False  # every one-token kind compiled for the current cache (Engine._warm_layer_kinds)
@@ -82,9 +84,15 @@ class CompiledLayers:
                  position_ids, kv, keyword: str):
         key = (kind, hidden.shape[1])
         if key not in self.functions:
+            # The pass that keeps one GEMM of a fused group's: with the projections fused, it is what makes them one.
+            options = None if self.fused is None else {"post_grad_custom_pre_pass": SharedGemms()}
             self.functions[key] = torch.compile(own_code(_run_layer, self.code_name), backend=self.backend,
-                                                fullgraph=True)
+                                                fullgraph=True, options=options)
         return self.functions[key](layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
+
+    def layer(self, layer: nn.Module) -> nn.Module:
+        """`layer` as these functions run it: its linears of one input fused, where they fuse."""
+        return layer if self.fused is None else self.fused.layer(layer)
 
 
 class RegionalLayer(nn.Module):
@@ -107,6 +115,6 @@ def regional_view(model: nn.Module, skip: SkipSet | None, cache: SpeculativeCach
     keyword = adapter.cache_keyword(decoder_layers(model)[0])
     return model_with_layers(model, nn.ModuleList(
         layer if isinstance(layer, SkippedLayer) else
-        RegionalLayer(layer, LayerKind(type(layer), cache.layer_types[i], i in skip.attn, i in skip.mlp),
+        RegionalLayer(compiled.layer(layer), LayerKind(type(layer), cache.layer_types[i], i in skip.attn, i in skip.mlp),
                       cache.layers[i], compiled, keyword)
         for i, layer in enumerate(layers)), skip.head)

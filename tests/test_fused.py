@@ -1,0 +1,94 @@
+"""The linears of one input fused in inductor's regional steps (decode/fused.py): one GEMM a group, the same tokens.
+
+Each family's fused layer is checked against its own layer in tests/test_families.py; here the graph pass that
+makes a group's GEMMs one, and the engine's steps compiled with it.
+"""
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from conftest import tiny_model
+from test_decoding import hf_greedy
+from skipsearch.decode.engine import CompileSettings, engine_for
+from skipsearch.decode.fused import SharedGemms
+from skipsearch.decode.loop import generate
+from skipsearch.decode.skipset import SkipSet
+
+aten = torch.ops.aten
+NUM_LAYERS = 4
+INDUCTOR_REGIONAL = dict(compile=True, compile_mode="regional")
+
+
+def _gemms(graph: torch.fx.Graph) -> int:
+    return sum(node.target is aten.mm.default for node in graph.nodes)
+
+
+def test_shared_gemms_keeps_one_gemm_of_equal_operands_until_a_tensor_is_written():
+    """Two GEMMs of one input and one weight (each through views of its own, as a traced graph has them) become
+    one; one of equal operands after an in-place write stays, since the write may have changed them; the graph
+    computes what it did."""
+    graph = torch.fx.Graph()
+    x, w, out = graph.placeholder("x"), graph.placeholder("w"), graph.placeholder("out")
+
+    def gemm():
+        flat = graph.call_function(aten.view.default, (x, [2, 3]))
+        return graph.call_function(aten.mm.default, (flat, graph.call_function(aten.permute.default, (w, [1, 0]))))
+
+    first, again = gemm(), gemm()
+    total = graph.call_function(aten.add.Tensor, (first, again))
+    graph.call_function(aten.copy_.default, (out, total))
+    after_write = gemm()
+    graph.output((total, after_write))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    inputs = (torch.randn(1, 2, 3), torch.randn(4, 3), torch.zeros(2, 4))
+    expected = [tensor.clone() for tensor in module(*[t.clone() for t in inputs])]
+    assert _gemms(graph) == 3
+    SharedGemms()(graph)
+    graph.lint()
+    module.recompile()
+    assert _gemms(graph) == 2
+    for got, want in zip(module(*[t.clone() for t in inputs]), expected):
+        torch.testing.assert_close(got, want)
+
+
+def _gemms_a_step(model) -> int:
+    """GEMMs (matrix products) that one compiled plain step of `model` runs, by the profiler's count of operators."""
+    engine, settings = engine_for(model), CompileSettings(mode="regional")
+    cache = engine.cache_for(32, settings)
+    step = engine.steps_for(cache, None, settings, 1).plain
+    ids = torch.ones((1, 1), dtype=torch.long)
+    with torch.inference_mode():
+        step(ids)  # compiles
+        cache.seek(0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step(ids)
+    return sum(event.name in ("aten::mm", "aten::addmm") for event in prof.events())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: projections with biases
+def test_inductors_regional_steps_run_four_gemms_a_layer_and_decode_as_transformers(arch):
+    """Fused: the query, key and value projections one GEMM, gate and up another; with the down and output projections
+    4 a layer, and the head 1 (7 a layer unfused). Greedy decoding through a draft stays transformers' own."""
+    prompt, skip = [5, 9, 14, 3, 8], SkipSet.of([1], [2], NUM_LAYERS)
+    fused, unfused = tiny_model(arch, seed=13), tiny_model(arch, seed=13)
+    engine_for(unfused).fuse_projections = False
+    assert (_gemms_a_step(fused), _gemms_a_step(unfused)) == (4 * NUM_LAYERS + 1, 7 * NUM_LAYERS + 1)
+    out = generate(fused, prompt, skip=skip, max_new_tokens=10, eos_token_id=None, **INDUCTOR_REGIONAL)
+    assert out.tokens == hf_greedy(fused, prompt, 10, eos=None) and out.stats.drafted > 0
+
+
+def test_a_model_cast_after_decoding_is_fused_again():
+    """Casting a model gives its linears weights of their own again: the engine sees the fused ones are no longer
+    the model's, drops its steps and fuses anew, and decodes with the cast weights."""
+    model, prompt = tiny_model("llama", seed=14), [5, 9, 14, 3, 8]
+    generate(model, prompt, max_new_tokens=4, **INDUCTOR_REGIONAL)
+    fusion = engine_for(model).layers["inductor"].fused
+    assert fusion.intact()
+    model.to(torch.float64)
+    assert not fusion.intact()
+    out = generate(model, prompt, skip=SkipSet.of([1], [], NUM_LAYERS), max_new_tokens=8, eos_token_id=None,
+                   **INDUCTOR_REGIONAL)
+    assert out.tokens == hf_greedy(model, prompt, 8, eos=None)
+    refused = engine_for(model).layers["inductor"].fused
+    assert refused is not fusion and refused.intact() and refused.groups[0][1].weight.dtype == torch.float64
