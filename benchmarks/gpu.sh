@@ -25,11 +25,14 @@
 # query (cuDNN's kernel) up to 24x the folded attention on a long grouped cache, and the engine now attends that way
 # on Hopper in fp16 and bf16 (`decode/attention.py`). The shipped H200 profiles were timed with the folded attention,
 # so the next lease measures them again first and ships them (skipsearch/profiles/nvidia-h200/, with the lease named
-# in their provenance), then the 8B shape's bandwidth with the change:
+# in their provenance), then the 8B shape's bandwidth with the change. Since the twenty-sixth session the regional
+# steps also fuse a layer's linears of one input (`decode/fused.py`: 4 GEMMs a layer instead of 7, 5 launches fewer a
+# layer on a CPU, no faster there): call 2's `variants` times the old unfused steps against them on CUDA.
 # Call 1, carry .whl:
 #   bash benchmarks/gpu.sh info profiles               (about 355 s)
 # Call 2, on the same warm machine (nothing to carry):
-#   bash benchmarks/gpu.sh speed-8b kernels            (about 210 s)
+#   STEP_VARIANTS=unfused VARIANT_SHAPES="smollm2-135m llama-3-8b" VARIANT_SLOTS=256,4096 \
+#     bash benchmarks/gpu.sh variants speed-8b kernels      (about 330 s)
 # Later leases: host speed trials setup guard tests, the default model in three parts of at most 40 MB over two
 # calls (.gpu/ is ignored, so only what a call carries travels; .whl and the first part together fit the 64 MiB a
 # call carries). Here, beforehand:

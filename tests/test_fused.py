@@ -92,3 +92,18 @@ def test_a_model_cast_after_decoding_is_fused_again():
     assert out.tokens == hf_greedy(model, prompt, 8, eos=None)
     refused = engine_for(model).layers["inductor"].fused
     assert refused is not fusion and refused.intact() and refused.groups[0][1].weight.dtype == torch.float64
+
+
+def test_fused_weights_keep_the_mode_the_model_was_made_in():
+    """A model made in inference mode keeps inference tensors (its eager forward then ran into a view of a normal
+    tensor and failed); a model made outside it keeps weights that train: a backward pass after fused decoding works."""
+    prompt = [5, 9, 14, 3, 8]
+    with torch.inference_mode():
+        made_in_inference = tiny_model("llama", seed=15)
+        generate(made_in_inference, prompt, max_new_tokens=4, **INDUCTOR_REGIONAL)
+        assert hf_greedy(made_in_inference, prompt, 4, eos=None)  # the eager forward, on the fused weights
+    assert made_in_inference.model.layers[0].self_attn.k_proj.weight.is_inference()
+    trained = tiny_model("llama", seed=15)
+    generate(trained, prompt, max_new_tokens=4, **INDUCTOR_REGIONAL)
+    trained(torch.tensor([prompt])).logits.sum().backward()
+    assert trained.model.layers[0].self_attn.k_proj.weight.grad is not None

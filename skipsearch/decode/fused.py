@@ -135,9 +135,9 @@ class FusedProjections:
         return fused
 
     def _slices(self, linears: list[nn.Linear]) -> list[ProjectionSlice]:
-        # Outside inference mode, so that the weights stay usable for autograd; the originals are freed as the
-        # parameters take views of the concatenation.
-        with torch.inference_mode(False), torch.no_grad():
+        # Made in the weights' own mode (normal weights stay usable for autograd outside inference mode, a model made
+        # in inference mode keeps inference tensors); the originals are freed as the parameters take views of it.
+        with torch.inference_mode(linears[0].weight.is_inference()), torch.no_grad():
             weight = torch.cat([linear.weight for linear in linears])
             bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
             fused = FusedLinear(weight, bias)
