@@ -5,20 +5,17 @@ the plain step (one token, full model), the draft step (one token, the draft pat
 and the verify step (the full model over a round's tokens). How steps run (`CompileSettings`):
 - eager (no compile): the model's own forward on a fresh cache of exactly the call's length (on a CPU in float32,
   verification's head packed for oneDNN: packed.py).
-- "regional" (CUDA's default, and what studies run on a CPU): every decoder layer runs through a
-  compiled function (regional.py) for its kind (its class and attention kind, and which of its sublayers the draft
-  skips) and width, shared by all layers and all skip sets (`CompiledLayers`), so a new skip set
-  compiles nothing, and kept when the cache is replaced by a longer one (recompiled once with the length dynamic,
-  then reused for every length). On CUDA each step
-  is then captured once as a CUDA graph over static buffers and replayed: one launch per step,
-  milliseconds to set up a new skip set, and no cudagraph-tree bookkeeping per call.
+- "regional" (CUDA's default, and what studies run on a CPU): every decoder layer runs through a compiled function
+  (regional.py) for its kind (its class and attention kind, and which of its sublayers the draft skips) and width,
+  shared by all layers and all skip sets (`CompiledLayers`), so a new skip set compiles nothing, and kept when the
+  cache is replaced by a longer one (recompiled once with the length dynamic, then reused for every length); with
+  inductor, a layer's linears of one input fused (fused.py). On CUDA each step is then captured once as a CUDA graph
+  over static buffers and replayed: one launch per step, milliseconds to set up a new skip set.
 - "frozen" (a CPU's default for `generate` and `bench`): the whole step compiled with the weights
   frozen into the graph and inductor's autotuned C++ GEMMs (`CPU_INDUCTOR_CONFIG`), the fastest on a
   CPU; a compile per skip set, and inductor keeps each one's prepacked weights for the process's life.
-  On CUDA (where it is asked for, not the default; no GPU has run it yet) the step is captured as a CUDA graph like
-  a regional one, and freezing concatenates the linears of one input there too (inductor's own pass), for a copy of
-  those weights per compiled step that inductor, there too, never frees (benchmarks/step_variants.py measures it
-  against the regional steps).
+  On CUDA (asked for, not the default) the step is captured as a CUDA graph like a regional one, for a copy of the
+  weights per compiled step that inductor there too never frees.
 - any torch.compile mode name: the whole step compiled in that mode, one compile per skip set.
 Compiled steps share one cache (reused while calls fit in it: graphs see the same buffers) and
 the engine keeps the draft steps of the `DRAFT_STEPS_KEPT` latest skip sets, so a study's memory
@@ -44,7 +41,6 @@ from . import adapter
 from .adapter import decoder_layers
 from .attention import engine_attention
 from .kvcache import SpeculativeCache
-from .fused import FusedProjections
 from .packed import packed_head
 from .regional import CompiledLayers, own_code, regional_view
 from .skipping import draft_model, forget_draft, model_with_head
@@ -91,13 +87,12 @@ def forward_at_position(model: nn.Module, cache: SpeculativeCache, ids: torch.Te
     return logits[0]
 
 
-# Batch-1 decoding on a CPU is matrix-vector products over the weights. MKL's, which inductor calls by default,
-# stream weights at about a third of the memory bandwidth; inductor's own C++ GEMM template (autotuned against
-# MKL; it needs the weights frozen into the graph, and prepacks them) does far better: see BENCHMARKS.md. These are
-# inductor config values patched while a step compiles: passed as torch.compile's `options` they do not take effect.
-# The linears that read one input (a layer's query, key and value projections; its gate and up projections) are
-# concatenated into one GEMM each (`cpp.enable_concat_linear`, frozen graphs only): 4 GEMMs a layer instead of 7, in
-# the memory the frozen graph's own copies of the weights took already (BENCHMARKS.md, "Fifteenth session").
+# Batch-1 decoding on a CPU is matrix-vector products over the weights. MKL's, which inductor calls by default, stream
+# weights at about a third of the memory bandwidth; inductor's own C++ GEMM template (autotuned against MKL; it needs
+# the weights frozen into the graph, and prepacks them) does far better: see BENCHMARKS.md. Patched while a step
+# compiles: passed as torch.compile's `options` they do not take effect. The linears of one input are concatenated,
+# one GEMM each (`cpp.enable_concat_linear`, frozen graphs only): 4 GEMMs a layer instead of 7, in the memory the
+# frozen copies of the weights took already (BENCHMARKS.md, "Fifteenth session").
 CPU_INDUCTOR_CONFIG = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                        "cpp.enable_concat_linear": True,
                        # Autotuning prints every GEMM's candidates to stderr, and (in recent releases) a line of stats
@@ -265,13 +260,10 @@ class Engine:
         self.verifier: nn.Module | None = None  # the eager verify step's model (`eager_verifier`)
         self.attention = engine_attention(model)  # every step's attention function (attention.py)
         self._kept_skip_sets = DRAFT_STEPS_KEPT
-        # Inductor's regional steps fuse a layer's linears of one input (fused.py); set before the first compiled call
-        # (benchmarks/step_variants.py's "unfused" compares both).
-        self.fuse_projections = True
+        self.fuse_projections = True  # inductor's regional steps fuse linears of one input (fused.py); set it first
 
-    # Neither copied nor saved with its model. A deep copy of the engine would run the copy's steps through graphs
-    # compiled for the original's cache (a copy of a model decoded wrong tokens), and its steps are code, not data
-    # (torch.save of the model failed on them): a copy makes an engine of its own, and a saved model loads without one.
+    # Neither copied nor saved with its model: a deep copy ran the copy through the original's steps and cache (wrong
+    # tokens), and torch.save failed on the steps. A copy makes an engine of its own; a saved model loads without one.
     def __deepcopy__(self, memo) -> None:
         return None
 
@@ -344,8 +336,7 @@ class Engine:
     def _layers_for(self, backend: str) -> CompiledLayers:
         """The engine's compiled layers for `backend`, made once: each holds its functions under a name of its own."""
         if backend not in self.layers:
-            fused = FusedProjections() if backend == "inductor" and self.fuse_projections else None
-            self.layers[backend] = CompiledLayers(backend, fused)
+            self.layers[backend] = CompiledLayers(backend, fuse=backend == "inductor" and self.fuse_projections)
         return self.layers[backend]
 
     def _prefill(self, settings: CompileSettings) -> Prefill:
@@ -381,12 +372,8 @@ class Engine:
 
     def _fit_cache(self, length: int) -> None:
         model, device = self.model, self.model.device
-        if not all(compiled.fused is None or compiled.fused.intact() for compiled in self.layers.values()):
-            # The model's linears are no longer views of the fused weights (moved, cast, given new parameters): the
-            # steps, and CUDA graphs that read the fused weights' addresses, go; the next regional step fuses again.
-            self.release_cache()
-            for compiled in self.layers.values():
-                compiled.fused = None if compiled.fused is None else FusedProjections()
+        if any([compiled.fusion_lost() for compiled in self.layers.values()]):
+            self.release_cache()  # its steps (on CUDA, graphs reading the fused weights' addresses) read the old ones
         if self.cache is None or not self.cache.matches(length, model.dtype, device):
             self.release_cache()
             # A capacity in blocks serves many lengths with one cache, and so one set of captured CUDA graphs.
@@ -402,8 +389,7 @@ class Engine:
             self.draft_steps.move_to_end(key)
             return self.draft_steps[key]
         self.draft_steps[key] = step = self._compiled_step(skip, settings)
-        regional = settings.resolved(self.model.device) == "regional"
-        if regional and not self.layers[settings.backend].warmed:
+        if settings.resolved(self.model.device) == "regional" and not self.layers[settings.backend].warmed:
             # In the first call's timed setup: the first skip set's setup time counts every kind's compile.
             step.prepare = lambda: self._warm_layer_kinds(settings)
         self._evict()

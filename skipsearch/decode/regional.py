@@ -68,9 +68,9 @@ class CompiledLayers:
     CPU a dynamic length changed a step's time by -8% to +4% (BENCHMARKS.md).
     """
 
-    def __init__(self, backend: str, fused: FusedProjections | None = None):
+    def __init__(self, backend: str, fuse: bool = False):
         self.backend = backend
-        self.fused = fused  # the layers' linears of one input fused (fused.py), inductor's steps only
+        self.fused = FusedProjections() if fuse else None  # the layers' linears of one input fused (inductor only)
         self.code_name = f"_run_layer_{next(_ENGINE_NUMBERS)}"  # dynamo's memory of changes, this engine's own
         self.functions: dict[tuple[LayerKind, int], Callable] = {}
         self.warmed = False  # every one-token kind compiled for the current cache (Engine._warm_layer_kinds)
@@ -89,6 +89,14 @@ class CompiledLayers:
             self.functions[key] = torch.compile(own_code(_run_layer, self.code_name), backend=self.backend,
                                                 fullgraph=True, options=options)
         return self.functions[key](layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
+
+    def fusion_lost(self) -> bool:
+        """Whether the model's linears stopped reading the fused weights (a model cast, moved or given new
+        parameters): then the next layer view fuses them again, and steps made before read the old ones."""
+        if self.fused is None or self.fused.intact():
+            return False
+        self.fused = FusedProjections()
+        return True
 
     def layer(self, layer: nn.Module) -> nn.Module:
         """`layer` as these functions run it: its linears of one input fused, where they fuse."""
