@@ -107,3 +107,18 @@ def test_fused_weights_keep_the_mode_the_model_was_made_in():
     generate(trained, prompt, max_new_tokens=4, **INDUCTOR_REGIONAL)
     trained(torch.tensor([prompt])).logits.sum().backward()
     assert trained.model.layers[0].self_attn.k_proj.weight.grad is not None
+
+
+def test_fused_steps_recompiled_with_the_length_dynamic_decode_as_transformers():
+    """A longer prompt replaces the cache, and each layer's function recompiles with the length dynamic: the pass then
+    sees symbolic sizes, and the fused steps still decode transformers' tokens."""
+    from conftest import family_model
+
+    model, lengths = family_model("llama", seed=3), []
+    for length in (5, 300, 600):
+        prompt = torch.randint(2, 90, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+        out = generate(model, prompt, skip=SkipSet.of([1], [2], NUM_LAYERS), max_new_tokens=6, eos_token_id=None,
+                       **INDUCTOR_REGIONAL)
+        assert out.tokens == hf_greedy(model, prompt, 6, eos=None)
+        lengths.append(engine_for(model).cache.capacity)
+    assert lengths == [256, 512, 768]

@@ -40,6 +40,10 @@ class SharedGemms(CustomGraphPass):
             if node.op != "call_function" or getattr(node.target, "overloadpacket", None) not in _MERGED:
                 continue
             key = (node.target, _hashable(node.args), _hashable(node.kwargs))
+            try:
+                hash(key)
+            except TypeError:  # an operand that cannot be compared by value (a symbolic size object): left alone
+                continue
             if key in seen:
                 node.replace_all_uses_with(seen[key])
                 graph.erase_node(node)
