@@ -7,6 +7,7 @@ sets in one process, and transformers' own `generate` through `custom_generate`,
 without deprecation warnings.
 """
 
+import collections
 import logging
 import re
 import warnings
@@ -187,6 +188,28 @@ def test_touchpoint_decoder_layers(model):
     with pytest.raises(ValueError, match=r"^qwen3 \(Qwen3ForCausalLM\) is not a supported decoder: layer 2 "
                                          r"\(Qwen3DecoderLayer\) has no separable `mlp` sublayer to skip$"):
         adapter.decoder_layers(hybrid)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_touchpoint_fusible_projections(family):
+    """Where a layer has a group of `adapter.FUSIBLE_PROJECTIONS`, a forward calls each of its linears once, all on the
+    same input tensor (what the fused slices compute from; each family's fused layer is compared with its own in
+    tests/test_families.py)."""
+    model = family_model(family)
+    layer, calls = adapter.decoder_layers(model)[0], collections.defaultdict(list)
+    groups = [(getattr(layer, name), names) for name, sub_groups in adapter.FUSIBLE_PROJECTIONS.items()
+              for names in sub_groups]
+    groups = [(sublayer, names) for sublayer, names in groups if all(hasattr(sublayer, n) for n in names)]
+    for sublayer, names in groups:
+        for name in names:
+            getattr(sublayer, name).register_forward_hook(
+                lambda module, args, out, name=name, sublayer=sublayer: calls[id(sublayer), name].append(args[0]))
+    with torch.no_grad():
+        model(torch.tensor([[5, 9, 14]]))
+    for sublayer, names in groups:
+        inputs = [calls[id(sublayer), name] for name in names]
+        assert all(len(each) == 1 for each in inputs) and all(each[0] is inputs[0][0] for each in inputs), names
+    assert groups or family == "phi3"  # Phi-3 keeps its projections fused already
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))

@@ -8,7 +8,9 @@
 """
 
 import collections
+import copy
 import gc
+import io
 import weakref
 from unittest import mock
 
@@ -272,22 +274,20 @@ def test_another_models_regional_steps_leave_this_ones_static(monkeypatch):
     assert reads.uploads == 0 and out.tokens == hf_greedy(second, prompt, 12, eos=None)
 
 
-
-def test_a_copy_of_a_model_decodes_with_steps_of_its_own_and_a_used_model_saves():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])  # inductor's: with the linears fused (fused.py)
+def test_a_copy_of_a_model_decodes_with_steps_of_its_own_and_a_used_model_saves(backend):
     """The engine and the draft paths live on the model, and neither goes with a copy or a save: a deep copy of a
     model that had decoded ran the copy through the original's graphs and cache and decoded wrong tokens, and
     torch.save of it failed on the engine's steps. A copy's weights changed after the copy show which model ran."""
-    import copy
-    import io
-
     model, prompt, skip = tiny_model("llama", seed=12), [5, 9, 14, 3, 8], SkipSet.of([1], [2], NUM_LAYERS)
-    generate(model, prompt, skip=skip, max_new_tokens=8, eos_token_id=None, **REGIONAL)
+    regional = {**REGIONAL, "compile_backend": backend}
+    generate(model, prompt, skip=skip, max_new_tokens=8, eos_token_id=None, **regional)
     twin = copy.deepcopy(model)
     with torch.no_grad():
         twin.lm_head.weight.copy_(torch.roll(twin.lm_head.weight, 1, dims=0))
     expected = hf_greedy(twin, prompt, 8, eos=None)
     assert expected != hf_greedy(model, prompt, 8, eos=None)  # the test can tell the two models apart
-    out = generate(twin, prompt, skip=skip, max_new_tokens=8, eos_token_id=None, **REGIONAL)
+    out = generate(twin, prompt, skip=skip, max_new_tokens=8, eos_token_id=None, **regional)
     assert out.tokens == expected and out.stats.drafted > 0
     assert engine_for(twin) is not engine_for(model) and engine_for(twin).model is twin
     saved = io.BytesIO()
@@ -295,7 +295,7 @@ def test_a_copy_of_a_model_decodes_with_steps_of_its_own_and_a_used_model_saves(
     saved.seek(0)
     loaded = torch.load(saved, weights_only=False)
     assert generate(loaded, prompt, skip=skip, max_new_tokens=8, eos_token_id=None,
-                    **REGIONAL).tokens == hf_greedy(model, prompt, 8, eos=None)
+                    **regional).tokens == hf_greedy(model, prompt, 8, eos=None)
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(do_sample=True, top_k=20)], ids=["greedy", "sampling"])
 def test_the_cuda_path_drafts_the_length_it_chose_before_each_round(monkeypatch, sampling):

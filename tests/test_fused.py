@@ -52,6 +52,19 @@ def test_shared_gemms_keeps_one_gemm_of_equal_operands_until_a_tensor_is_written
         torch.testing.assert_close(got, want)
 
 
+def test_shared_gemms_merges_nothing_in_a_graph_that_writes_a_computed_tensor():
+    """Were two equal GEMMs merged and one then written in place, the write would reach the other: a graph that writes
+    anything but its inputs is left as it is."""
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    first, again = (graph.call_function(aten.mm.default, (x, w)) for _ in range(2))
+    graph.call_function(aten.add_.Tensor, (again, 1.0))
+    graph.output(graph.call_function(aten.sub.Tensor, (first, again)))
+    SharedGemms()(graph)
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert _gemms(graph) == 2 and torch.equal(module(torch.ones(2, 2), torch.ones(2, 2)), torch.full((2, 2), -1.0))
+
+
 def _gemms_a_step(model) -> int:
     """GEMMs (matrix products) that one compiled plain step of `model` runs, by the profiler's count of operators."""
     engine, settings = engine_for(model), CompileSettings(mode="regional")
@@ -122,3 +135,63 @@ def test_fused_steps_recompiled_with_the_length_dynamic_decode_as_transformers()
         assert out.tokens == hf_greedy(model, prompt, 6, eos=None)
         lengths.append(engine_for(model).cache.capacity)
     assert lengths == [256, 512, 768]
+
+
+class Negated(torch.nn.Module):
+    """A wrapper, as an adapter library puts around a projection."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return -4 * self.inner(x)
+
+
+@pytest.mark.parametrize("change", ["output projection replaced", "value projection wrapped", "key bias replaced"])
+def test_a_model_changed_after_decoding_decodes_as_changed(change):
+    """The fused copies hold the modules they were made from: a module replaced or wrapped, or a bias given anew, after
+    decoding makes them stale, and the engine sees it (`intact`), fuses again and decodes the changed model."""
+    model, prompt = tiny_model("qwen2", seed=16), [5, 9, 14, 3, 8]
+    generate(model, prompt, max_new_tokens=4, **INDUCTOR_REGIONAL)
+    fusion, attention = engine_for(model).layers["inductor"].fused, model.model.layers[1].self_attn
+    before = hf_greedy(model, prompt, 10, eos=None)
+    with torch.no_grad():
+        if change == "output projection replaced":
+            replaced = torch.nn.Linear(attention.o_proj.in_features, attention.o_proj.out_features, bias=False)
+            replaced.weight.copy_(attention.o_proj.weight.flip(0) * 4)
+            attention.o_proj = replaced
+        elif change == "value projection wrapped":
+            attention.v_proj = Negated(attention.v_proj)
+        else:
+            attention.k_proj.bias = torch.nn.Parameter(attention.k_proj.bias + 3.0)
+    assert not fusion.intact()
+    expected = hf_greedy(model, prompt, 10, eos=None)
+    assert expected != before  # the change shows in the tokens
+    out = generate(model, prompt, skip=SkipSet.of([2], [], NUM_LAYERS), max_new_tokens=10, eos_token_id=None,
+                   **INDUCTOR_REGIONAL)
+    assert out.tokens == expected and engine_for(model).layers["inductor"].fused.intact()
+
+
+def test_a_saved_fused_model_fuses_again_in_place_and_a_hooked_linear_is_left_alone():
+    """After torch.save and load a fused group's weights are one storage again: fused anew as it lies, no copy. A
+    linear with a hook of its own keeps its group unfused (a fused copy would not run the hook)."""
+    import io
+
+    from skipsearch.decode.fused import FusedProjections, ProjectionSlice
+
+    model = tiny_model("llama", seed=17)
+    FusedProjections().layer(model.model.layers[0])
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    attention = loaded.model.layers[0].self_attn
+    pointer = attention.q_proj.weight.data_ptr()
+    fusion = FusedProjections()
+    view = fusion.layer(loaded.model.layers[0])
+    assert isinstance(view.self_attn.q_proj, ProjectionSlice) and fusion.groups[0].fused.weight.data_ptr() == pointer
+    assert attention.q_proj.weight.data_ptr() == pointer and fusion.intact()
+    loaded.model.layers[1].mlp.up_proj.register_forward_hook(lambda *args: None)
+    view = fusion.layer(loaded.model.layers[1])
+    assert isinstance(view.self_attn.k_proj, ProjectionSlice) and view.mlp is loaded.model.layers[1].mlp

@@ -62,6 +62,9 @@ TOUCHPOINTS = {
     "custom_generate call": "generate calls a callable custom_generate like its `_sample`, with the prepared model "
                             "inputs as keywords; its streamer is a local of generate's frame",
     "generation mode": "GenerationMode and GenerationConfig.get_generation_mode()",
+    "fusible projections": "a decoder layer's attention calls each of `q_proj`, `k_proj` and `v_proj` once a forward, "
+                           "on one input, and its feed-forward block `gate_proj` and `up_proj` alike, and reads their "
+                           "outputs only (not their weights): fused.py runs them as slices of one GEMM",
     "output head": "a causal LM holds its LM head (get_output_embeddings(), a 2-D weight) as a direct submodule and "
                    "computes its logits by calling it on the final hidden states",
 }

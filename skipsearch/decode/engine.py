@@ -372,7 +372,7 @@ class Engine:
 
     def _fit_cache(self, length: int) -> None:
         model, device = self.model, self.model.device
-        if any([compiled.fusion_lost() for compiled in self.layers.values()]):
+        if any([compiled.fusion_lost() for compiled in self.layers.values()]):  # a list: every one resets
             self.release_cache()  # its steps (on CUDA, graphs reading the fused weights' addresses) read the old ones
         if self.cache is None or not self.cache.matches(length, model.dtype, device):
             self.release_cache()

@@ -5,14 +5,19 @@ the other on the same input: 7 GEMMs a layer, each a kernel on CUDA. In a region
 group is a `ProjectionSlice` instead: its own columns of one GEMM over the group's weights concatenated. Each slice
 computes the whole GEMM as dynamo traces it, and `SharedGemms`, a pass inductor runs over the layer's graph, keeps one
 GEMM of each operand pair: 4 GEMMs a layer, 5 kernels fewer on a CPU (BENCHMARKS.md, "Twenty-sixth session").
-Memory: none more. The projections' own weights become views of the concatenated one, made once per model (same
-values, same parameters: the model's own forward, a saved model and training see no difference). Outside inductor
-(eager, other backends) a slice would compute its group's whole GEMM: only inductor's regional steps get them.
+Memory: none more. The projections' own weights become views of the concatenated one, made once per model: the same
+values and parameters, so the model's own forward, `save_pretrained`, `torch.save` and training see no difference.
+safetensors' own `save_model` does: it refuses tensors that share storage (set `engine_for(model).fuse_projections =
+False` before decoding to keep them apart). The engine fuses again where the model changed under the copies (cast,
+moved, a module replaced or wrapped: `FusedProjections.intact`). Outside inductor (eager, other backends) a slice would
+compute its group's whole GEMM: only inductor's regional steps get them.
 """
 
 from __future__ import annotations
 
 import copy
+import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,16 +31,24 @@ aten = torch.ops.aten
 _MERGED = frozenset({aten.mm, aten.addmm, aten.permute, aten.t, aten.view, aten.reshape, aten._unsafe_view})
 
 
+def _writes(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
 class SharedGemms(CustomGraphPass):
     """Inductor's post-grad pass (`post_grad_custom_pre_pass`): a node of `_MERGED` computed again from the same
-    operands is replaced by the first. It stops at the graph's first op that writes a tensor in place, after which
-    equal operands need not hold equal values (inductor's graphs at this point write in place only at their end)."""
+    operands is replaced by the first. Only in graphs whose writes in place all go to the graph's inputs (inductor's
+    graphs at this point are functional but for the inputs they update), so that no merged node is written; and only
+    before the first write, after which equal operands need not hold equal values."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if any(_writes(node) and node.args and getattr(node.args[0], "op", None) != "placeholder"
+               for node in graph.nodes):
+            return
         seen: dict[tuple, torch.fx.Node] = {}
         for node in list(graph.nodes):
-            schema = getattr(node.target, "_schema", None)
-            if schema is not None and schema.is_mutable:
+            if _writes(node):
                 return
             if node.op != "call_function" or getattr(node.target, "overloadpacket", None) not in _MERGED:
                 continue
@@ -82,44 +95,109 @@ class ProjectionSlice(nn.Module):
         return F.linear(hidden_states, self.fused.weight, self.fused.bias)[..., self.start : self.stop]
 
 
-def _fusible(linears: list[nn.Module]) -> bool:
-    """Plain linears of one input size, dtype and device, all with a bias or none, each weight owning its storage
-    (nothing else of the model can alias it)."""
-    if not linears or any(type(linear) is not nn.Linear for linear in linears):
+class FusedGroup(NamedTuple):
+    """A group of linears of one input and the concatenation of their weights (and biases) they are views of."""
+
+    linears: tuple[nn.Linear, ...]
+    fused: FusedLinear
+
+
+class Snapshot(NamedTuple):
+    """A module's children when a fused copy of it was made: the copy runs those."""
+
+    module: nn.Module
+    children: dict[str, nn.Module]
+
+    def current(self) -> bool:
+        return self.module._modules.keys() == self.children.keys() and all(
+            self.module._modules[name] is child for name, child in self.children.items())
+
+
+def _plain_linear(module: nn.Module | None) -> bool:
+    """A linear that runs as `nn.Linear` does: nothing hooked on it, plain strided weights (no quantized or
+    distributed tensor subclass)."""
+    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+            and "forward" not in module.__dict__
+            and all(type(p.data) is torch.Tensor and p.layout == torch.strided and p.device.type != "meta"
+                    for p in (module.weight, module.bias) if p is not None))
+
+
+def _fusible(linears: list[nn.Module | None]) -> bool:
+    """Distinct plain linears of one input size, dtype and device, all with a bias or none, whose weights (and biases)
+    each own their storage or together are one storage, in order (`_in_order`): nothing else can alias them."""
+    if not linears or not all(map(_plain_linear, linears)) or len({id(linear) for linear in linears}) < len(linears):
         return False
-    first = linears[0].weight
-    return all(linear.in_features == linears[0].in_features and linear.weight.dtype == first.dtype
-               and linear.weight.device == first.device and (linear.bias is None) == (linears[0].bias is None)
-               and linear.weight.untyped_storage().nbytes() == linear.weight.numel() * linear.weight.element_size()
-               for linear in linears) and first.device.type != "meta"
+    first = linears[0]
+    if not all(linear.in_features == first.in_features and linear.weight.dtype == first.weight.dtype
+               and linear.weight.device == first.weight.device and (linear.bias is None) == (first.bias is None)
+               for linear in linears):
+        return False
+    return all(_in_order(tensors) or all(map(_owns_storage, tensors)) for tensors in _tensors(linears))
+
+
+def _tensors(linears) -> list[list[torch.Tensor]]:
+    """The group's weights, and its biases where it has them."""
+    return [[linear.weight for linear in linears]] + ([[linear.bias for linear in linears]] if linears[0].bias is not None
+                                                      else [])
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def _row_pointer(whole: torch.Tensor, row: int) -> int:
+    return whole.data_ptr() + row * whole.stride(0) * whole.element_size()
+
+
+def _in_order(tensors: list[torch.Tensor]) -> bool:
+    """Whether the tensors already are one storage, theirs alone, concatenated by rows in this order (a model fused
+    before, then saved and loaded, or fused by an earlier engine)."""
+    first, rows = tensors[0], sum(tensor.shape[0] for tensor in tensors)
+    return (all(tensor.is_contiguous() for tensor in tensors)
+            and first.untyped_storage().nbytes() == rows * first.stride(0) * first.element_size()
+            and all(tensor.data_ptr() == _row_pointer(first, start) for tensor, start in zip(tensors, _offsets(tensors))))
+
+
+def _offsets(items) -> list[int]:
+    """Each tensor's (or linear's) first row in its group's concatenation."""
+    starts, row = [], 0
+    for item in items:
+        starts.append(row)
+        row += item.out_features if isinstance(item, nn.Linear) else item.shape[0]
+    return starts
 
 
 class FusedProjections:
     """A model's fused groups, made once per sublayer module and shared by every layer view that holds it (the model's
-    layers and the draft paths' copies); `intact` says whether the model's weights are still the fused ones."""
+    layers and the draft paths' copies); `intact` says whether the model still is what they were made from."""
 
     def __init__(self):
-        self.sublayers: dict[int, tuple[nn.Module, nn.Module]] = {}  # id(sublayer) -> (sublayer, its fused copy)
-        self.groups: list[tuple[list[nn.Linear], FusedLinear]] = []
+        self.sublayers: dict[int, tuple[Snapshot, nn.Module]] = {}  # id(sublayer) -> its snapshot, its fused copy
+        self.layers: weakref.WeakKeyDictionary[nn.Module, Snapshot] = weakref.WeakKeyDictionary()
+        self.groups: list[FusedGroup] = []
 
     def layer(self, layer: nn.Module) -> nn.Module:
         """`layer` with the fusible groups of its attention and feed-forward block fused: a shallow copy, sharing
         every parameter (the layer itself where nothing fuses)."""
-        swaps = {name: self._sublayer(getattr(layer, name), names)
-                 for name, names in adapter.FUSIBLE_PROJECTIONS.items() if isinstance(getattr(layer, name, None), nn.Module)}
+        if _hooked(layer):
+            return layer
+        swaps = {name: self._sublayer(getattr(layer, name), groups) for name, groups in
+                 adapter.FUSIBLE_PROJECTIONS.items() if isinstance(getattr(layer, name, None), nn.Module)}
         swaps = {name: sub for name, sub in swaps.items() if sub is not getattr(layer, name)}
         if not swaps:
             return layer
+        self.layers[layer] = Snapshot(layer, dict(layer._modules))
         view = copy.copy(layer)
         view._modules = {**layer._modules, **swaps}
         return view
 
     def intact(self) -> bool:
-        """Whether every fused group's linears still read the concatenated weights (a model moved, cast or given new
-        parameters has linears of its own again)."""
-        return all(linear.weight.data_ptr() == fused.weight.data_ptr() + start * fused.weight.stride(0)
-                   * fused.weight.element_size()
-                   for linears, fused in self.groups for linear, start in zip(linears, _offsets(linears)))
+        """Whether the model still is what the fused copies were made from: the same children in every layer and
+        sublayer copied (none replaced or wrapped since), and every group's linears reading the concatenated weights
+        and biases (a model moved or cast has tensors of its own again)."""
+        return (all(snapshot.current() for snapshot, _ in self.sublayers.values())
+                and all(snapshot.current() for snapshot in list(self.layers.values()))
+                and all(_reads(group) for group in self.groups))
 
     def _sublayer(self, sublayer: nn.Module, groups: tuple[tuple[str, ...], ...]) -> nn.Module:
         """`sublayer` with its fusible groups fused, made once (kept only where something fused: the draft paths'
@@ -129,36 +207,41 @@ class FusedProjections:
         swaps = {}
         for names in groups:
             linears = [sublayer._modules.get(name) for name in names]
-            if _fusible(linears):
+            if not _hooked(sublayer) and _fusible(linears):
                 swaps.update(zip(names, self._slices(linears)))
         if not swaps:
             return sublayer
         fused = copy.copy(sublayer)
         fused._modules = {**sublayer._modules, **swaps}
-        self.sublayers[id(sublayer)] = (sublayer, fused)
+        self.sublayers[id(sublayer)] = (Snapshot(sublayer, dict(sublayer._modules)), fused)
         return fused
 
     def _slices(self, linears: list[nn.Linear]) -> list[ProjectionSlice]:
         # Made in the weights' own mode (normal weights stay usable for autograd outside inference mode, a model made
         # in inference mode keeps inference tensors); the originals are freed as the parameters take views of it.
         with torch.inference_mode(linears[0].weight.is_inference()), torch.no_grad():
-            weight = torch.cat([linear.weight for linear in linears])
-            bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
-            fused = FusedLinear(weight, bias)
-            starts = _offsets(linears)
-            for linear, start in zip(linears, starts):
-                stop = start + linear.out_features
-                linear.weight.data = weight[start:stop]
-                if bias is not None:
-                    linear.bias.data = bias[start:stop]
-        self.groups.append((linears, fused))
-        return [ProjectionSlice(fused, start, start + linear.out_features) for linear, start in zip(linears, starts)]
+            whole = []
+            for tensors in _tensors(linears):
+                first, rows = tensors[0], sum(tensor.shape[0] for tensor in tensors)
+                whole.append(first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                                     (rows, *first.shape[1:])) if _in_order(tensors)
+                             else torch.cat(tensors))
+                for tensor, start in zip(tensors, _offsets(tensors)):
+                    tensor.data = whole[-1][start : start + tensor.shape[0]]
+            fused = FusedLinear(whole[0], whole[1] if len(whole) > 1 else None)
+        self.groups.append(FusedGroup(tuple(linears), fused))
+        return [ProjectionSlice(fused, start, start + linear.out_features)
+                for linear, start in zip(linears, _offsets(linears))]
 
 
-def _offsets(linears: list[nn.Linear]) -> list[int]:
-    """Each linear's first row in its group's concatenation (rows: `torch.cat`'s offsets over the out features)."""
-    starts, row = [], 0
-    for linear in linears:
-        starts.append(row)
-        row += linear.out_features
-    return starts
+def _hooked(module: nn.Module) -> bool:
+    """Whether a module runs something besides its class's forward (hooks, an instance's own forward, as
+    accelerate's offloading gives it): a shallow copy would not run that."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+
+
+def _reads(group: FusedGroup) -> bool:
+    """Whether each linear of `group` still reads its rows of the concatenated weights and biases."""
+    return all(tensor.data_ptr() == _row_pointer(whole, start)
+               for tensors, whole in zip(_tensors(group.linears), (group.fused.weight, group.fused.bias))
+               for tensor, start in zip(tensors, _offsets(tensors)))

@@ -116,13 +116,13 @@ def _draft_layer(layer: nn.Module, skip_attn: bool, skip_mlp: bool, hidden_size:
 
 
 class _Memo(dict):
-    """A dict that a copy or a saved copy of its model gets empty: it is made again from the copy's own layers."""
+    """A dict that a copy of its model gets empty, and a saved one not at all: made again from the copy's own layers."""
 
     def __deepcopy__(self, memo) -> _Memo:
         return _Memo()
 
-    def __reduce__(self):
-        return _Memo, ()
+    def __reduce__(self):  # saved as None (a saved model loads without skipsearch): remade on first use
+        return type(None), ()
 
 
 def _draft_cache(model: nn.Module) -> dict:
