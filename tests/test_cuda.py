@@ -199,3 +199,31 @@ def test_cuda_attention_kernels_measure_every_way_on_a_gpu(capsys):
     for method in ("unfolded", "math", "gqa"):
         difference = re.search(rf"(?<![-\w]){method} [\d.]+ ms \d+ GB/s .*? \(max diff ([\d.e+-]+)\)", row)
         assert difference and float(difference[1]) < 0.05, row
+
+
+@torch.inference_mode()  # as decoding runs the steps
+def test_cuda_fused_projections_launch_three_gemms_fewer_a_layer():
+    """decode/fused.py on CUDA: inductor's pass makes a layer's query, key and value projections one GEMM and its gate
+    and up projections another (counted on a CPU in tests/test_fused.py), so a captured plain step launches at least 3
+    kernels fewer a layer than the unfused one; both decode as transformers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from skipsearch.decode.engine import CompileSettings, engine_for
+
+    launches, settings, ids = {}, CompileSettings(mode="regional"), torch.ones((1, 1), dtype=torch.long, device="cuda")
+    for fuse in (True, False):
+        model = cuda_model(seed=5)
+        engine = engine_for(model)
+        engine.fuse_projections = fuse
+        cache = engine.cache_for(32, settings)
+        step = engine.steps_for(cache, None, settings, 1).plain
+        step(ids)  # compiles and captures
+        cache.seek(0)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step(ids)
+            torch.cuda.synchronize()
+        launches[fuse] = sum(event.device_type == torch.autograd.DeviceType.CUDA for event in prof.events())
+        out = generate(model, [5, 9, 14], skip=SkipSet.of([1], [2], NUM_LAYERS), max_new_tokens=8, eos_token_id=None,
+                       compile=True)
+        assert out.tokens == hf_greedy(model, [5, 9, 14], 8, eos=None)
+    assert launches[False] - launches[True] >= 3 * NUM_LAYERS, launches
