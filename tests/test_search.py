@@ -157,6 +157,27 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path, monkeypatch
     assert len(distinct_trials(study)) == 4
 
 
+def test_an_error_after_the_decoding_is_recorded_as_the_trials_reason_too(tmp_path, monkeypatch):
+    """A trial fails wherever its error comes: in the release of memory after the decoding (where a second Ctrl-C once
+    came, CI of 2026-11-28) its reason is kept as well as in the decoding."""
+    from skipsearch.search import study as study_module
+
+    calls = {"n": 0}
+    original = study_module._free_memory
+
+    def fails_once(model):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("simulated failure after the decoding")
+        original(model)
+
+    monkeypatch.setattr(study_module, "_free_memory", fails_once)
+    study = run(tiny_model(), tmp_path, n_trials=4)
+    failed = study.get_trials(states=(TrialState.FAIL,))
+    assert len(failed) == 1 and failed[0].user_attrs["fail_reason"] == (
+        "RuntimeError: simulated failure after the decoding")
+
+
 def test_pareto_study_exports_the_fastest_front_trial_and_plots_the_front(tmp_path):
     study = run(tiny_model(), tmp_path, n_trials=5, objective="pareto", sampler="nsga2")
     assert len(study.directions) == 2

@@ -7,6 +7,7 @@ calls `study.stop()`; `confirm_candidates` measures the best sets again, for exp
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import warnings
@@ -101,6 +102,7 @@ class TrialRunner:
             value = self._run(trial)
         except Exception as error:
             self.last_error = error
+            _keep_reason(trial, error)
             if ends_the_study(error):
                 # Optuna would log the trial's traceback as a warning; the study ends on this error, in one line.
                 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -169,10 +171,6 @@ class TrialRunner:
                     records.write(trial, TrialRecord(screened_out=f"teacher-forced match {match:.2f} < {self.min_match}"))
                     return screened_score(match, self.objective)
             evaluation = self.evaluator.evaluate(skip, report=self._reporter(trial), objective=self.objective)
-        except Exception as error:
-            # Optuna marks the trial failed and the study goes on; keep the reason on the trial.
-            records.write(trial, TrialRecord(fail_reason=f"{type(error).__name__}: {error}"))
-            raise
         finally:
             _free_memory(self.evaluator.model)
         stopped_early = None
@@ -193,6 +191,16 @@ class TrialRunner:
             return trial.should_prune()
 
         return report
+
+
+def _keep_reason(trial: optuna.Trial, error: Exception) -> None:
+    """Optuna marks a trial failed by any error and the study goes on: the reason is kept on the trial, wherever in the
+    trial the error came (a second Ctrl-C came in the memory's release after the decoding too, CI of 2026-11-28).
+    A surplus trial has its own reason; a trial another worker ended can take none."""
+    if isinstance(error, SurplusTrial):
+        return
+    with contextlib.suppress(Exception):
+        records.write(trial, TrialRecord(fail_reason=f"{type(error).__name__}: {error}"))
 
 
 def _finished_elsewhere(trial: optuna.Trial) -> str | None:
