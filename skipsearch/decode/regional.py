@@ -91,8 +91,8 @@ class CompiledLayers:
         return self.functions[key](layer, hidden, mask, position_embeddings, position_ids, kv, keyword)
 
     def fusion_lost(self) -> bool:
-        """Whether the model's linears stopped reading the fused weights (a model cast, moved or given new
-        parameters): then the next layer view fuses them again, and steps made before read the old ones."""
+        """Whether the model changed under the fused copies (cast or moved, a module or parameter replaced or wrapped:
+        `FusedProjections.intact`): then the next layer view fuses again, and steps made before run the old ones."""
         if self.fused is None or self.fused.intact():
             return False
         self.fused = FusedProjections()
