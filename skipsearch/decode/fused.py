@@ -116,8 +116,7 @@ class Snapshot(NamedTuple):
 def _plain_linear(module: nn.Module | None) -> bool:
     """A linear that runs as `nn.Linear` does: nothing hooked on it, plain strided weights (no quantized or
     distributed tensor subclass)."""
-    return (type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
-            and "forward" not in module.__dict__
+    return (type(module) is nn.Linear and not _hooked(module)
             and all(type(p.data) is torch.Tensor and p.layout == torch.strided and p.device.type != "meta"
                     for p in (module.weight, module.bias) if p is not None))
 
@@ -137,8 +136,8 @@ def _fusible(linears: list[nn.Module | None]) -> bool:
 
 def _tensors(linears) -> list[list[torch.Tensor]]:
     """The group's weights, and its biases where it has them."""
-    return [[linear.weight for linear in linears]] + ([[linear.bias for linear in linears]] if linears[0].bias is not None
-                                                      else [])
+    biases = [[linear.bias for linear in linears]] if linears[0].bias is not None else []
+    return [[linear.weight for linear in linears], *biases]
 
 
 def _owns_storage(tensor: torch.Tensor) -> bool:
@@ -155,15 +154,16 @@ def _in_order(tensors: list[torch.Tensor]) -> bool:
     first, rows = tensors[0], sum(tensor.shape[0] for tensor in tensors)
     return (all(tensor.is_contiguous() for tensor in tensors)
             and first.untyped_storage().nbytes() == rows * first.stride(0) * first.element_size()
-            and all(tensor.data_ptr() == _row_pointer(first, start) for tensor, start in zip(tensors, _offsets(tensors))))
+            and all(tensor.data_ptr() == _row_pointer(first, start)
+                    for tensor, start in zip(tensors, _offsets(tensors))))
 
 
-def _offsets(items) -> list[int]:
-    """Each tensor's (or linear's) first row in its group's concatenation."""
+def _offsets(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's first row in its group's concatenation."""
     starts, row = [], 0
-    for item in items:
+    for tensor in tensors:
         starts.append(row)
-        row += item.out_features if isinstance(item, nn.Linear) else item.shape[0]
+        row += tensor.shape[0]
     return starts
 
 
@@ -205,9 +205,9 @@ class FusedProjections:
         if id(sublayer) in self.sublayers:
             return self.sublayers[id(sublayer)][1]
         swaps = {}
-        for names in groups:
+        for names in groups if not _hooked(sublayer) else ():
             linears = [sublayer._modules.get(name) for name in names]
-            if not _hooked(sublayer) and _fusible(linears):
+            if _fusible(linears):
                 swaps.update(zip(names, self._slices(linears)))
         if not swaps:
             return sublayer
@@ -230,8 +230,9 @@ class FusedProjections:
                     tensor.data = whole[-1][start : start + tensor.shape[0]]
             fused = FusedLinear(whole[0], whole[1] if len(whole) > 1 else None)
         self.groups.append(FusedGroup(tuple(linears), fused))
-        return [ProjectionSlice(fused, start, start + linear.out_features)
-                for linear, start in zip(linears, _offsets(linears))]
+        weights = [linear.weight for linear in linears]
+        return [ProjectionSlice(fused, start, start + weight.shape[0])
+                for weight, start in zip(weights, _offsets(weights))]
 
 
 def _hooked(module: nn.Module) -> bool:
