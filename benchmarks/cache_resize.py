@@ -21,7 +21,8 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from skipsearch.decode.engine import CompileSettings, engine_for, synchronize
+from skipsearch.decode.engine import CompileSettings, engine_for
+from skipsearch.decode.steps import synchronize
 
 from decode_speed import add_model_arguments, load_for_benchmark
 from verify_head import pair

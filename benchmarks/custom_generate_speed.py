@@ -21,7 +21,7 @@ import time
 import torch
 
 from skipsearch import DraftPolicy, SkipSet, generate, load_model, self_speculative
-from skipsearch.decode.engine import synchronize
+from skipsearch.decode.steps import synchronize
 from skipsearch.io.data import load_prompts
 from skipsearch.io.models import encode_prompt
 

@@ -25,9 +25,10 @@ import time
 
 import torch
 
-from skipsearch.decode.engine import CompileSettings, engine_for, synchronize
+from skipsearch.decode.engine import CompileSettings, engine_for
 from skipsearch.decode.loop import generate
 from skipsearch.decode.skipset import SkipSet
+from skipsearch.decode.steps import synchronize
 from skipsearch.io.data import load_prompts
 from skipsearch.io.models import encode_prompt, load_model, model_from_config
 from skipsearch.search.measure import ratio_interval

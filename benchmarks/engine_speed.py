@@ -24,8 +24,8 @@ import torch
 from skipsearch import load_model
 from skipsearch.decode.divergence import first_divergence, reference_logits
 from skipsearch.decode.engine import CPU_INDUCTOR_CONFIG
-from skipsearch.decode.engine import synchronize
 from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.steps import synchronize
 from skipsearch.io.data import load_prompts
 from skipsearch.io.models import encode_prompt, model_from_config
 from skipsearch.report.bench import hf_decoder, skipsearch_decoder, timed_runs

@@ -2,7 +2,7 @@
 
 Both run the engine's regional steps' cache: the eager prefill is one forward of the whole prompt
 (what a CPU and the whole-step modes run), the compiled one (what CUDA runs) runs the
-prompt at the fixed widths of `engine.PREFILL_WIDTHS`, padded. Each prompt is prefilled by both,
+prompt at the fixed widths of `steps.PREFILL_WIDTHS`, padded. Each prompt is prefilled by both,
 back to back in alternating order, `--repeats` times; prints each one's milliseconds per prompt and
 per token, and the paired ratio (eager time / compiled time: above 1 the compiled prefill is faster)
 with its 95% interval. The first call of each width (compiling, capturing) is not timed.
@@ -20,7 +20,8 @@ import time
 import torch
 
 from skipsearch.decode import engine as engine_module
-from skipsearch.decode.engine import PREFILL_WIDTHS, CompileSettings, Prefill, engine_for, synchronize
+from skipsearch.decode.engine import CompileSettings, engine_for
+from skipsearch.decode.steps import PREFILL_WIDTHS, Prefill, synchronize
 from skipsearch.io.data import load_prompts
 from skipsearch.io.models import encode_prompt
 from skipsearch.search.measure import ratio_interval

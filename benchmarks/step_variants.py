@@ -38,7 +38,9 @@ here is a way to launch fewer:
 - "unguarded" (named, not run by default): the shipped steps with dynamo's guards left unchecked
   (`torch.compiler.set_stance(skip_guard_eval_unsafe=True)`), what the guards cost a regional step on a CPU, where
   each layer's compiled function checks its guards at every call (on CUDA the steps replay as CUDA graphs and check
-  none). Not for the engine: a call that needed another graph would run the one it has.
+  none). Not for the engine: a call that needed another graph would run the one it has;
+- "cpp" (named, not run by default): inductor's C++ wrapper (`cpp_wrapper`): each compiled graph's host code, which
+  calls its kernels, made C++ instead of Python.
 Variants run in this order by default, the likeliest to cut most first: a call cut at its limit keeps those, and a
 variant that fails is reported in one line and the next one runs.
 Each variant is a copy of the model whose steps are compiled (and on CUDA captured: a CUDA graph keeps what it was
@@ -91,7 +93,7 @@ VARIANTS = {"shipped": Variant(), "frozen": Variant(settings=FROZEN), "math": Va
             "combo": Variant(inductor={"combo_kernels": True}),
             "math+combo": Variant(backends=[SDPBackend.MATH], inductor={"combo_kernels": True}),
             "whole": Variant(settings=CompileSettings(mode="reduce-overhead")), "unguarded": Variant(unguarded=True),
-            "unfused": Variant(fused=False),
+            "unfused": Variant(fused=False), "cpp": Variant(inductor={"cpp_wrapper": True}),
             "efficient": Variant(backends=[SDPBackend.EFFICIENT_ATTENTION]),
             "unfolded": Variant(attention=adapter.sdpa_attention),
             "gqa": Variant(attention=functools.partial(grouped_sdpa, fold=False)),

@@ -18,9 +18,10 @@ import time
 
 import torch
 
-from skipsearch.decode.engine import engine_for, forward_at_position
+from skipsearch.decode.engine import engine_for
 from skipsearch.decode.packed import packed_head
 from skipsearch.decode.skipping import model_with_head
+from skipsearch.decode.steps import forward_at_position
 from skipsearch.io.data import load_prompts
 from skipsearch.io.models import encode_prompt, load_model, model_from_config
 from skipsearch.search.measure import ratio_interval

@@ -406,13 +406,14 @@ def test_a_compiled_profile_times_the_engines_own_steps(monkeypatch):
     """With `compile_mode`, the profile times the steps decoding runs (on CUDA: the CUDA graphs). Each engine step is
     charged a made-up cost by what it is (a verify step by its width, a draft step by what it skips); the profile
     must find exactly those costs, which it can only by timing the engine's steps."""
-    from skipsearch.decode import engine as engine_module
+    from skipsearch.decode.engine import engine_for
+    from skipsearch.decode.steps import Step
 
     model = tiny_model()
-    now, real_call = [0.0], engine_module.Step.__call__
+    now, real_call = [0.0], Step.__call__
 
     def charged(step, ids):
-        kind = next(key for key, kept in engine_module.engine_for(model).steps.items() if kept is step)
+        kind = next(key for key, kept in engine_for(model).steps.items() if kept is step)
         if kind[0] == "verify":
             now[0] += (10 + ids.shape[1]) / 1e3  # 11 ms for one token, +1 ms a token
         else:
@@ -420,13 +421,26 @@ def test_a_compiled_profile_times_the_engines_own_steps(monkeypatch):
             now[0] += (11 - len(skip.attn) * 1.0 - len(skip.mlp) * 0.5) / 1e3  # 1 ms an attention, 0.5 ms an MLP
         return real_call(step, ids)
 
-    monkeypatch.setattr(engine_module.Step, "__call__", charged)
+    monkeypatch.setattr(Step, "__call__", charged)
     profile = profile_costs(model, contexts=(8,), max_verify_tokens=3, repeats=6, calibrate=False, clock=lambda: now[0],
                             compile_mode="regional")
     [costs] = profile.contexts
     assert costs.verify_s == pytest.approx([11e-3, 12e-3, 13e-3])
     assert costs.attn_s == pytest.approx(1e-3) and costs.mlp_s == pytest.approx(0.5e-3)
     assert costs.rest_s == pytest.approx(11e-3 - 4 * 1.5e-3)
+
+
+def test_a_profile_times_the_engines_steps_only_while_it_holds_them():
+    """The steps a profile times write the engine's one cache, as a compiled decode's do: it holds them as a decode
+    does (`Engine.exclusive`), so that it waits for another thread's decode and never times over one. Held already
+    in this thread, the profile is refused rather than waiting forever."""
+    from skipsearch.decode.engine import engine_for
+
+    model = tiny_model()
+    with engine_for(model).exclusive(), pytest.raises(RuntimeError, match="already decoding compiled"):
+        profile_costs(model, contexts=(8,), max_verify_tokens=2, repeats=2, calibrate=False, compile_mode="regional")
+    assert profile_costs(model, contexts=(8,), max_verify_tokens=2, repeats=2, calibrate=False, attempts=1,
+                         clock=iter(range(10**6)).__next__).contexts  # released: it times
 
 
 def test_the_calibration_decodes_on_a_cache_of_its_own_length(monkeypatch):
@@ -436,17 +450,18 @@ def test_the_calibration_decodes_on_a_cache_of_its_own_length(monkeypatch):
     1.5 ms forward so). Here every compiled step costs 11 ms and 1 ms per 256 slots, whatever its width (as on a GPU:
     a padded verification costs what a full one does), and the decoder pays nothing besides its steps: the overheads
     are zero."""
-    from skipsearch.decode import engine as engine_module
+    from skipsearch.decode.engine import engine_for
+    from skipsearch.decode.steps import Step
     from skipsearch.decode import loop as decoding
 
     model = positions_1024()
-    now, real_call = [0.0], engine_module.Step.__call__
+    now, real_call = [0.0], Step.__call__
 
     def charged(step, ids):
         now[0] += (11 + step.cache.capacity / 256) / 1e3
         return real_call(step, ids)
 
-    monkeypatch.setattr(engine_module.Step, "__call__", charged)
+    monkeypatch.setattr(Step, "__call__", charged)
     monkeypatch.setattr(decoding, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     profile = profile_costs(model, contexts=(8, 600), max_verify_tokens=5, repeats=2, clock=lambda: now[0],
                             compile_mode="regional")
@@ -455,7 +470,7 @@ def test_the_calibration_decodes_on_a_cache_of_its_own_length(monkeypatch):
     # between its two contexts, which leaves a few hundredths of a millisecond at most (clipped to 0).
     assert profile.overheads.round_s == pytest.approx(0.0, abs=0.2e-3)
     assert profile.overheads.draft_token_s == pytest.approx(0.0, abs=0.2e-3)
-    assert engine_module.engine_for(model).cache.capacity == 256  # the calibration's own length, in blocks
+    assert engine_for(model).cache.capacity == 256  # the calibration's own length, in blocks
 
 
 def test_releasing_the_cache_drops_the_steps_that_write_it():

@@ -11,6 +11,7 @@ import collections
 import copy
 import gc
 import io
+import threading
 import weakref
 from unittest import mock
 
@@ -28,8 +29,10 @@ from skipsearch.decode.engine import DRAFT_STEPS_KEPT, CompileSettings, engine_f
 from skipsearch.decode.kvcache import SpeculativeCache
 from skipsearch.decode.loop import generate
 from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.rounds import DecodeHooks
 from skipsearch.decode.sampling import Sampling
 from skipsearch.decode.skipset import SkipSet
+from skipsearch.decode.steps import Step
 
 NUM_LAYERS = 4
 REGIONAL = dict(compile=True, compile_backend="aot_eager", compile_mode="regional")
@@ -95,8 +98,8 @@ def test_a_frozen_steps_set_up_keeps_inductors_autotuning_chatter_from_the_user(
         return ids
 
     cache = SpeculativeCache(tiny_model("llama", seed=8).config, 16, "cpu", torch.float32)
-    step = engine_module.Step(compiling, cache, compiled=True,
-                              inductor_config=engine_module.frozen_inductor_config(torch.device("cpu")))
+    step = Step(compiling, cache, compiled=True,
+                inductor_config=engine_module.frozen_inductor_config(torch.device("cpu")))
     assert torch._inductor.config.max_autotune_report_choices_stats  # inductor's default: on
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -274,6 +277,51 @@ def test_another_models_regional_steps_leave_this_ones_static(monkeypatch):
     assert reads.uploads == 0 and out.tokens == hf_greedy(second, prompt, 12, eos=None)
 
 
+def test_a_second_thread_waits_for_the_first_compiled_decode_of_the_same_model():
+    """Compiled steps write the model's one cache: two threads decoding one model at once read each other's keys and
+    values, wrong tokens every time (on this CPU, 20 of 20 calls). The first thread's decode starts the second and
+    gives it time to run in the middle of its own; the second must wait, and both decode what each decodes alone."""
+    model, skip = tiny_model("llama", seed=13), SkipSet.of([1], [2], NUM_LAYERS)
+    prompts = ([5, 9, 14, 3, 8], [7, 1, 1, 30, 2, 4, 11])
+    alone = [generate(model, p, skip=skip, max_new_tokens=12, eos_token_id=None, **REGIONAL).tokens for p in prompts]
+    assert alone[0] != alone[1]
+    out, order = {}, []
+
+    def decode(which: int, hooks=None):
+        out[which] = generate(model, prompts[which], skip=skip, max_new_tokens=12, eos_token_id=None, hooks=hooks,
+                              **REGIONAL).tokens
+        order.append(which)
+
+    second = threading.Thread(target=decode, args=(1,))
+
+    def first_round(tokens):
+        if not second.is_alive() and 1 not in out:
+            second.start()
+            second.join(timeout=1.0)  # without the engine's lock, the second decodes all of its tokens here
+
+    decode(0, DecodeHooks(process=lambda ids, logits: logits, stop=lambda ids, m: None, commit=first_round))
+    second.join()
+    assert [out[0], out[1]] == alone and order == [0, 1]
+
+
+def test_a_compiled_decode_of_the_same_model_within_one_is_refused_and_an_eager_one_runs():
+    """A call nested in a compiled decode of the same model (a hook that decodes) would overwrite its cache, and
+    waiting for the lock would wait forever: it is refused in one line. An eager call makes a cache of its own."""
+    model, prompt = tiny_model("llama", seed=14), [5, 9, 14, 3, 8]
+    nested = []
+
+    def decode_within(tokens):
+        if not nested:
+            nested.append(generate(model, prompt, max_new_tokens=4, eos_token_id=None).tokens)
+            with pytest.raises(RuntimeError, match="already decoding compiled in this thread"):
+                generate(model, prompt, max_new_tokens=4, eos_token_id=None, **REGIONAL)
+
+    hooks = DecodeHooks(process=lambda ids, logits: logits, stop=lambda ids, m: None, commit=decode_within)
+    outer = generate(model, prompt, max_new_tokens=6, eos_token_id=None, hooks=hooks, **REGIONAL).tokens
+    assert outer == hf_greedy(model, prompt, 6, eos=None) and nested == [outer[:4]]
+    assert generate(model, prompt, max_new_tokens=6, eos_token_id=None, **REGIONAL).tokens == outer  # released
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])  # inductor's: with the linears fused (fused.py)
 def test_a_copy_of_a_model_decodes_with_steps_of_its_own_and_a_used_model_saves(backend):
     """The engine and the draft paths live on the model, and neither goes with a copy or a save: a deep copy of a
@@ -374,7 +422,7 @@ def test_the_compiled_prefill_runs_any_prompt_length_at_its_fixed_widths(compile
     widths are compiled, a prompt of a new length compiles nothing."""
     from torch._dynamo.utils import counters
 
-    from skipsearch.decode.engine import PREFILL_WIDTHS
+    from skipsearch.decode.steps import PREFILL_WIDTHS
 
     model = tiny_model("llama", seed=11, dtype=torch.float64)
     model.config.max_position_embeddings = 1024  # room for a prompt over the widest width (rotary takes any length)
@@ -395,7 +443,7 @@ def test_the_compiled_prefill_runs_any_prompt_length_at_its_fixed_widths(compile
 
 
 def test_a_prompt_is_prefilled_in_full_chunks_and_one_padded_under_the_narrowest_width():
-    from skipsearch.decode.engine import PREFILL_WIDTHS, prefill_chunks
+    from skipsearch.decode.steps import PREFILL_WIDTHS, prefill_chunks
 
     assert prefill_chunks(109, (16, 64, 256)) == [(64, 64), (16, 16), (16, 16), (13, 16)]
     assert prefill_chunks(256, (16, 64, 256)) == [(256, 256)] and prefill_chunks(3, (16, 64, 256)) == [(3, 16)]

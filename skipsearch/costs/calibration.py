@@ -10,12 +10,13 @@ from dataclasses import replace
 import torch
 
 from ..decode.cost_profile import CostProfile, Overheads
-from ..decode.engine import engine_for, synchronize
+from ..decode.engine import engine_for
 from ..decode.loop import generate
 from ..decode.policy import DraftPolicy
 from ..decode.skipping import draft_mode
 from ..decode.skipset import SkipSet
 from ..decode.stats import DecodeStats
+from ..decode.steps import synchronize
 
 
 def calibrated(model: torch.nn.Module, profile: CostProfile, repeats: int, compile_mode: str | None,

@@ -30,10 +30,11 @@ from ..decode import adapter
 from ..decode.attention import attention_way
 from ..decode.cost_profile import ContextCosts, CostProfile
 from ..decode.economics import sublayer_weights
-from ..decode.engine import CACHE_BLOCK, CompileSettings, engine_for, forward_at_position, synchronize
+from ..decode.engine import CACHE_BLOCK, CompileSettings, engine_for
 from ..decode.kvcache import SpeculativeCache, cache_bytes
 from ..decode.skipping import draft_mode
 from ..decode.skipset import DraftHead, SkipSet
+from ..decode.steps import forward_at_position, synchronize
 from .calibration import calibrated
 
 CPU_CONTEXTS = (128, 1024)
@@ -186,8 +187,9 @@ def profile_costs(
     budget_s = budget_s if budget_s is not None else GPU_BUDGET_S if model.device.type == "cuda" else math.inf
     started, problems = time.perf_counter(), []
     for attempt in range(attempts):
-        _time_forwards(model, runs, repeats, clock, warm=attempt == 0, show_progress=show_progress,
-                       compile_mode=compile_mode, deadline=started + budget_s)
+        with engine_for(model).exclusive():  # the compiled steps it times write the engine's one cache
+            _time_forwards(model, runs, repeats, clock, warm=attempt == 0, show_progress=show_progress,
+                           compile_mode=compile_mode, deadline=started + budget_s)
         runs = [r for r in runs if r.verify[0]]  # past the budget, longer contexts were left out: fewer contexts
         problems = [p for r in runs for p in r.problems()]
         if not problems or time.perf_counter() - started > budget_s:

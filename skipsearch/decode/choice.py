@@ -26,11 +26,12 @@ from torch import nn
 
 from .cost_profile import CostProfile
 from .economics import RoundCosts, best_draft_length, committed_tokens, weight_fraction  # RoundCosts: re-exported
-from .engine import engine_for, forward_at_position
+from .engine import engine_for
 from .kvcache import SpeculativeCache
 from .sampling import Sampling
 from .skipping import draft_model
 from .skipset import SkipSet
+from .steps import forward_at_position
 
 CHOICE_WINDOW = 16  # the prompt's last tokens the drafts are compared on: enough to tell a fitting set from a poor one
 

@@ -27,11 +27,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import time
-import warnings
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch._inductor.config
@@ -45,46 +43,14 @@ from .packed import packed_head
 from .regional import CompiledLayers, own_code, regional_view
 from .skipping import draft_model, forget_draft, model_with_head
 from .skipset import SkipSet
+from .steps import PREFILL_WIDTHS, Prefill, Step, Steps, forward_at_position
 
 CACHE_BLOCK = 256  # capacities round up to this, so calls of similar lengths share one cache and one graph
-# The widths a compiled prefill runs at (`prefill_chunks`), so that no prompt length compiles or captures anything new.
-# The widest is at most CACHE_BLOCK, so a padded chunk never writes past the cache (its capacity is the prompt and
-# more, rounded up to CACHE_BLOCK).
-PREFILL_WIDTHS = (16, 64, 256)
-# Where the regional modes prefill through those compiled widths: on CUDA, where each width is one CUDA graph. On a
+# Where the regional modes prefill through compiled widths (steps.PREFILL_WIDTHS): on CUDA, where each width is one CUDA graph. On a
 # CPU the compiled chunks lost to one eager forward of the prompt, 0.55x (BENCHMARKS.md, "The compiled prefill"), so
 # a CPU prefills eagerly; tests and benchmarks/prefill.py add "cpu" to run the compiled prefill there.
 COMPILED_PREFILL_DEVICES = frozenset({"cuda"})
 DRAFT_STEPS_KEPT = 8  # skip sets whose draft steps stay ready by default (Engine.kept_skip_sets); older ones are freed
-
-
-def prefill_chunks(length: int, widths: tuple[int, ...] = PREFILL_WIDTHS) -> list[tuple[int, int]]:
-    """How a prompt of `length` tokens is prefilled: (its tokens, the step's width) per chunk. Each chunk is the
-    widest step the rest fills, and the rest under the narrowest width is padded to it: padding stays under the
-    narrowest width, because a CPU's prefill is compute-bound (a 109-token prompt padded to one 256-wide step is 2.3x
-    the work), and on CUDA a step more is one more graph replay."""
-    chunks = []
-    while length > 0:
-        width = max((w for w in widths if w <= length), default=widths[0])
-        chunks.append((min(width, length), width))
-        length -= width
-    return chunks
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def forward_at_position(model: nn.Module, cache: SpeculativeCache, ids: torch.Tensor,
-                        logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
-    """Logits (the last `logits_to_keep` rows, or the rows a tensor of indices names; 0: all, as verification needs)
-    of one forward of `ids` (1, width) written at the cache's position, which then moves past them."""
-    width = ids.shape[1]
-    logits = adapter.model_forward(model, ids, cache.positions(width), cache.attention_mask(width), cache,
-                                   logits_to_keep)
-    cache.advance(width)
-    return logits[0]
 
 
 # Batch-1 decoding on a CPU is matrix-vector products over the weights. MKL's, which inductor calls by default, stream
@@ -120,129 +86,6 @@ class CompileSettings:
         return "frozen" if device.type == "cpu" and self.backend == "inductor" else "regional"
 
 
-class Step:
-    """One forward kind, eager or compiled; the first call's time (compiling, capturing) is its setup time.
-
-    With `graph_pool` (CUDA), the first call captures the forward as a CUDA graph and every call
-    replays it: the returned logits are a static buffer, valid until the next step runs.
-    """
-
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], cache: SpeculativeCache, compiled: bool,
-                 inductor_config: dict | None = None, graph_pool: tuple | None = None, tree_graphs: bool = False,
-                 prepare: Callable[[], None] | None = None,
-                 attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
-        self.fn, self.cache = fn, cache
-        self.attention = attention  # entered around every forward this step runs or compiles (`engine_attention`)
-        self.device = cache.position.device
-        self.inductor_config = inductor_config or {}
-        self.graph_pool, self.graph = graph_pool, None
-        # torch.compile's own CUDA graphs (cudagraph trees): each step's outputs are consumed before the next step.
-        self.tree_graphs = tree_graphs
-        self.prepare = prepare  # work of the first call that belongs to its setup time (compiling the layer kinds)
-        self.setup_time_s: float | None = None if compiled else 0.0
-
-    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.graph is not None:
-            self.ids.copy_(ids)
-            self.graph.replay()
-            return self.logits
-        with self.attention():
-            if self.tree_graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            if self.setup_time_s is not None:
-                return self.fn(ids)
-            return self._set_up(ids)
-
-    def _set_up(self, ids: torch.Tensor) -> torch.Tensor:
-        """The first call: compiling, capturing, timed as the step's setup."""
-        synchronize(self.device)
-        start = time.perf_counter()
-        with torch._inductor.config.patch(self.inductor_config), warnings.catch_warnings():
-            # Inductor's autotuning on a CPU calls a storage API torch deprecates: nothing for a user of ours to act on.
-            warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
-            if self.prepare is not None:
-                self.prepare()
-            out = self._capture(ids) if self.graph_pool is not None else self.fn(ids)
-        synchronize(self.device)
-        self.setup_time_s = time.perf_counter() - start
-        return out
-
-    def _capture(self, ids: torch.Tensor) -> torch.Tensor:
-        """Warm up on a side stream (compiling, autotuning), capture one call as a CUDA graph, replay it for this call.
-        The warm-ups write stale slots at the position and are rolled back; capturing runs nothing."""
-        # Warmed up on the very tensor it captures: a whole compiled step's guards see the input itself.
-        position, self.ids = self.cache.position.clone(), ids.clone()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.fn(self.ids)
-                self.cache.position.copy_(position)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
-            self.logits = self.fn(self.ids)
-        self.graph = graph
-        graph.replay()
-        return self.logits
-
-
-class Prefill:
-    """The prompt's forward, returning the logits (1, vocab) that predict the first new token.
-
-    Eager (`steps` None): one forward of the whole prompt. Compiled: full-model steps at PREFILL_WIDTHS, in the
-    chunks of `prefill_chunks`, the last padded after its tokens; the step keeps only the row of the chunk's
-    last real token (`row`, a device tensor its graph reads), and the position moves back over the padding, whose
-    slots become stale. Causal attention keeps the padding out of the real tokens' logits.
-    """
-
-    def __init__(self, model: nn.Module, cache: SpeculativeCache, steps: dict[int, Step] | None = None,
-                 row: torch.Tensor | None = None,
-                 attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
-        self.model, self.cache, self.steps, self.row, self.attention = model, cache, steps, row, attention
-
-    def __call__(self, prompt: torch.Tensor) -> torch.Tensor:
-        if self.steps is None:
-            with self.attention():
-                return forward_at_position(self.model, self.cache, prompt, logits_to_keep=1)
-        self._set_up(prompt)
-        start = 0
-        for real, width in prefill_chunks(prompt.shape[1]):
-            chunk = prompt[:, start : start + real]
-            start += real
-            self.row.fill_(real - 1)  # a scalar written on the device: no host sync
-            padding = width - real  # only the last chunk's
-            logits = self.steps[width](torch.cat([chunk, chunk[:, -1:].expand(1, padding)], dim=1) if padding else chunk)
-            if padding:
-                self.cache.advance(-padding)
-        return logits
-
-    def _set_up(self, prompt: torch.Tensor) -> None:
-        """Every width's first call (compiling; capturing on CUDA) at once, in the first prefill's setup time, so that
-        no later prompt length sets anything up. They write stale slots at the position, which is then restored."""
-        position = self.cache.position.clone()
-        for width, step in self.steps.items():
-            if step.setup_time_s is None:
-                self.row.fill_(0)
-                step(prompt[:, :1].expand(1, width))
-                self.cache.position.copy_(position)
-
-
-class Steps(NamedTuple):
-    """What a call decodes with: the cache, the draft step (None: plain decoding), the verify step, the plain
-    step (the full model on one token: the verify step where it takes any width) and the prefill."""
-
-    cache: SpeculativeCache
-    draft: Step | None
-    verify: Step
-    plain: Step
-    prefill: Prefill
-
-    def not_set_up(self) -> list[Step]:
-        """The steps whose first call (compiling, capturing) is still to come."""
-        steps = [self.draft, self.verify, self.plain, *(self.prefill.steps or {}).values()]
-        return [step for step in steps if step is not None and step.setup_time_s is None]
-
 
 class Engine:
     """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead.
@@ -261,6 +104,7 @@ class Engine:
         self.attention = engine_attention(model)  # every step's attention function (attention.py)
         self._kept_skip_sets = DRAFT_STEPS_KEPT
         self.fuse_projections = True  # inductor's regional steps fuse linears of one input (fused.py); set it first
+        self._lock, self._holder = threading.Lock(), None  # `exclusive`
 
     # Neither copied nor saved with its model: a deep copy ran the copy through the original's steps and cache (wrong
     # tokens), and torch.save failed on the steps. A copy makes an engine of its own; a saved model loads without one.
@@ -269,6 +113,23 @@ class Engine:
 
     def __reduce__(self):
         return type(None), ()
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Held while a call decodes through the engine's cache (compiled steps) or times its steps: one cache, one
+        writer. Another thread's call waits for it (two threads decoding one model at once each read the other's
+        keys and values: wrong tokens, on a CPU every time); a call nested in the holder's own thread, which would
+        wait forever, is refused with a RuntimeError."""
+        if self._holder == threading.get_ident():
+            raise RuntimeError("this model is already decoding compiled in this thread (a hook that decodes?), and a "
+                               "call within it would overwrite its cache: decode within it with compile=False, or a "
+                               "copy of the model (copy.deepcopy)")
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield self
+            finally:
+                self._holder = None
 
     @property
     def kept_skip_sets(self) -> int:

@@ -13,6 +13,7 @@ sampling, which keeps the full model's distribution.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,12 +25,13 @@ from .checks import check_generate_args, check_prompt
 from .choice import prefill_choosing, round_costs
 from .controller import DraftController, DraftMemory
 from .cost_profile import CostProfile
-from .engine import CompileSettings, Step, Steps, engine_for, synchronize
+from .engine import CompileSettings, engine_for
 from .policy import DraftPolicy, drafting_sets
 from .rounds import DecodeHooks, Draft, draft_round, pad_to, verify_greedy, verify_sampling
 from .sampling import Sampling
 from .skipset import SkipSet
 from .stats import DecodeStats, GenerationOutput
+from .steps import Step, Steps, synchronize
 
 
 def _eos_set(eos_token_id: int | Iterable[int] | None) -> frozenset[int]:
@@ -91,12 +93,15 @@ def generate(
     check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling, cost_profile)
     candidates = drafting_sets(skip, policy)
     settings = CompileSettings(compile_backend, compile_mode) if compile else None
-    steps = _prepare(model, prompt.shape[1] + max_new_tokens, candidates, policy, settings)
-    run = _Run(model, sampling, _eos_set(eos_token_id), generator, hooks, time_drafts, host_reads_stall(model.device),
-               settings is not None, policy.max_draft_tokens, cost_profile, steps if len(candidates) > 1 else None)
-    controller = _controller(run, candidates, policy, memory, settings, prompt.shape[1])
-    new_steps = _not_set_up(steps)
-    output = _decode(run, next(iter(steps.values())), controller, prompt, max_new_tokens)
+    # Compiled steps write the engine's one cache: one call at a time a model (eager calls each make their own).
+    with engine_for(model).exclusive() if compile else contextlib.nullcontext():
+        steps = _prepare(model, prompt.shape[1] + max_new_tokens, candidates, policy, settings)
+        run = _Run(model, sampling, _eos_set(eos_token_id), generator, hooks, time_drafts,
+                   host_reads_stall(model.device), settings is not None, policy.max_draft_tokens, cost_profile,
+                   steps if len(candidates) > 1 else None)
+        controller = _controller(run, candidates, policy, memory, settings, prompt.shape[1])
+        new_steps = _not_set_up(steps)
+        output = _decode(run, next(iter(steps.values())), controller, prompt, max_new_tokens)
     output.stats.compile_time_s = sum(step.setup_time_s or 0.0 for step in new_steps)  # the first calls' setup
     return output
 

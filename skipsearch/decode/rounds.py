@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from .economics import Cut
-from .engine import Step
 from .sampling import Sampling, rejection_sample
+from .steps import Step
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ from ..decode.config import SkipConfig
 from ..decode.controller import DraftMemory
 from ..decode.cost_profile import CostProfile
 from ..decode.divergence import first_divergence, reference_logits
-from ..decode.engine import synchronize
 from ..decode.loop import generate
 from ..decode.policy import DraftPolicy
 from ..decode.skipset import SkipSet
 from ..decode.stats import DecodeStats
+from ..decode.steps import synchronize
 from ..io.files import write_atomic
 from ..search.measure import ratio_interval
 from .plots import save_figure
