@@ -1,0 +1,34 @@
+"""Four threads decode one model at once, compiled (regional steps, aot_eager), 5 calls each, against what each
+prompt decodes alone: how many of the 20 calls decoded other tokens. Run from the repository root:
+    python benchmarks/results/xeon-2026-11-28-s27/threads.py"""
+
+import sys
+import threading
+
+import torch
+
+sys.path.insert(0, "tests")
+from conftest import tiny_model  # noqa: E402
+from skipsearch.decode.loop import generate  # noqa: E402
+from skipsearch.decode.skipset import SkipSet  # noqa: E402
+
+settings = dict(max_new_tokens=40, skip=SkipSet(attn=(1,), mlp=(2,)), compile=True, compile_backend="aot_eager",
+                compile_mode="regional")
+model = tiny_model(num_layers=4)
+prompts = [torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 13, 17)]
+alone = [generate(model, p, **settings).tokens for p in prompts]
+out = {}
+
+
+def decode(i: int) -> None:
+    for repeat in range(5):
+        out[i, repeat] = generate(model, prompts[i], **settings).tokens
+
+
+threads = [threading.Thread(target=decode, args=(i,)) for i in range(4)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(f"calls that decoded other tokens than alone: {sum(out[i, r] != alone[i] for i in range(4) for r in range(5))}"
+      " of 20")
