@@ -1,7 +1,9 @@
 """Four threads decode one model at once, compiled (regional steps, aot_eager), 5 calls each, against what each
-prompt decodes alone: how many of the 20 calls decoded other tokens. Run from the repository root:
-    python benchmarks/results/xeon-2026-11-28-s27/threads.py"""
+prompt decodes alone: how many of the 20 calls decoded other tokens. With `--copies BACKEND`, each thread decodes a
+copy of the model of its own (copy.deepcopy), compiled with BACKEND. Run from the repository root:
+    python benchmarks/results/xeon-2026-11-28-s27/threads.py [--copies aot_eager|inductor]"""
 
+import copy
 import sys
 import threading
 
@@ -17,12 +19,16 @@ settings = dict(max_new_tokens=40, skip=SkipSet(attn=(1,), mlp=(2,)), compile=Tr
 model = tiny_model(num_layers=4)
 prompts = [torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 13, 17)]
 alone = [generate(model, p, **settings).tokens for p in prompts]
+copies = "--copies" in sys.argv
+if copies:
+    settings["compile_backend"] = sys.argv[sys.argv.index("--copies") + 1]
+models = [copy.deepcopy(model) if copies else model for _ in prompts]
 out = {}
 
 
 def decode(i: int) -> None:
     for repeat in range(5):
-        out[i, repeat] = generate(model, prompts[i], **settings).tokens
+        out[i, repeat] = generate(models[i], prompts[i], **settings).tokens
 
 
 threads = [threading.Thread(target=decode, args=(i,)) for i in range(4)]
@@ -30,5 +36,5 @@ for thread in threads:
     thread.start()
 for thread in threads:
     thread.join()
-print(f"calls that decoded other tokens than alone: {sum(out[i, r] != alone[i] for i in range(4) for r in range(5))}"
+print(f"{'a copy per thread, ' + settings['compile_backend'] if copies else 'one model'}: calls that decoded other tokens than alone: {sum(out[i, r] != alone[i] for i in range(4) for r in range(5))}"
       " of 20")
