@@ -453,6 +453,7 @@ def test_a_prompt_is_prefilled_in_full_chunks_and_one_padded_under_the_narrowest
         assert all(real == width for real, width in chunks[:-1])  # only the last is padded
         assert chunks[-1][1] - chunks[-1][0] < PREFILL_WIDTHS[0]
         assert [width for _, width in chunks] == sorted((width for _, width in chunks), reverse=True)
+    assert max(PREFILL_WIDTHS) <= engine_module.CACHE_BLOCK  # a padded chunk stays inside the cache's capacity
 
 
 def test_the_prefill_writes_no_slot_it_keeps_past_the_prompt(compiled_prefill_on_cpu):

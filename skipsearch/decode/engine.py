@@ -46,9 +46,9 @@ from .skipset import SkipSet
 from .steps import PREFILL_WIDTHS, Prefill, Step, Steps, forward_at_position
 
 CACHE_BLOCK = 256  # capacities round up to this, so calls of similar lengths share one cache and one graph
-# Where the regional modes prefill through compiled widths (steps.PREFILL_WIDTHS): on CUDA, where each width is one CUDA graph. On a
-# CPU the compiled chunks lost to one eager forward of the prompt, 0.55x (BENCHMARKS.md, "The compiled prefill"), so
-# a CPU prefills eagerly; tests and benchmarks/prefill.py add "cpu" to run the compiled prefill there.
+# Where the regional modes prefill through compiled widths (steps.PREFILL_WIDTHS): on CUDA, where each width is one
+# CUDA graph. On a CPU the compiled chunks lost to one eager forward of the prompt, 0.55x (BENCHMARKS.md, "The compiled
+# prefill"), so a CPU prefills eagerly; tests and benchmarks/prefill.py add "cpu" to run the compiled prefill there.
 COMPILED_PREFILL_DEVICES = frozenset({"cuda"})
 DRAFT_STEPS_KEPT = 8  # skip sets whose draft steps stay ready by default (Engine.kept_skip_sets); older ones are freed
 

@@ -18,8 +18,8 @@ from . import adapter
 from .kvcache import SpeculativeCache
 
 # The widths a compiled prefill runs at (`prefill_chunks`), so that no prompt length compiles or captures anything new.
-# The widest is at most the engine's CACHE_BLOCK, so a padded chunk never writes past the cache (its capacity is the prompt and
-# more, rounded up to CACHE_BLOCK).
+# The widest is at most the engine's CACHE_BLOCK, so a padded chunk never writes past the cache (its capacity is the
+# prompt and more, rounded up to CACHE_BLOCK).
 PREFILL_WIDTHS = (16, 64, 256)
 
 

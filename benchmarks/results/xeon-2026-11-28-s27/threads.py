@@ -36,5 +36,6 @@ for thread in threads:
     thread.start()
 for thread in threads:
     thread.join()
-print(f"{'a copy per thread, ' + settings['compile_backend'] if copies else 'one model'}: calls that decoded other tokens than alone: {sum(out[i, r] != alone[i] for i in range(4) for r in range(5))}"
-      " of 20")
+wrong = sum(out[i, r] != alone[i] for i in range(4) for r in range(5))
+who = f"a copy per thread, {settings['compile_backend']}" if copies else "one model"
+print(f"{who}: calls that decoded other tokens than alone: {wrong} of 20")
