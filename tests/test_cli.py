@@ -28,6 +28,15 @@ def test_generate_json_matches_autoregressive(capsys, tiny_model_dir):
     assert plain["stats"]["compile_time_s"] == 0.0  # eager: the JSON says a slow first call was not a compile
 
 
+def test_generate_summary_counts_rounds_only_where_it_drafted(capsys, tiny_model_dir):
+    """Plain decoding runs steps, not rounds of drafts: its summary line names none (it read "31 rounds")."""
+    common = ["generate", "--model", tiny_model_dir, "--prompt", "hello there", "--max-new-tokens", 6]
+    code, out, err = run(capsys, *common, "--autoregressive")
+    assert code == 0 and out.strip() and "rounds" not in err and "skip none (plain decoding)" in err
+    code, _, err = run(capsys, *common, "--skip-attn", "1,2", "--fixed-draft")
+    assert code == 0 and re.search(r"tok/s, \d+ rounds, acceptance [\d.]+ \(\d+/\d+\), skip ", err)
+
+
 def test_generate_reads_a_config(capsys, tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

@@ -88,7 +88,16 @@ def test_unreadable_files_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_skip_config(tmp_path / "missing.json")
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with pytest.raises(ValueError, match=r"not valid JSON \(Expecting property name enclosed in double quotes at "
+                                         r"column 2\)"):
+        load_skip_config(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_text('{\n  "attn": [1,\n    2 3]}\n')
+    with pytest.raises(ValueError, match=r"not valid JSON \(Expecting ',' delimiter at line 3 column 7\)"):
+        load_skip_config(tmp_path / "bad.json")
+    # Cut short after its first line: the error is on line 2, column 1, which for a one-line text read "column 1",
+    # the start of the file.
+    (tmp_path / "bad.json").write_text('{"version": 1, "attn": [\n')
+    with pytest.raises(ValueError, match=r"not valid JSON \(Expecting value at its end: cut short\?\)"):
         load_skip_config(tmp_path / "bad.json")
 
 

@@ -150,6 +150,11 @@ def test_bench_bars_carry_their_numbers(tmp_path, monkeypatch):
                                          "compile": True})
     assert figures[-1].axes[0].get_title().endswith(", skipsearch compiled")  # a chart says which steps it timed
     plt.close(figures[-1])
+    for repeats, said in ((1, "x 1 repeat"), (3, "x 3 repeats")):
+        bench.write_outputs(rows, tmp_path, {"model": "m", "device": "cpu", "num_prompts": 2, "max_new_tokens": 8,
+                                             "repeats": repeats})
+        assert figures[-1].axes[0].get_title().endswith(f"2 prompts x 8 new tokens {said}")  # not "1 repeats"
+        plt.close(figures[-1])
 
 
 def test_real_study_attributes_are_json_and_plots_are_written(tmp_path):

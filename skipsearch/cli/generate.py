@@ -44,8 +44,9 @@ def _print_generation(args: argparse.Namespace, generation: Generation) -> None:
     else:
         print(text)
         s = output.stats
+        rounds = f"{s.rounds} rounds, " if s.drafted else ""  # plain decoding's steps are no rounds of drafts
         print(
-            f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, {s.rounds} rounds, "
+            f"[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, {rounds}"
             f"acceptance {'-' if s.acceptance_rate is None else format(s.acceptance_rate, '.2f')} "
             f"({s.accepted}/{s.drafted}), skip {skip if skip is not None and skip.drafts else 'none (plain decoding)'}"
             + generation.choice + (f", compile {s.compile_time_s:.1f} s]" if args.compile else "]"),

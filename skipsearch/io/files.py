@@ -129,7 +129,12 @@ def _parse_json(text: str, where: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
-        place = f"column {error.colno}" if "\n" not in text.strip() else f"line {error.lineno} column {error.colno}"
+        if error.pos >= len(text.rstrip()):  # cut short: its end, wherever a last newline puts the line
+            place = "its end: cut short?"
+        elif "\n" not in text.strip():
+            place = f"column {error.colno}"
+        else:
+            place = f"line {error.lineno} column {error.colno}"
         raise ValueError(f"{where}: not valid JSON ({error.msg} at {place})") from None
     except RecursionError:  # json's C decoder recurses once per level: a hostile or damaged file
         raise ValueError(f"{where}: nested too deeply to read (over {sys.getrecursionlimit()} levels of arrays or "

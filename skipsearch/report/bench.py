@@ -328,10 +328,10 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: s
     ax.set_xlabel("speedup over HF greedy (x; geometric mean of paired runs, bars: 95% interval)")
     ax.set_ylabel("decoding method")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # beside the bars, never over one
-    where = settings.get("device_name") or settings.get("device", "")
+    where, repeats = settings.get("device_name") or settings.get("device", ""), settings.get("repeats", "?")
     ax.set_title(f"Decoding speed: {settings.get('model', '')} on {where}, "
                  f"{settings.get('num_prompts', '?')} prompts x {settings.get('max_new_tokens', '?')} new tokens"
-                 f" x {settings.get('repeats', '?')} repeats"
+                 f" x {repeats} repeat{'' if repeats == 1 else 's'}"
                  f"{', skipsearch compiled' if settings.get('compile') else ''}",
                  fontsize=9)
     save_figure(fig, png_path)
