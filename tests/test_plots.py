@@ -3,6 +3,7 @@
 import json
 import random
 
+import matplotlib.colors
 import matplotlib.pyplot as plt
 import optuna
 import pytest
@@ -11,6 +12,7 @@ from optuna.distributions import FloatDistribution
 from conftest import tiny_model
 from skipsearch.decode.config import ModelInfo
 from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.skipset import SkipSet
 from skipsearch.report import bench, plots
 from skipsearch.report.bench import BenchRow
 from skipsearch.search.records import STUDY_ATTR
@@ -132,6 +134,33 @@ def test_history_ticks_are_whole_trial_numbers(objective):
     ticks = fig.axes[0].get_xticks()
     assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
     assert fig.axes[0].get_xlabel() == "trial number"
+    plt.close(fig)
+
+
+def test_confirmed_sets_at_one_skipped_share_are_drawn_apart_and_named_by_trial():
+    """Head-only sets all skip no sublayer: their confirmed points and intervals drew on top of one another, and
+    nothing said which was which. Each is spread apart around its share and labelled with its trial; the legend's
+    trial markers are grey, since a trial's colour is its acceptance."""
+    from skipsearch.search.records import Confirmation, ConfirmedCandidate, Figures, Ratio, write_confirmation
+
+    study = synthetic_study(n=6)
+    shares = [0.0, 0.0, 0.0, 0.25]
+    candidates = tuple(ConfirmedCandidate(trial, SkipSet(), 1.0, 0, share,
+                                          Figures(speedup=Ratio(0.9 + 0.05 * trial, 0.8, 1.1), paired_runs=8,
+                                                  acceptance_rate=0.9, prompts=4))
+                       for trial, share in enumerate(shares))
+    write_confirmation(study, Confirmation(candidates, top=4, repeats=2))
+    fig = plots.speedup_vs_skipped(study)
+    ax = fig.axes[0]
+    [confirmed] = [c for c in ax.containers if c.get_label().startswith("confirmed")]
+    xs = list(confirmed.lines[0].get_xdata())
+    assert len(set(xs)) == 4 and xs[3] == 0.25 and sorted(xs[:3]) == xs[:3] and xs[1] == 0.0  # spread around 0.0
+    assert max(xs[:3]) - min(xs[:3]) < 0.05  # beside their share, not moved along the axis
+    assert [t.get_text() for t in ax.texts] == ["0", "1", "2", "3"]
+    trial_handles = [h for h in ax.get_legend().legend_handles if h.get_label().startswith("trial")]
+    fig.canvas.draw()  # drawing recolours a handle that still maps acceptance to colour
+    grey = matplotlib.colors.to_rgba("gray")
+    assert trial_handles and all(tuple(h.get_facecolor()[0]) == grey for h in trial_handles)
     plt.close(fig)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import warnings
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import optuna
+from matplotlib.collections import PathCollection
 from matplotlib.ticker import MaxNLocator
 from optuna.trial import TrialState
 
@@ -102,11 +104,14 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     confirmation = read_confirmation(study)
     confirmed = [c for c in (confirmation.candidates if confirmation else ()) if speedup(c) is not None]
     if confirmed:
-        ratios = [speedup(c) for c in confirmed]
+        ratios, xs = [speedup(c) for c in confirmed], _dodged([c.skipped_fraction for c in confirmed])
         errors = [[r.estimate - r.low for r in ratios],
                   [(r.high or r.estimate) - r.estimate for r in ratios]]  # unbounded: drawn without a bar
-        ax.errorbar([c.skipped_fraction for c in confirmed], [r.estimate for r in ratios], yerr=errors, fmt="o",
-                    mfc="none", color="black", capsize=3, label="confirmed (95% interval)")
+        ax.errorbar(xs, [r.estimate for r in ratios], yerr=errors, fmt="o", mfc="none", color="black", capsize=3,
+                    label="confirmed (95% interval), by trial")
+        for candidate, x, ratio in zip(confirmed, xs, ratios):
+            ax.annotate(str(candidate.trial), (x, ratio.estimate), xytext=(4, 2), textcoords="offset points",
+                        fontsize=7)
     shown, title = _highlight(study)
     if shown is not None:
         ax.plot([shown.skipped_fraction], [speedup(shown).estimate], marker="*", markersize=14, color="tab:red",
@@ -116,8 +121,25 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     ax.set_ylabel(("predicted" if label.objective == "modeled" else "measured") + " speedup (x plain decoding)")
     ax.set_title(f"{study.study_name} on {label.device_name or label.device or ''}: speedup vs skipped share\n{title}",
                  fontsize=9)
-    ax.legend(loc="best", fontsize=8)
+    legend = ax.legend(loc="best", fontsize=8)
+    for handle in legend.legend_handles:  # a trial's colour is its acceptance (the colour bar), not its kind
+        if isinstance(handle, PathCollection):
+            handle.set_array(None)  # else drawing colours it from the colour map again
+            handle.set_facecolor("gray")
     return fig
+
+
+def _dodged(xs: list[float]) -> list[float]:
+    """`xs` with the points that share one spread apart around it (2% of the points' span, at least 0.005), so that
+    candidates at one skipped share (head-only sets: none) show their intervals side by side."""
+    step = max(0.02 * (max(xs) - min(xs)), 0.005)
+    sharing = collections.Counter(xs)
+    placed: collections.Counter = collections.Counter()
+    dodged = []
+    for x in xs:
+        dodged.append(x + (placed[x] - (sharing[x] - 1) / 2) * step)
+        placed[x] += 1
+    return dodged
 
 
 HEAD_MARKERS = "o^sDvP*X"  # the full head's trials as dots, each trimmed head's by its own marker
