@@ -164,6 +164,28 @@ def test_confirmed_sets_at_one_skipped_share_are_drawn_apart_and_named_by_trial(
     plt.close(fig)
 
 
+def test_a_skip_map_of_a_set_that_skips_no_sublayer_says_so():
+    """A head-only set (or plain decoding) leaves the set's map all "kept", which read as an empty plot."""
+    from skipsearch.decode.skipset import DraftHead
+    from skipsearch.search.records import (Confirmation, ConfirmedCandidate, Figures, Ratio, write_confirmation,
+                                           write_vocabulary)
+    from skipsearch.search.vocabulary import VocabularyRanking
+
+    study = synthetic_study(n=6)
+    write_vocabulary(study, VocabularyRanking(tuple(range(100))))  # what a study drafting with trimmed heads keeps
+    fig = plots.skip_map(study)
+    assert [t.get_text() for t in fig.axes[0].texts] == ["plain decoding"]  # nothing confirmed
+    plt.close(fig)
+    head_only = ConfirmedCandidate(2, SkipSet(head=DraftHead(tuple(range(64)))), 1.3, 0, 0.0,
+                                   Figures(speedup=Ratio(1.3, 1.2, 1.4), paired_runs=8, acceptance_rate=0.9, prompts=4))
+    write_confirmation(study, Confirmation((head_only,), top=1, repeats=2))
+    fig = plots.skip_map(study)
+    assert [t.get_text() for t in fig.axes[0].texts] == [
+        "no sublayer skipped: the draft only reads fewer rows of the LM head"]
+    assert "draft head: 64 rows" in fig.axes[0].get_title() and not fig.axes[1].texts
+    plt.close(fig)
+
+
 def test_bench_bars_carry_their_numbers(tmp_path, monkeypatch):
     figures = []
     monkeypatch.setattr(bench, "save_figure", lambda fig, path: figures.append(fig))

@@ -79,6 +79,11 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
         bar.set_label(bar_label, fontsize=8)
         if data is best_map:
             bar.set_ticks([0, 1], labels=["kept", "skipped"])
+    if shown is None or not shown.skip.size:  # an all-kept map reads as an empty plot: say that it is none
+        note = "plain decoding" if shown is None else "no sublayer skipped" + (
+            ": the draft only reads fewer rows of the LM head" if shown.skip.head is not None else "")
+        axes[0].text(0.5, 0.5, note, transform=axes[0].transAxes, ha="center", va="center", fontsize=9,
+                     bbox={"facecolor": "white", "edgecolor": "gray"})
     axes[1].set_xlabel("decoder layer (0-based)")
     return fig
 
