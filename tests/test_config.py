@@ -99,6 +99,12 @@ def test_unreadable_files_are_clear_errors(tmp_path):
     (tmp_path / "bad.json").write_text('{"version": 1, "attn": [\n')
     with pytest.raises(ValueError, match=r"not valid JSON \(Expecting value at its end: cut short\?\)"):
         load_skip_config(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_text('{"version": 1, "model": {"name_or_path": "Hugging')
+    with pytest.raises(ValueError, match=r"not valid JSON \(Unterminated string at its end: cut short\?\)"):
+        load_skip_config(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_text(" \n")
+    with pytest.raises(ValueError, match=r"bad.json': empty, not JSON$"):
+        load_skip_config(tmp_path / "bad.json")
 
 
 def test_a_draft_and_verify_file_is_named_as_such():

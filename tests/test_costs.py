@@ -437,7 +437,7 @@ def test_a_profile_times_the_engines_steps_only_while_it_holds_them():
     from skipsearch.decode.engine import engine_for
 
     model = tiny_model()
-    with engine_for(model).exclusive(), pytest.raises(RuntimeError, match="already decoding compiled"):
+    with engine_for(model).exclusive(), pytest.raises(RuntimeError, match="compiled steps are in use in this thread"):
         profile_costs(model, contexts=(8,), max_verify_tokens=2, repeats=2, calibrate=False, compile_mode="regional")
     assert profile_costs(model, contexts=(8,), max_verify_tokens=2, repeats=2, calibrate=False, attempts=1,
                          clock=iter(range(10**6)).__next__).contexts  # released: it times

@@ -144,7 +144,7 @@ def test_confirmed_sets_at_one_skipped_share_are_drawn_apart_and_named_by_trial(
     from skipsearch.search.records import Confirmation, ConfirmedCandidate, Figures, Ratio, write_confirmation
 
     study = synthetic_study(n=6)
-    shares = [0.0, 0.0, 0.0, 0.25]
+    shares = [0.25, 0.0, 0.0, 0.0]  # the last, the fastest, is the set shown
     candidates = tuple(ConfirmedCandidate(trial, SkipSet(), 1.0, 0, share,
                                           Figures(speedup=Ratio(0.9 + 0.05 * trial, 0.8, 1.1), paired_runs=8,
                                                   acceptance_rate=0.9, prompts=4))
@@ -154,9 +154,12 @@ def test_confirmed_sets_at_one_skipped_share_are_drawn_apart_and_named_by_trial(
     ax = fig.axes[0]
     [confirmed] = [c for c in ax.containers if c.get_label().startswith("confirmed")]
     xs = list(confirmed.lines[0].get_xdata())
-    assert len(set(xs)) == 4 and xs[3] == 0.25 and sorted(xs[:3]) == xs[:3] and xs[1] == 0.0  # spread around 0.0
-    assert max(xs[:3]) - min(xs[:3]) < 0.05  # beside their share, not moved along the axis
+    assert len(set(xs)) == 4 and xs[0] == 0.25 and sorted(xs[1:]) == xs[1:] and xs[2] == 0.0  # spread around 0.0
+    assert max(xs[1:]) - min(xs[1:]) < 0.05  # beside their share, not moved along the axis
     assert [t.get_text() for t in ax.texts] == ["0", "1", "2", "3"]
+    [star] = [line for line in ax.lines if line.get_marker() == "*"]  # the shown set, on its own point
+    shown = plots._highlight(study)[0].trial
+    assert list(star.get_xdata()) == [xs[shown]] and xs[shown] != shares[shown]
     trial_handles = [h for h in ax.get_legend().legend_handles if h.get_label().startswith("trial")]
     fig.canvas.draw()  # drawing recolours a handle that still maps acceptance to colour
     grey = matplotlib.colors.to_rgba("gray")

@@ -23,7 +23,8 @@ def calibrated(model: torch.nn.Module, profile: CostProfile, repeats: int, compi
                 clock: Callable[[], float]) -> tuple[Overheads, list[str]]:
     """What a round pays besides its forwards: the draft-mode switch and the confidence read, timed directly; the
     rest, residuals of real decoding runs over the profiled forwards (`_overheads`), with what was clipped."""
-    switches = replace(_switch_costs(model, clock), adaptive_token_s=_confidence_read_s(model, clock))
+    with engine_for(model).exclusive():  # draft mode swaps the model's layers: no compiled step may be made meanwhile
+        switches = replace(_switch_costs(model, clock), adaptive_token_s=_confidence_read_s(model, clock))
     decodes = _decoding_runs(model, replace(profile, overheads=switches), max(1, min(repeats, 5)), compile_mode)
     return _overheads(replace(profile, overheads=switches), decodes, model)
 
@@ -89,7 +90,8 @@ def _decoding_runs(model: torch.nn.Module, profile: CostProfile, repeats: int,
         # Compiled runs decode on the engine's cache, which the profile's longest context grew; a step's cost follows
         # the cache's slots, not the position, and these runs' forwards are priced at the shortest context: so the
         # cache is made again at the runs' own length.
-        engine_for(model).release_cache()
+        with engine_for(model).exclusive() as engine:
+            engine.release_cache()
 
     def run(skip_set: SkipSet | None) -> DecodeStats:
         return generate(model, prompt, skip=skip_set, max_new_tokens=_NEW_TOKENS, policy=fixed,

@@ -187,7 +187,7 @@ def profile_costs(
     budget_s = budget_s if budget_s is not None else GPU_BUDGET_S if model.device.type == "cuda" else math.inf
     started, problems = time.perf_counter(), []
     for attempt in range(attempts):
-        with engine_for(model).exclusive():  # the compiled steps it times write the engine's one cache
+        with engine_for(model).exclusive():  # its compiled steps write the engine's cache; eager, it swaps layers
             _time_forwards(model, runs, repeats, clock, warm=attempt == 0, show_progress=show_progress,
                            compile_mode=compile_mode, deadline=started + budget_s)
         runs = [r for r in runs if r.verify[0]]  # past the budget, longer contexts were left out: fewer contexts

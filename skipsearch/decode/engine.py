@@ -116,14 +116,15 @@ class Engine:
 
     @contextlib.contextmanager
     def exclusive(self):
-        """Held while a call decodes through the engine's cache (compiled steps) or times its steps: one cache, one
-        writer. Another thread's call waits for it (two threads decoding one model at once each read the other's
-        keys and values: wrong tokens, on a CPU every time); a call nested in the holder's own thread, which would
-        wait forever, is refused with a RuntimeError."""
+        """Held while a call decodes through the engine's cache (compiled steps), or a profile times or swaps the
+        model's layers: one cache, one writer. Another thread's call waits for it (two threads decoding one model at
+        once each read the other's keys and values: wrong tokens, on a CPU every time); a call nested in the holder's
+        own thread, which would wait forever, is refused with a RuntimeError. A hook that waits for another thread's
+        compiled decode of the same model waits forever too."""
         if self._holder == threading.get_ident():
-            raise RuntimeError("this model is already decoding compiled in this thread (a hook that decodes?), and a "
-                               "call within it would overwrite its cache: decode within it with compile=False, or a "
-                               "copy of the model (copy.deepcopy)")
+            raise RuntimeError("this model's compiled steps are in use in this thread already (a decode or a profile: "
+                               "a hook that decodes?), and a call within it would overwrite their cache: decode "
+                               "within it with compile=False, or a copy of the model (copy.deepcopy)")
         with self._lock:
             self._holder = threading.get_ident()
             try:
@@ -301,11 +302,18 @@ def _step(model: nn.Module, cache: SpeculativeCache) -> Callable[[torch.Tensor],
     return step
 
 
+_MAKING_ENGINES = threading.Lock()  # threads starting on one new model at once get one engine, and one lock
+
+
 def engine_for(model: nn.Module) -> Engine:
     """The model's engine, made on first use and kept on the model (it lives and dies with it)."""
     engine = model.__dict__.get("_skipsearch_engine")
-    if engine is None or engine.model is not model:  # none yet, or a shallow copy's, which runs the original
-        adapter.check_touchpoints(model)
-        engine = Engine(model)
-        object.__setattr__(model, "_skipsearch_engine", engine)
-    return engine
+    if engine is not None and engine.model is model:
+        return engine
+    with _MAKING_ENGINES:
+        engine = model.__dict__.get("_skipsearch_engine")
+        if engine is None or engine.model is not model:  # none yet, or a shallow copy's, which runs the original
+            adapter.check_touchpoints(model)
+            engine = Engine(model)
+            object.__setattr__(model, "_skipsearch_engine", engine)
+        return engine

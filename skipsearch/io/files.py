@@ -129,16 +129,23 @@ def _parse_json(text: str, where: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
-        if error.pos >= len(text.rstrip()):  # cut short: its end, wherever a last newline puts the line
-            place = "its end: cut short?"
-        elif "\n" not in text.strip():
-            place = f"column {error.colno}"
-        else:
-            place = f"line {error.lineno} column {error.colno}"
-        raise ValueError(f"{where}: not valid JSON ({error.msg} at {place})") from None
+        raise ValueError(f"{where}: {_json_fault(text, error)}") from None
     except RecursionError:  # json's C decoder recurses once per level: a hostile or damaged file
         raise ValueError(f"{where}: nested too deeply to read (over {sys.getrecursionlimit()} levels of arrays or "
                          "objects; damaged, or not the file meant)") from None
+
+
+def _json_fault(text: str, error: json.JSONDecodeError) -> str:
+    """What is wrong with a JSON text, and where: a column for one line, a line and column for more, and a text that
+    ends inside a value (a string never closed, or the end where a value should come) said to be cut short, since its
+    error's line is wherever a last newline put it."""
+    if not text.strip():
+        return "empty, not JSON"
+    message = error.msg.removesuffix(" starting at")  # an unclosed string's message ends in "at" already
+    if error.msg.startswith("Unterminated string") or error.pos >= len(text.rstrip()):
+        return f"not valid JSON ({message} at its end: cut short?)"
+    place = f"column {error.colno}" if "\n" not in text.strip() else f"line {error.lineno} column {error.colno}"
+    return f"not valid JSON ({message} at {place})"
 
 
 def unwritable_folder(folder: Path) -> str | None:

@@ -108,8 +108,9 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
         fig.colorbar(points, ax=ax, label="acceptance rate (accepted / drafted tokens)")
     confirmation = read_confirmation(study)
     confirmed = [c for c in (confirmation.candidates if confirmation else ()) if speedup(c) is not None]
+    xs = _dodged([c.skipped_fraction for c in confirmed])
     if confirmed:
-        ratios, xs = [speedup(c) for c in confirmed], _dodged([c.skipped_fraction for c in confirmed])
+        ratios = [speedup(c) for c in confirmed]
         errors = [[r.estimate - r.low for r in ratios],
                   [(r.high or r.estimate) - r.estimate for r in ratios]]  # unbounded: drawn without a bar
         ax.errorbar(xs, [r.estimate for r in ratios], yerr=errors, fmt="o", mfc="none", color="black", capsize=3,
@@ -119,8 +120,9 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
                         fontsize=7)
     shown, title = _highlight(study)
     if shown is not None:
-        ax.plot([shown.skipped_fraction], [speedup(shown).estimate], marker="*", markersize=14, color="tab:red",
-                linestyle="none", label=title.split(",")[0])
+        at = {c.trial: x for c, x in zip(confirmed, xs)}.get(shown.trial, shown.skipped_fraction)  # on its point
+        ax.plot([at], [speedup(shown).estimate], marker="*", markersize=14, color="tab:red", linestyle="none",
+                label=title.split(",")[0])
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding")
     ax.set_xlabel("skipped share of all sublayers (0 to 1)")
     ax.set_ylabel(("predicted" if label.objective == "modeled" else "measured") + " speedup (x plain decoding)")
@@ -137,7 +139,7 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
 def _dodged(xs: list[float]) -> list[float]:
     """`xs` with the points that share one spread apart around it (2% of the points' span, at least 0.005), so that
     candidates at one skipped share (head-only sets: none) show their intervals side by side."""
-    step = max(0.02 * (max(xs) - min(xs)), 0.005)
+    step = max(0.02 * (max(xs) - min(xs)), 0.005) if xs else 0.0
     sharing = collections.Counter(xs)
     placed: collections.Counter = collections.Counter()
     dodged = []

@@ -1,6 +1,6 @@
 """Four threads decode one model at once, compiled (regional steps, aot_eager), 5 calls each, against what each
 prompt decodes alone: how many of the 20 calls decoded other tokens. With `--copies BACKEND`, each thread decodes a
-copy of the model of its own (copy.deepcopy), compiled with BACKEND. Run from the repository root:
+copy of the model of its own (copy.deepcopy), and every call (alone too) compiles with BACKEND. Run from the repository root:
     python benchmarks/results/xeon-2026-11-28-s27/threads.py [--copies aot_eager|inductor]"""
 
 import copy
@@ -17,11 +17,11 @@ from skipsearch.decode.skipset import SkipSet  # noqa: E402
 settings = dict(max_new_tokens=40, skip=SkipSet(attn=(1,), mlp=(2,)), compile=True, compile_backend="aot_eager",
                 compile_mode="regional")
 model = tiny_model(num_layers=4)
-prompts = [torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 13, 17)]
-alone = [generate(model, p, **settings).tokens for p in prompts]
 copies = "--copies" in sys.argv
+prompts = [torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 13, 17)]
 if copies:
     settings["compile_backend"] = sys.argv[sys.argv.index("--copies") + 1]
+alone = [generate(model, p, **settings).tokens for p in prompts]
 models = [copy.deepcopy(model) if copies else model for _ in prompts]
 out = {}
 
