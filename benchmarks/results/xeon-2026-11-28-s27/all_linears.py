@@ -40,4 +40,5 @@ with torch.inference_mode():
         print(w, "max diff", float((a - b).abs().max()), "argmax same", bool((a.argmax(-1) == b.argmax(-1)).all()))
         ratio, cur_s, all_s = pair(run(current, w), run(allp, w), repeats)
         plain, _, _ = pair(run(allp, w), run(model, 1), repeats)
-        print(f"  {w} rows: current verifier {cur_s*1e3:.1f} ms, all linears packed {all_s*1e3:.1f} ms, current over all-packed {_x(ratio)}; all-packed over a plain step {_x(plain)}", flush=True)
+        print(f"  {w} rows: current verifier {cur_s*1e3:.1f} ms, all linears packed {all_s*1e3:.1f} ms, "
+              f"current over all-packed {_x(ratio)}; all-packed over a plain step {_x(plain)}", flush=True)
