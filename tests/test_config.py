@@ -84,26 +84,23 @@ def test_bad_configs_are_clear_errors(tmp_path, mutate, message):
         load_skip_config(tmp_path / "c.json")
 
 
-def test_unreadable_files_are_clear_errors(tmp_path):
+def test_a_missing_config_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         load_skip_config(tmp_path / "missing.json")
-    (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(ValueError, match=r"not valid JSON \(Expecting property name enclosed in double quotes at "
-                                         r"column 2\)"):
-        load_skip_config(tmp_path / "bad.json")
-    (tmp_path / "bad.json").write_text('{\n  "attn": [1,\n    2 3]}\n')
-    with pytest.raises(ValueError, match=r"not valid JSON \(Expecting ',' delimiter at line 3 column 7\)"):
-        load_skip_config(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", r"not valid JSON \(Expecting property name enclosed in double quotes at column 2\)"),
+    ('{\n  "attn": [1,\n    2 3]}\n', r"not valid JSON \(Expecting ',' delimiter at line 3 column 7\)"),
     # Cut short after its first line: the error is on line 2, column 1, which for a one-line text read "column 1",
     # the start of the file.
-    (tmp_path / "bad.json").write_text('{"version": 1, "attn": [\n')
-    with pytest.raises(ValueError, match=r"not valid JSON \(Expecting value at its end: cut short\?\)"):
-        load_skip_config(tmp_path / "bad.json")
-    (tmp_path / "bad.json").write_text('{"version": 1, "model": {"name_or_path": "Hugging')
-    with pytest.raises(ValueError, match=r"not valid JSON \(Unterminated string at its end: cut short\?\)"):
-        load_skip_config(tmp_path / "bad.json")
-    (tmp_path / "bad.json").write_text(" \n")
-    with pytest.raises(ValueError, match=r"bad.json': empty, not JSON$"):
+    ('{"version": 1, "attn": [\n', r"not valid JSON \(Expecting value at its end: cut short\?\)"),
+    ('{"version": 1, "model": {"name_or_path": "Hugg', r"not valid JSON \(Unterminated string at its end: cut short"),
+    (" \n", r"bad.json': empty, not JSON$"),
+])
+def test_a_damaged_config_says_what_is_wrong_and_where(tmp_path, text, message):
+    (tmp_path / "bad.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
         load_skip_config(tmp_path / "bad.json")
 
 
