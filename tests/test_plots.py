@@ -157,6 +157,7 @@ def test_confirmed_sets_at_one_skipped_share_are_drawn_apart_and_named_by_trial(
     assert len(set(xs)) == 4 and xs[0] == 0.25 and sorted(xs[1:]) == xs[1:] and xs[2] == 0.0  # spread around 0.0
     assert max(xs[1:]) - min(xs[1:]) < 0.05  # beside their share, not moved along the axis
     assert [t.get_text() for t in ax.texts] == ["0", "1", "2", "3"]
+    assert len(ax.get_xticks()) > 1  # shares apart: the axis' own ticks
     [star] = [line for line in ax.lines if line.get_marker() == "*"]  # the shown set, on its own point
     shown = plots._highlight(study)[0].trial
     assert list(star.get_xdata()) == [xs[shown]] and xs[shown] != shares[shown]
@@ -164,6 +165,12 @@ def test_confirmed_sets_at_one_skipped_share_are_drawn_apart_and_named_by_trial(
     fig.canvas.draw()  # drawing recolours a handle that still maps acceptance to colour
     grey = matplotlib.colors.to_rgba("gray")
     assert trial_handles and all(tuple(h.get_facecolor()[0]) == grey for h in trial_handles)
+    plt.close(fig)
+    head_only = synthetic_study(n=0)  # every set at share 0: one tick, not -0.002, 0.000, 0.002
+    write_confirmation(head_only, Confirmation(candidates[1:], top=3, repeats=2))
+    fig = plots.speedup_vs_skipped(head_only)
+    ax = fig.axes[0]
+    assert list(ax.get_xticks()) == [0.0] and len(set(ax.containers[0].lines[0].get_xdata())) == 3
     plt.close(fig)
 
 

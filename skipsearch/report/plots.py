@@ -124,6 +124,9 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
         ax.plot([at], [speedup(shown).estimate], marker="*", markersize=14, color="tab:red", linestyle="none",
                 label=title.split(",")[0])
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding")
+    shares = {t.skipped_fraction for t in decoded} | {c.skipped_fraction for c in confirmed}
+    if len(shares) == 1:  # one share (head-only sets: 0), spread apart: ticks at -0.002 would read as shares
+        ax.set_xticks(sorted(shares))
     ax.set_xlabel("skipped share of all sublayers (0 to 1)")
     ax.set_ylabel(("predicted" if label.objective == "modeled" else "measured") + " speedup (x plain decoding)")
     ax.set_title(f"{study.study_name} on {label.device_name or label.device or ''}: speedup vs skipped share\n{title}",
