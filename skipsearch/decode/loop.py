@@ -87,22 +87,28 @@ def generate(
     `memory`: what the controller learned in earlier calls (plain speed, back-offs), updated in place; None: nothing.
     `generator` seeds sampling, on the model's device. `compile` runs the draft and verify forwards compiled
     (`compile_backend`, `compile_mode`: engine.py's modes; CUDA graphs by default on CUDA), kept on the model for
-    later calls; in the regional mode (CUDA's default) on CUDA the prefill runs compiled too, at a few padded widths.
-    `hooks` put logits processing, stopping and streaming in the caller's hands."""
+    later calls, one at a time a model (`Engine.exclusive`); in the regional mode on CUDA the prefill runs compiled
+    too, at a few padded widths. `hooks` put logits processing, stopping and streaming in the caller's hands."""
     prompt = check_prompt(model, input_ids)  # before any work: each a TypeError or ValueError saying what is wrong
     check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling, cost_profile)
     candidates = drafting_sets(skip, policy)
     settings = CompileSettings(compile_backend, compile_mode) if compile else None
-    # Compiled steps write the engine's one cache: one call at a time a model (eager calls each make their own).
     with engine_for(model).exclusive() if compile else contextlib.nullcontext():
         steps = _prepare(model, prompt.shape[1] + max_new_tokens, candidates, policy, settings)
         run = _Run(model, sampling, _eos_set(eos_token_id), generator, hooks, time_drafts,
                    host_reads_stall(model.device), settings is not None, policy.max_draft_tokens, cost_profile,
                    steps if len(candidates) > 1 else None)
         controller = _controller(run, candidates, policy, memory, settings, prompt.shape[1])
-        new_steps = _not_set_up(steps)
-        output = _decode(run, next(iter(steps.values())), controller, prompt, max_new_tokens)
-    output.stats.compile_time_s = sum(step.setup_time_s or 0.0 for step in new_steps)  # the first calls' setup
+        return _decode_with_setup(run, steps, controller, prompt, max_new_tokens)
+
+
+def _decode_with_setup(run: _Run, steps: dict[SkipSet | None, Steps], controller: DraftController,
+                       prompt: torch.Tensor, max_new_tokens: int) -> GenerationOutput:
+    """`_decode` with the first of `steps`, its stats' `compile_time_s` the setup (compiling, capturing) of the steps
+    this call was the first to run."""
+    new_steps = _not_set_up(steps)
+    output = _decode(run, next(iter(steps.values())), controller, prompt, max_new_tokens)
+    output.stats.compile_time_s = sum(step.setup_time_s or 0.0 for step in new_steps)
     return output
 
 
