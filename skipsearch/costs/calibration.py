@@ -24,7 +24,8 @@ def calibrated(model: torch.nn.Module, profile: CostProfile, repeats: int, compi
     """What a round pays besides its forwards: the draft-mode switch and the confidence read, timed directly; the
     rest, residuals of real decoding runs over the profiled forwards (`_overheads`), with what was clipped."""
     with engine_for(model).exclusive():  # draft mode swaps the model's layers: no compiled step may be made meanwhile
-        switches = replace(_switch_costs(model, clock), adaptive_token_s=_confidence_read_s(model, clock))
+        switch_costs = _switch_costs(model, clock)
+    switches = replace(switch_costs, adaptive_token_s=_confidence_read_s(model, clock))
     decodes = _decoding_runs(model, replace(profile, overheads=switches), max(1, min(repeats, 5)), compile_mode)
     return _overheads(replace(profile, overheads=switches), decodes, model)
 
