@@ -569,3 +569,27 @@ def test_eager_verification_runs_the_packed_head_and_plain_steps_the_models_own(
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     engine_for(unpacked).prepare(40, None, None, 5)
     assert engine_for(unpacked).verifier is unpacked
+
+
+def test_the_head_copies_follow_the_models_head_when_it_changes():
+    """The packed verification head and a trimmed draft head copy the LM head: a head loaded or trained in place, or a
+    model cast, decodes as transformers does with the new head, and the draft reads the new head's rows."""
+    from skipsearch.decode.skipping import draft_model
+    from skipsearch.decode.skipset import DraftHead
+
+    model, prompt = tiny_model("llama", seed=3), [5, 9, 14, 3, 7]  # float32: the verification's head packed
+    skip = SkipSet((1,), (), DraftHead(tuple(range(0, 96, 2))))
+    ids, rows = torch.tensor([prompt]), torch.tensor(skip.head.ids)
+    policy = DraftPolicy(max_draft_tokens=4, adaptive=False, guard=False)
+    # Written in place as load_state_dict or an optimizer step writes it (new tokens), then cast (the packed copy
+    # raised a dtype error); each after a decode that made the copies.
+    for change, new_tokens in ((lambda: model.lm_head.weight.mul_(-1), True), (lambda: model.double(), False)):
+        before = generate(model, prompt, skip=skip, max_new_tokens=16, eos_token_id=None, policy=policy).tokens
+        with torch.no_grad():
+            change()
+        out = generate(model, prompt, skip=skip, max_new_tokens=16, eos_token_id=None, policy=policy)
+        assert out.tokens == hf_greedy(model, prompt, 16, eos=None) and out.stats.drafted > 0
+        assert (out.tokens != before) == new_tokens
+        with torch.no_grad():
+            untrimmed = draft_model(model, SkipSet((1,)))(ids).logits
+            torch.testing.assert_close(draft_model(model, skip)(ids).logits[..., rows], untrimmed[..., rows])

@@ -41,7 +41,7 @@ from .attention import engine_attention
 from .kvcache import SpeculativeCache
 from .packed import packed_head
 from .regional import CompiledLayers, own_code, regional_view
-from .skipping import draft_model, forget_draft, model_with_head
+from .skipping import draft_model, forget_draft, head_source, model_with_head
 from .skipset import SkipSet
 from .steps import PREFILL_WIDTHS, Prefill, Step, Steps, forward_at_position
 
@@ -101,6 +101,7 @@ class Engine:
         self.layers: dict[str, CompiledLayers] = {}  # by backend
         self.graph_pool = None
         self.verifier: nn.Module | None = None  # the eager verify step's model (`eager_verifier`)
+        self.verifier_source: tuple | None = None  # the head it copied (`head_source`)
         self.attention = engine_attention(model)  # every step's attention function (attention.py)
         self._kept_skip_sets = DRAFT_STEPS_KEPT
         self.fuse_projections = True  # inductor's regional steps fuse linears of one input (fused.py); set it first
@@ -188,11 +189,12 @@ class Engine:
 
     def eager_verifier(self) -> nn.Module:
         """The model as eager verification runs it (and the profiler times it): with its head packed where that
-        applies (packed.py), made once; else the model itself."""
-        if self.verifier is None:
-            _, weight, bias = adapter.output_head(self.model)
+        applies (packed.py), made once and again whenever the model's head changes; else the model itself."""
+        _, weight, bias = adapter.output_head(self.model)
+        if self.verifier is None or self.verifier_source != head_source(weight, bias):
             head = packed_head(weight, bias)
             self.verifier = self.model if head is None else model_with_head(self.model, head)
+            self.verifier_source = head_source(weight, bias)
         return self.verifier
 
     def _layers_for(self, backend: str) -> CompiledLayers:

@@ -147,6 +147,15 @@ def draft_layers(model: nn.Module, skip: SkipSet) -> nn.ModuleList:
     return memo[("layers", skip)]
 
 
+def head_source(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """What a copy of the LM head (a trimmed draft head, the packed verification head) is made from: the weight's and
+    bias's memory, dtype and in-place version. A copy whose source no longer matches the model's head holds weights
+    the model no longer has (loaded or trained in place, cast, moved) and is made again."""
+    return tuple(None if tensor is None else
+                 (tensor.data_ptr(), tensor.dtype, tensor.device, None if tensor.is_inference() else tensor._version)
+                 for tensor in (weight, bias))
+
+
 class TrimmedHead(nn.Module):
     """The LM head over a draft head's rows: their weights gathered once into one contiguous matrix (rows x hidden),
     logits computed for them alone and written at their token ids; every other token gets the dtype's lowest finite
@@ -159,7 +168,7 @@ class TrimmedHead(nn.Module):
         super().__init__()
         head.check_fits(weight.shape[0])
         ids = torch.tensor(head.ids, dtype=torch.long, device=weight.device)
-        self.vocab_size = weight.shape[0]
+        self.vocab_size, self.source = weight.shape[0], head_source(weight, bias)
         self.register_buffer("ids", ids, persistent=False)
         self.register_buffer("weight", weight.detach()[ids].contiguous(), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach()[ids].contiguous(), persistent=False)
@@ -174,9 +183,8 @@ def trimmed_head(model: nn.Module, head: DraftHead) -> TrimmedHead:
     """The model's `TrimmedHead` for `head`: one per head while any draft path holds it (held weakly here, so that
     the engine's eviction of a skip set frees its head's matrix), shared by every skip set that drafts with it."""
     memo = _draft_cache(model).setdefault("heads", weakref.WeakValueDictionary())
-    module = memo.get(head)
-    if module is None:
-        _, weight, bias = adapter.output_head(model)
+    module, (_, weight, bias) = memo.get(head), adapter.output_head(model)
+    if module is None or module.source != head_source(weight, bias):
         memo[head] = module = TrimmedHead(weight, bias, head)
     return module
 
@@ -207,10 +215,11 @@ def model_with_layers(model: nn.Module, layers: nn.ModuleList, head: DraftHead |
 def draft_model(model: nn.Module, skip: SkipSet) -> nn.Module:
     """A view of `model` that drafts with `skip` skipped (and its head trimmed): same parameters, built once per skip
     set."""
-    memo = _draft_cache(model)
-    if ("model", skip) not in memo:
-        memo[("model", skip)] = model_with_layers(model, draft_layers(model, skip), skip.head)
-    return memo[("model", skip)]
+    memo, head_name = _draft_cache(model), adapter.output_head(model)[0]
+    view = memo.get(("model", skip))
+    if view is None or (skip.head is not None and view._modules[head_name] is not trimmed_head(model, skip.head)):
+        memo[("model", skip)] = view = model_with_layers(model, draft_layers(model, skip), skip.head)
+    return view
 
 
 def forget_draft(model: nn.Module, skip: SkipSet) -> None:
