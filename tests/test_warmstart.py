@@ -80,6 +80,24 @@ def test_bad_warm_start_is_one_line_exit_2_nothing_written(capsys, tmp_path, tin
     assert not (tmp_path / "studies").exists()
 
 
+def test_a_configs_trimmed_head_warm_starts_the_studys_head_of_its_size(capsys, tmp_path, tiny_model_dir):
+    from skipsearch.decode.skipset import DraftHead
+
+    head = DraftHead(tuple(range(0, 2048, 4)))  # 512 rows of the tiny model's vocabulary (the default model's)
+    save_skip_config(SkipConfig(model=TINY, skip=SkipSet.of([1], [], 4, head)), tmp_path / "best.json")
+    assert parse_skip_sets(json.loads((tmp_path / "best.json").read_text()), "best.json")[0].skip_set(4).head == head
+    code = optimize(tmp_path, tiny_model_dir, "--warm-start", tmp_path / "best.json", "--head-rows", "none")
+    err = capsys.readouterr().err
+    assert code == 2 and "a head of 512 rows, a size the search does not try (the full head only)" in err
+    assert not (tmp_path / "studies").exists()
+    code = optimize(tmp_path, tiny_model_dir, "--warm-start", tmp_path / "best.json", "--head-rows", "512,1024",
+                    "--no-warm-starts", n_trials=1)
+    assert code == 0, capsys.readouterr().err
+    [trial] = optuna.load_study(study_name="ws", storage=f"sqlite:///{tmp_path}/studies/ws.db").trials[:1]
+    assert trial.params["head_rows"] == 512 and trial.user_attrs["skip_head_rows"] == 512
+    assert trial.user_attrs["skip_attn"] == [1] and trial.user_attrs["warm_start"] == str(tmp_path / "best.json")
+
+
 def test_unknown_name_and_missing_file_exit_2_before_loading(capsys, tmp_path):
     (tmp_path / "dv.json").write_text(json.dumps({"a": {"attention": [1], "mlp": []}}))
     for spec, message in ((f"{tmp_path / 'dv.json'}:b", "has no entry 'b'"), (tmp_path / "no.json", "does not exist")):
@@ -102,6 +120,16 @@ def test_export_dv_round_trips_into_a_warm_start(capsys, tmp_path, tiny_model_di
     capsys.readouterr()
     assert optimize(tmp_path, tiny_model_dir, "--warm-start", out_file, "--no-warm-starts", study="again") == 0
     assert first_skip_sets(tmp_path, "again", 1)[0][1:] == ([1, 2], [2])
+
+
+def test_a_trimmed_head_is_refused_by_the_dv_format(tmp_path):
+    from skipsearch.decode.skipset import DraftHead
+    from skipsearch.report.export import write_dv
+
+    config = SkipConfig(model=TINY, skip=SkipSet.of([1], [], 4, DraftHead((2, 3, 5))))
+    with pytest.raises(ValueError, match="trimmed head of 3 rows, which the Draft & Verify format cannot hold"):
+        write_dv(config, tmp_path / "skip_layers.json")
+    assert not (tmp_path / "skip_layers.json").exists()
 
 
 def test_dv_name_and_json():

@@ -262,6 +262,9 @@ def write_dv(config: SkipConfig, path: Path) -> None:
     if config.others:
         raise ValueError(f"the decision carries {len(config.entries)} skip sets, one per dataset, and the Draft & "
                          "Verify format holds one: export one of them with --trial N")
+    if config.skip.head is not None:
+        raise ValueError(f"the skip set drafts with a trimmed head of {config.skip.head.rows} rows, which the Draft & "
+                         "Verify format cannot hold: export it in skipsearch's format")
     write_atomic(path, json.dumps(dv_json(dv_name(config.model), config.skip), indent=2) + "\n")
 
 

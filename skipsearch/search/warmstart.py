@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..decode.config import FORMAT as CONFIG_FORMAT, MODEL_SHAPE, ModelInfo, parse_skip_config
-from ..decode.skipset import SkipSet
+from ..decode.skipset import DraftHead, SkipSet
 from ..io.files import read_json
 
 
@@ -21,11 +21,13 @@ class NamedSkipSet:
     mlp: tuple[int, ...]
     origin: str  # where it came from, for messages: FILE:NAME
     model: dict[str, Any] | None = None
+    # A skipsearch config's trimmed head. A study drafts with its own head of that size, ranked on its own prompts.
+    head: DraftHead | None = None
 
     def skip_set(self, num_layers: int) -> SkipSet:
         """The validated skip set for a model of `num_layers` layers; ValueError naming the origin if it does not fit."""
         try:
-            return SkipSet.of(self.attn, self.mlp, num_layers)
+            return SkipSet.of(self.attn, self.mlp, num_layers, self.head)
         except ValueError as error:
             raise ValueError(f"warm start {self.origin}: {error} (the model has {num_layers} layers)") from None
 
@@ -41,7 +43,7 @@ def parse_skip_sets(data: Any, source: str) -> list[NamedSkipSet]:
         stem, several = Path(source).stem, len(config.entries) > 1
         names = [entry.label or f"{stem}[{i}]" if several else stem for i, entry in enumerate(config.entries)]
         return [NamedSkipSet(name, entry.skip.attn, entry.skip.mlp, f"{source}:{name}" if several else source,
-                             vars(config.model).copy()) for name, entry in zip(names, config.entries)]
+                             vars(config.model).copy(), entry.skip.head) for name, entry in zip(names, config.entries)]
     if not isinstance(data, dict) or not data:
         raise ValueError(f"{source}: expected a skipsearch skip config or {{\"<name>\": {{\"attention\": [...], "
                          "\"mlp\": [...]}}}")
@@ -93,6 +95,9 @@ def outside_space(skip: SkipSet, space: Any) -> str | None:
     if fixed:
         return (f"it skips {', '.join(fixed)}, which the search keeps (first and last layers): "
                 "add --allow-first-last")
+    if skip.head is not None and skip.head.rows not in space.head_rows:
+        return (f"it drafts with a head of {skip.head.rows} rows, a size the search does not try "
+                f"({', '.join(map(str, space.head_rows)) or 'the full head only'}): add it to --head-rows")
     if skip.size > space.max_skipped:
         return (f"it skips {skip.size} sublayers, more than --max-skip-fraction allows ({space.max_skipped}): "
                 "raise --max-skip-fraction")
