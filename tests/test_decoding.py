@@ -218,6 +218,18 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert 0.5 * (draft[0] - target[0]).abs().sum() > 0.5
 
 
+def test_rejection_sampling_never_accepts_a_draft_the_full_model_gives_no_probability(monkeypatch):
+    """torch.rand draws from [0, 1), 0 included (about once in 2^24): even then a token of probability 0 under the
+    full model (outside its top-k or top-p, say) is rejected, and one it gives any probability is accepted."""
+    target = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
+    draft = torch.tensor([[0.9, 0.05, 0.05]])
+    monkeypatch.setattr(torch, "rand", lambda k, **kwargs: torch.zeros(k))  # the draw that accepted it
+    accepted, tokens, _ = _rejection_sample(torch.tensor([0]), draft, target, None)
+    assert accepted == 0 and tokens[0] in (1, 2)
+    accepted, tokens, _ = _rejection_sample(torch.tensor([1]), draft, target, None)
+    assert accepted == 1 and tokens[0] == 1
+
+
 def second_token_marginal(model, prompt):
     """Exact p(x2 | prompt) = sum over x1 of p(x1 | prompt) p(x2 | prompt, x1)."""
     with torch.no_grad():

@@ -72,7 +72,7 @@ def rejection_sample(
     p_draft = target_probs[:-1].gather(1, index).view(-1)
     q_draft = draft_probs.gather(1, index).view(-1)
     uniform = torch.rand(k, device=drafts.device, generator=generator)
-    accepts = (uniform * q_draft <= p_draft).int()
+    accepts = (uniform * q_draft < p_draft).int()  # u in [0, 1): strict, or u = 0 accepted a token p gives 0
     n_accepted = accepts.cumprod(0).sum()
     residual = (target_probs[:-1] - draft_probs).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
