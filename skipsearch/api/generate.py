@@ -61,6 +61,7 @@ def generate_text(settings: GenerateSettings) -> Generation:
         raise ValueError("--prompt is empty: give the text to answer")
     profile = CostProfile.load(s.cost_profile) if s.cost_profile is not None else None
     stored = _stored_memory(s.memory)  # before the model loads, which can take minutes
+    sampling = Sampling(do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
     loaded = s.load()
     learned_by = f"{_model_name(s.model, loaded)} on {loaded.device} ({loaded.model.dtype})"
     if stored is not None:
@@ -68,7 +69,6 @@ def generate_text(settings: GenerateSettings) -> Generation:
     memory = stored[0] if stored is not None else DraftMemory()
     skip, base_policy, labels = _skips(s, loaded.model, loaded.tokenizer)
     policy = s.policy(base_policy)
-    sampling = Sampling(do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
     prompt_ids = models.encode_prompt(loaded.tokenizer, s.prompt, raw=s.raw)
     check_room(loaded.model, len(prompt_ids), s.max_new_tokens, skip, policy, flag="--max-new-tokens")
     generator = torch.Generator(loaded.device).manual_seed(s.seed) if s.do_sample else None

@@ -96,6 +96,8 @@ non_negative_int = number(int, lambda v: v >= 0, "an integer >= 0")
 
 
 unit_float = number(float, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+nucleus_mass = number(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")  # --top-p: 0 would keep no token
+open_unit_float = number(float, lambda v: 0.0 < v < 1.0, "a number in (0, 1)")
 
 
 positive_float = number(float, lambda v: 0 < v < math.inf, "a finite number > 0")

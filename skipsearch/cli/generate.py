@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .arguments import (add_compile_flag, add_draft_flags, add_model_flags, layer_ids, positive_int, seed_value,
-                        settings_of, temperature_value, unit_float, utf8_text, warn_of_deprecated_flags)
+from .arguments import (add_compile_flag, add_draft_flags, add_model_flags, layer_ids, nucleus_mass, positive_int,
+                        seed_value, settings_of, temperature_value, utf8_text, warn_of_deprecated_flags)
 
 if TYPE_CHECKING:
     from ..api.generate import Generation
@@ -74,7 +74,7 @@ def add_generate_flags(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--do-sample", action="store_true", help="sample (speculative rejection sampling) instead of greedy")
     gen.add_argument("--temperature", type=temperature_value, default=1.0, help="sampling temperature")
     gen.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
-    gen.add_argument("--top-p", type=unit_float, default=None, help="nucleus sampling mass")
+    gen.add_argument("--top-p", type=nucleus_mass, default=None, help="nucleus sampling mass")
     gen.add_argument("--seed", type=seed_value, default=0, help="sampling seed")
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics as JSON")
     gen.add_argument("--memory", type=Path, default=None, metavar="FILE",

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..constants import OBJECTIVES, SAMPLERS
 from .arguments import (add_draft_flags, add_model_flags, add_number_flags, add_projection_flag, add_prompt_flags,
-                        add_study_flags, head_sizes, non_negative_int, positive_float, positive_int, seed_value, settings_of,
-                        unit_float, warn_of_deprecated_flags)
+                        add_study_flags, head_sizes, non_negative_int, open_unit_float, positive_float, positive_int,
+                        seed_value, settings_of, unit_float, warn_of_deprecated_flags)
 from .process import INTERRUPTED
 
 
@@ -66,7 +66,7 @@ def add_search_flags(search: argparse._ArgumentGroup) -> None:
                              "proposals are answered from earlier trials and do not count)")
     search.add_argument("--timeout", type=positive_float, default=None, help="stop after this many seconds")
     search.add_argument("--seed", type=seed_value, default=0, help="seed of the sampler and of the prompt selection")
-    search.add_argument("--skip-prior", type=unit_float, default=0.15,
+    search.add_argument("--skip-prior", type=open_unit_float, default=0.15,
                         help="share of sublayers a uniform draw skips (0.5: the plain 2L-switch space)")
     search.add_argument("--max-skip-fraction", type=unit_float, default=0.5, help="never skip more than this share")
     search.add_argument("--head-rows", type=head_sizes, default=None, metavar="auto|none|N,N,...",
