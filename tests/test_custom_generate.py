@@ -242,6 +242,30 @@ def test_sampling_with_a_seed_is_reproducible_and_one_token_sampling_equals_plai
     assert out.tolist() == plain.tolist() and speculative.stats.drafted > speculative.stats.accepted > 0
 
 
+def test_threads_sharing_one_callable_count_every_call(monkeypatch):
+    """One callable shared by threads: its statistics add up every call (adding reads and writes each field; a
+    thread switch in between lost the other thread's call)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from skipsearch.decode.stats import DecodeStats
+
+    add = DecodeStats.add
+
+    def slow_add(self, other):  # a thread switch between reading the fields and writing them, every time
+        before = self.new_tokens
+        time.sleep(0.01)
+        add(self, other)
+        assert self.new_tokens == before + other.new_tokens
+
+    monkeypatch.setattr(DecodeStats, "add", slow_add)
+    shared = self_speculative(SkipSet.of([1], [2], NUM_LAYERS), DraftPolicy(max_draft_tokens=4))
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(lambda _: MODELS["llama"].generate(PROMPT, max_new_tokens=6, do_sample=False, eos_token_id=None,
+                                                          pad_token_id=0, custom_generate=shared), range(8)))
+    assert shared.stats.new_tokens == 8 * 6
+
+
 def test_concurrent_calls_on_one_model_stay_correct():
     """Threads decoding on one model at once, with different skip sets, options and plain calls among them, each get
     what they get alone: the draft path never leaves the model's own layers swapped."""

@@ -137,6 +137,15 @@ def test_untimed_iterations_count_tokens_but_no_time():
     assert made.memory.plain_s["eager"] == 1.0 and made.backoff.plain_left == 2 and made.stats.plain_tokens == 2
 
 
+def test_what_is_learned_of_two_heads_of_one_size_is_kept_apart():
+    from skipsearch.decode.skipset import DraftHead
+
+    controller = DraftController(DraftPolicy(), DraftMemory())
+    even, odd = (SkipSet((1,), (), DraftHead(tuple(range(start, 64, 2)))) for start in (0, 1))
+    assert even.head.rows == odd.head.rows and str(even) == str(odd)  # what a key made of the set alone would hold
+    assert len({controller.key(even), controller.key(odd), controller.key(SkipSet((1,)))}) == 3
+
+
 def test_a_memory_saved_after_any_call_loads_back(tmp_path):
     """A batch of plain steps may overrun the stretch left: the back-off stops at 0, and `save` writes what `load`
     reads; a file learned by another model or altered by hand is refused in one line."""

@@ -187,7 +187,10 @@ class DraftController:
 
     def key(self, skip: SkipSet | None = None) -> str:
         """The memory's key of plain speed (no `skip`) or of a skip set's back-off and acceptance, with these steps."""
-        return self.steps_key if skip is None else f"{self.steps_key} {skip}"
+        if skip is None:
+            return self.steps_key
+        head = f" {skip.head.digest[:16]}" if skip.head is not None else ""  # heads of one size differ by their rows
+        return f"{self.steps_key} {skip}{head}"
 
     def use(self, skip: SkipSet | None, shape: RoundCosts | None = None, agreement: float | None = None) -> None:
         """Draft with `skip` (None: plain decoding), its rounds shaped as `shape`; `agreement` seeds its acceptance."""

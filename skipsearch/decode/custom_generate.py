@@ -14,6 +14,7 @@ the processed distributions of draft and full model, so it keeps the full model'
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,8 @@ _MODE_OPTIONS = {GenerationMode.DOLA_GENERATION: "dola_layers", GenerationMode.C
 class SelfSpeculative:
     """A `custom_generate` callable for transformers' `generate`; `stats` sums the decode statistics of its calls, and
     `memory` is what the draft controller learned across them (plain speed, back-offs: controller.py), which the
-    caller may reset or persist."""
+    caller may reset or persist. Threads may share one: its statistics add up every call, and what it learns is
+    learned from all of them."""
 
     def __init__(self, skip: SkipSet | tuple[SkipSet, ...], policy: DraftPolicy, config: SkipConfig | None = None,
                  tokenizer: Any = None, compile: bool = False, compile_backend: str = "inductor",
@@ -59,6 +61,7 @@ class SelfSpeculative:
         self.compile, self.compile_backend, self.cost_profile = compile, compile_backend, cost_profile
         self.stats = DecodeStats()
         self.memory = DraftMemory()
+        self._adding = threading.Lock()  # `stats.add` reads and writes each field: two threads would lose a call
 
     # The parameters mirror transformers' `_sample`, which `generate` calls with them; `stop_strings` is extra on
     # purpose: generate hands an extra parameter to the callable instead of building criteria that need a tokenizer.
@@ -95,7 +98,8 @@ class SelfSpeculative:
         finally:
             if streamer is not None:
                 streamer.end()  # also on errors: a consumer thread of TextIteratorStreamer would wait forever
-        self.stats.add(output.stats)
+        with self._adding:
+            self.stats.add(output.stats)
         sequences = torch.cat([input_ids, torch.tensor([output.tokens], dtype=input_ids.dtype,
                                                        device=input_ids.device)], dim=1)
         if generation_config.return_dict_in_generate:
