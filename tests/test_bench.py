@@ -128,3 +128,15 @@ def test_bench_passes_its_profiled_mode_to_the_profile(monkeypatch):
         for compile in (True, False):
             bench._profile(bench.BenchSettings(compile=compile), loaded, config, [[1, 2, 3]])
     assert taken == ["regional", None, None, None]
+
+
+def test_bench_checks_each_prompts_room_for_its_longest_draft():
+    """A config drafting more than 16 tokens a round needs that room past each answer: a prompt that leaves less is
+    refused before any measuring, not by the decoding loop after the other methods ran."""
+    from skipsearch.api.bench import BenchSettings, draft_room
+
+    model = ModelInfo("tiny", "LlamaForCausalLM", 4, 32)
+    long_drafts = SkipConfig(model=model, skip=SkipSet.of([1], [], 4), draft=DraftPolicy(max_draft_tokens=40))
+    assert draft_room(BenchSettings(), long_drafts) == 40
+    assert draft_room(BenchSettings(prompt_lookup_tokens=24), None) == 24
+    assert draft_room(BenchSettings(), SkipConfig(model=model, skip=SkipSet())) == 16

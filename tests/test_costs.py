@@ -236,6 +236,9 @@ def test_projection_lines_are_labelled_predictions():
     lines = projection_lines([("gpu.json [cuda, bfloat16]", synthetic())], [("attn 0, 1", skip, stats)], False)
     assert lines[0] == "PREDICTION (cost model, not measured) on gpu.json [cuda, bfloat16]:"
     assert f"{synthetic().predict_speedup(skip, stats):.2f}x" in lines[1] and "acceptance 0.80" in lines[1]
+    # A run that drafted nothing (every prompt ended at its first token) has no acceptance to predict from.
+    [_, line] = projection_lines([("gpu.json", synthetic())], [("attn 0, 1", skip, DecodeStats(new_tokens=2))], False)
+    assert "drafted nothing" in line
 
 
 def test_model_from_a_config_folder_or_file_has_random_weights(tmp_path):

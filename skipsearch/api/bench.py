@@ -86,7 +86,8 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
     num_layers = loaded.model.config.num_hidden_layers
     if s.early_exit_layer is not None and not 1 <= s.early_exit_layer < num_layers:
         raise ValueError(f"--early-exit-layer must be in 1..{num_layers - 1} for this model, got {s.early_exit_layer}")
-    prompts = encode_rows(loaded, rows_in, s.raw, s.max_new_tokens, 16, s.too_long, say, not s.no_progress)
+    prompts = encode_rows(loaded, rows_in, s.raw, s.max_new_tokens, draft_room(s, config), s.too_long, say,
+                          not s.no_progress)
     encoded = prompts.ids
     profile = _profile(s, loaded, config, encoded)
     measured = measure_methods(loaded.model, encoded, s.max_new_tokens, loaded.model.generation_config.eos_token_id,
@@ -116,6 +117,11 @@ def _title(settings: dict) -> str:
     return (f"Speedup per category: {settings['model']} on {settings['device_name'] or settings['device']}, "
             f"{settings['num_prompts']} prompts x {settings['max_new_tokens']} new tokens x {settings['repeats']} "
             "repeats")
+
+
+def draft_room(settings: BenchSettings, config: SkipConfig | None) -> int:
+    """The tokens past each answer that bench's longest draft can take: the config's, prompt lookup's, or 16."""
+    return max(16, settings.prompt_lookup_tokens, config.draft.max_draft_tokens if config is not None else 0)
 
 
 def _profile(s: BenchSettings, loaded: LoadedModel, config: SkipConfig | None, encoded: list[list[int]]

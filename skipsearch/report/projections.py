@@ -47,6 +47,9 @@ def projection_lines(projections: Sequence[tuple[str, CostProfile]],
     for label, profile in projections:
         lines.append(f"PREDICTION (cost model, not measured) on {label}:")
         for name, skip, stats in measured:
+            if stats.acceptance_rate is None:  # nothing drafted (every prompt ended at once): nothing to price
+                lines.append(f"  {name}: drafted nothing in this run, so no acceptance to predict from")
+                continue
             lines.append(f"  {name}: predicted {profile.predict_speedup(skip, stats, adaptive=adaptive):.2f}x over "
                          f"plain decoding at this run's acceptance {stats.acceptance_rate:.2f}")
     return lines
