@@ -1,5 +1,5 @@
-"""What decoding pays besides forwards (`Overheads`): the draft-mode switch and the confidence read, timed directly;
-per round and per drafted token, residuals of real decoding runs over a profile's forwards."""
+"""What decoding pays besides forwards (`Overheads`): the confidence read, timed directly; per round and per drafted
+token, residuals of real decoding runs over a profile's forwards."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from ..decode.cost_profile import CostProfile, Overheads
 from ..decode.engine import engine_for
 from ..decode.loop import generate
 from ..decode.policy import DraftPolicy
-from ..decode.skipping import draft_mode
 from ..decode.skipset import SkipSet
 from ..decode.stats import DecodeStats
 from ..decode.steps import synchronize
@@ -21,13 +20,13 @@ from ..decode.steps import synchronize
 
 def calibrated(model: torch.nn.Module, profile: CostProfile, repeats: int, compile_mode: str | None,
                 clock: Callable[[], float]) -> tuple[Overheads, list[str]]:
-    """What a round pays besides its forwards: the draft-mode switch and the confidence read, timed directly; the
-    rest, residuals of real decoding runs over the profiled forwards (`_overheads`), with what was clipped."""
-    with engine_for(model).exclusive():  # draft mode swaps the model's layers: no compiled step may be made meanwhile
-        switch_costs = _switch_costs(model, clock)
-    switches = replace(switch_costs, adaptive_token_s=_confidence_read_s(model, clock))
-    decodes = _decoding_runs(model, replace(profile, overheads=switches), max(1, min(repeats, 5)), compile_mode)
-    return _overheads(replace(profile, overheads=switches), decodes, model)
+    """What a round pays besides its forwards: the confidence read, timed directly; the rest, residuals of real
+    decoding runs over the profiled forwards (`_overheads`), with what was clipped. A drafting round runs the draft
+    path's view of the model (skipping.py's `draft_model`), made once per skip set: nothing is switched per round, and
+    what the view costs besides its forwards is in the residuals."""
+    timed = replace(profile, overheads=Overheads(adaptive_token_s=_confidence_read_s(model, clock)))
+    decodes = _decoding_runs(model, timed, max(1, min(repeats, 5)), compile_mode)
+    return _overheads(timed, decodes, model)
 
 
 def _confidence_read_s(model: torch.nn.Module, clock: Callable[[], float], runs: int = 200) -> float:
@@ -41,25 +40,6 @@ def _confidence_read_s(model: torch.nn.Module, clock: Callable[[], float], runs:
         float(torch.softmax(logits.float(), -1).max())
         times.append(clock() - start)
     return statistics.median(times)
-
-
-def _switch_costs(model: torch.nn.Module, clock: Callable[[], float], runs: int = 200) -> Overheads:
-    """Entering and leaving draft mode, timed directly (it costs no device time)."""
-    num_layers = model.config.num_hidden_layers
-    every = range(num_layers)
-
-    def switch(skip: SkipSet) -> float:
-        times = []
-        for _ in range(runs):
-            start = clock()
-            with draft_mode(model, skip):
-                pass
-            times.append(clock() - start)
-        return statistics.median(times)
-
-    empty = switch(SkipSet())
-    full = switch(SkipSet.of(every, every, num_layers))
-    return Overheads(switch_s=empty, switch_sublayer_s=max(0.0, full - empty) / (2 * num_layers))
 
 
 def _decode_seconds(stats: DecodeStats) -> float:
@@ -78,7 +58,7 @@ def _calibration(model: torch.nn.Module, profile: CostProfile) -> tuple[list[int
     limit = getattr(model.config, "max_position_embeddings", None) or 1 << 30
     context = max(1, min(profile.context_lengths[0], limit - _NEW_TOKENS - _DRAFT_TOKENS - 1))
     prompt = torch.randint(0, model.config.vocab_size, (context,), generator=torch.Generator().manual_seed(1)).tolist()
-    skip = SkipSet.of(range(1, num_layers - 1, 2), (), num_layers)  # any set will do: the switch is known
+    skip = SkipSet.of(range(1, num_layers - 1, 2), (), num_layers)  # any set will do: drafting's cost is profiled
     # Fixed rounds, the guard off: the overheads are those of the rounds themselves.
     return prompt, skip, DraftPolicy(max_draft_tokens=_DRAFT_TOKENS, adaptive=False, guard=False)
 
@@ -110,7 +90,7 @@ def _overheads(profile: CostProfile, decodes: list[tuple[DecodeStats, DecodeStat
     _, skip, _ = _calibration(model, profile)
 
     def forwards(stats: DecodeStats, skip_set: SkipSet) -> float:
-        """The profiled forwards (and known switches) of the rounds in `stats`."""
+        """The profiled forwards of the rounds in `stats` (and an older profile's switches: cost_profile.py)."""
         total = 0.0
         for (n_tokens, at), count in stats.verify_contexts.items():
             total += count * (profile.verify_time(n_tokens, at) + (n_tokens - 1) * profile.draft_s(skip_set, at)

@@ -333,8 +333,9 @@ def format_profile(profile: CostProfile) -> str:
         lines.append(f"{c.context_tokens}  {ms(c.verify_s[0])}  {ms(c.attn_s)}  {ms(c.mlp_s)}  {ms(c.rest_s)}  "
                      f"{ms(c.verify_s[-1])}")
     o = profile.overheads
-    lines.append(f"besides forwards: {ms(o.round_s)} per round; draft-mode switch {ms(o.switch_s)} + "
-                 f"{ms(o.switch_sublayer_s)} per skipped sublayer; {ms(o.draft_token_s)} per drafted token, "
+    switch = (f"draft-mode switch {ms(o.switch_s)} + {ms(o.switch_sublayer_s)} per skipped sublayer (an older "
+              "profile's); " if o.switch_s or o.switch_sublayer_s else "")
+    lines.append(f"besides forwards: {ms(o.round_s)} per round; {switch}{ms(o.draft_token_s)} per drafted token, "
                  f"+{ms(o.adaptive_token_s)} when adaptive")
     widths = profile.contexts[0].envelope()
     padded = [n for n in range(1, len(widths) + 1) if widths[n - 1] < profile.contexts[0].verify_s[n - 1]]

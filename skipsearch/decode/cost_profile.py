@@ -89,8 +89,11 @@ class Overheads:
     """
 
     round_s: float = 0.0  # every round, plain or speculative: cache roll-back, host transfer, bookkeeping
-    switch_s: float = 0.0  # entering and leaving draft mode, once per speculative round
-    switch_sublayer_s: float = 0.0  # ... plus this per skipped sublayer
+    # Profiles made before 2026-11-28 timed a switch into draft mode per drafting round (and this per skipped sublayer)
+    # and took it out of their residuals; decoding runs the draft path's views and switches nothing, so newer profiles
+    # hold 0. Kept so that an older profile predicts as it was calibrated.
+    switch_s: float = 0.0
+    switch_sublayer_s: float = 0.0
     draft_token_s: float = 0.0  # per drafted token besides its forward: picking it, loop bookkeeping
     adaptive_token_s: float = 0.0  # per drafted token cut by confidence (a CPU's adaptive rounds): the softmax, its read
 

@@ -7,10 +7,11 @@ the attention mask hides them, so rolling back is moving the position: no crop, 
 Sliding-window layers are full-length too and the mask does the windowing: transformers'
 `StaticSlidingWindowLayer` keeps only the window and rolls it, which cannot be rolled back.
 
-`position` is the one place the decoding position lives: a device scalar that steps advance on
-the device (`advance`), so no host count has to be kept in step with it. The masks are built
-from it on the device too (`attention_mask`), which spares transformers' mask code, and with it
-a host read of the position per multi-token forward on CUDA.
+`position` is where the cache writes next: a device scalar that each step advances on the device
+(`advance`), so a step needs no position from the host. The decoding loop, which knows the
+committed length anyway, sets it once a round (`seek`), as gpt-fast passes `input_pos`. The masks
+are built from it on the device too (`attention_mask`), which spares transformers' mask code, and
+with it a host read of the position per multi-token forward on CUDA.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def _not_set_up(steps: dict[SkipSet | None, Steps]) -> list[Step]:
 class _Run:
     """What one call decodes with, fixed for the call (the controller and the statistics are what moves)."""
 
-    model: torch.nn.Module  # runs the prefill, eagerly
+    model: torch.nn.Module  # the model itself: its config, the choosing prefill among several sets, the checks
     sampling: Sampling
     eos: frozenset[int]
     generator: torch.Generator | None
