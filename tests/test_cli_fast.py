@@ -41,13 +41,20 @@ def test_each_default_appears_once_in_help():
     assert "(default: 20)" in commands["optimize"].format_help()  # --n-trials still shows its default
 
 
-def test_constants_match_the_modules_that_own_them():
+def test_every_dtype_objective_and_sampler_the_flags_offer_is_handled():
+    """The flags offer constants.py's names (it imports no torch or Optuna); each must mean something of its own
+    where it is used: a name added there and forgotten there would fall through to another's meaning."""
     from skipsearch.io import models
-    from skipsearch.search import study as search
+    from skipsearch.search.ranking import objective_value
+    from skipsearch.search.records import Figures, Ratio
+    from skipsearch.search.study import make_sampler
 
-    assert models.DEFAULT_MODEL == constants.DEFAULT_MODEL
     assert set(models.DTYPES) == set(constants.DTYPE_NAMES)
-    assert search.OBJECTIVES == constants.OBJECTIVES and search.SAMPLERS == constants.SAMPLERS
+    figures = Figures(speedup=Ratio(1.5, 1.2, 1.8), predicted_speedup=Ratio(1.25), acceptance_rate=0.5)
+    assert {name: objective_value(figures, name) for name in constants.OBJECTIVES} == {
+        "speed_x_acceptance": 0.75, "speedup": 1.5, "pareto": (1.5, 0.5), "modeled": 1.25}
+    samplers = {type(make_sampler(name, 0, name == "nsga2")).__name__ for name in constants.SAMPLERS}
+    assert len(samplers) == len(constants.SAMPLERS)
 
 
 def test_drafting_help_shows_the_draft_policys_own_defaults():
