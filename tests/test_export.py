@@ -17,13 +17,13 @@ def candidate(trial, speedup, low, high, attn, acceptance=0.8):
             "predicted_speedup_low": None, "predicted_speedup_high": None, "identical": True}
 
 
-def fake_study(tmp_path, trial_speedups, confirmed=None):
+def fake_study(tmp_path, trial_speedups, confirmed=None, objective="speedup"):
     """A study whose trials carry the given search speedups (first one: no skip), and a confirmation record."""
     study = optuna.create_study(storage=f"sqlite:///{tmp_path}/fake.db", study_name="fake", direction="maximize")
     study.set_user_attr("skipsearch", {
         "model": {"name_or_path": "tiny", "architecture": "LlamaForCausalLM", "num_hidden_layers": 4,
                   "hidden_size": 32},
-        "objective": "speedup", "sampler": "tpe", "dataset": "builtin", "num_prompts": 2, "max_new_tokens": 8,
+        "objective": objective, "sampler": "tpe", "dataset": "builtin", "num_prompts": 2, "max_new_tokens": 8,
         "seed": 0, "device": "cpu", "dtype": "float32", "draft": vars(DraftPolicy()),
     })
     for i, speedup in enumerate(trial_speedups):
@@ -74,6 +74,15 @@ def test_a_confirmed_skip_set_is_exported_with_its_interval(tmp_path):
     config = export_trial(study, tmp_path / "best.json")
     assert config.skip == SkipSet.of([1], [], 4) and config.metrics["speedup_low"] == 1.10
     assert config.metrics["confirmed"] is True and config.search["trial_number"] == 1
+
+
+@pytest.mark.parametrize("objective", ["pareto", "speed_x_acceptance"])
+def test_of_sets_confirmed_faster_the_export_is_the_best_speedup_x_acceptance_not_the_fastest(tmp_path, objective):
+    fastest, best = candidate(1, 1.5, 1.3, 1.7, [1], acceptance=0.5), candidate(2, 1.3, 1.1, 1.5, [2], acceptance=0.9)
+    study = fake_study(tmp_path, [1.0, 1.5, 1.3], confirmed=[fastest, best], objective=objective)
+    decision = decide(study)
+    assert decision.pays and decision.chosen.trial == 2 and decision.best.trial == 1
+    assert export_trial(study, tmp_path / "best.json").skip == SkipSet.of([2], [], 4)
 
 
 def test_export_of_a_confirmed_trial_carries_its_confirmed_figures(tmp_path):

@@ -1,3 +1,5 @@
+import json
+
 import optuna
 import pytest
 from optuna.trial import FixedTrial, TrialState
@@ -178,10 +180,14 @@ def test_an_error_after_the_decoding_is_recorded_as_the_trials_reason_too(tmp_pa
         "RuntimeError: simulated failure after the decoding")
 
 
-def test_pareto_study_exports_the_fastest_front_trial_and_plots_the_front(tmp_path):
+def test_pareto_study_optimizes_two_objectives_exports_and_plots_the_front(tmp_path):
+    """A Pareto study end to end; which set it exports is test_export's (the best speedup x acceptance of those
+    confirmed faster)."""
     study = run(tiny_model(), tmp_path, n_trials=5, objective="pareto", sampler="nsga2")
-    assert len(study.directions) == 2
-    export_trial(study, tmp_path / "best.json")
+    complete = study.get_trials(states=(TrialState.COMPLETE,))
+    assert len(study.directions) == 2 and complete and all(len(t.values) == 2 for t in complete)
+    config = export_trial(study, tmp_path / "best.json")
+    assert json.loads((tmp_path / "best.json").read_text())["skip"]["attn"] == list(config.skip.attn)
     assert "pareto.png" in {p.name for p in write_plots(study, tmp_path / "plots")}
 
 
