@@ -56,14 +56,14 @@ def test_every_surface_ranks_and_labels_as_before(name, storage):
     import matplotlib.pyplot as plt
 
     from skipsearch.report import plots
-    from skipsearch.search.ranking import ranked
+    from skipsearch.search.ranking import best_candidates, ranked
     from skipsearch.search.records import decoded_trials, measured_trials
-    from skipsearch.search.study import _confirmation_is_stale, confirmation_candidates
+    from skipsearch.search.study import _confirmation_is_stale
     from skipsearch.search.worker import best_label
 
     study = load_study(name, storage)
     expected = EXPECTED[name]
-    assert [t.number for t in confirmation_candidates(study, 3)] == expected["candidates"]
+    assert [t.number for t in best_candidates(study, 3)] == expected["candidates"]
     assert [t.number for t in ranked(study)] == expected["plot_ranking"]
     assert _confirmation_is_stale(study, 3) == expected["confirmation_stale"]
     assert best_label(study, ranked(study)[0]) == expected["progress_label"]

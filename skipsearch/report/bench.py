@@ -281,13 +281,17 @@ def _figure(row: BenchRow) -> str:
     return f"{row.speedup_over_plain_loop:.2f}x (95% interval {row.speedup_over_plain_low:.2f}-{high})"
 
 
+def fmt(value: float | None, spec: str) -> str:
+    """A table's cell: `value` in `spec`, or "-" where there is none."""
+    return "-" if value is None else format(value, spec)
+
+
+def span(low: float | None, high: float | None) -> str:
+    """A table's interval cell: "low-high", "inf" for an unbounded high, "-" where there is none."""
+    return "-" if low is None else f"{low:.2f}-{'inf' if high is None else format(high, '.2f')}"
+
+
 def format_table(rows: list[BenchRow]) -> str:
-    def fmt(value: float | None, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
-    def span(low: float | None, high: float | None) -> str:
-        return "-" if low is None else f"{low:.2f}-{'inf' if high is None else format(high, '.2f')}"
-
     header = ["method", "tok/s", "vs HF greedy", "95% interval", "acceptance", "mean acc.", "identical",
               "vs our plain loop (decode)", "predicted vs plain"]
     lines = [[r.method, fmt(r.tokens_per_second, ".1f"), fmt(r.speedup, ".2f") + "x", span(r.speedup_low, r.speedup_high),

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..decode.config import SkipConfig
-from .bench import BASELINE, BenchRow, Measured, bench_rows
+from .bench import BASELINE, BenchRow, Measured, bench_rows, fmt, span
 from .plots import save_figure
 
 OVERALL = "overall"
@@ -47,12 +47,6 @@ def category_rows(model: torch.nn.Module, measured: Measured, categories: list[s
 def format_category_table(groups: list[CategoryRows]) -> str:
     """One line per category and method (HF greedy, the baseline, left out): tok/s, speedup over HF greedy with its
     interval, acceptance, mean accepted tokens, and skipsearch's rows over its own plain loop."""
-    def fmt(value: float | None, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
-    def span(low: float | None, high: float | None) -> str:
-        return "-" if low is None else f"{low:.2f}-{'inf' if high is None else format(high, '.2f')}"
-
     header = ["category", "prompts", "method", "tok/s", "vs HF greedy", "95% interval", "acceptance", "mean acc.",
               "vs our plain loop", "95% interval"]
     lines = [[g.category, str(g.num_prompts), r.method, fmt(r.tokens_per_second, ".1f"), f"{r.speedup:.2f}x",

@@ -380,15 +380,9 @@ def _check_resumable(name: str, existing: StudyLabel, wanted: StudyLabel) -> Non
             raise ValueError(f"study {name!r} was made with another {flag} ({have}); use a new --study-name for {want}")
 
 
-def confirmation_candidates(study: optuna.Study, top: int) -> list[TrialRecord]:
-    """The `top` distinct completed trials that skip something and were decoded, best first, and in a study of
-    several datasets each dataset's `top` best too (ranking.py)."""
-    return best_candidates(study, top)
-
-
 def _confirmation_is_stale(study: optuna.Study, top: int) -> bool:
     confirmation = read_confirmation(study)
-    wanted = [t.number for t in confirmation_candidates(study, top)]
+    wanted = [t.number for t in best_candidates(study, top)]
     return confirmation is None or not confirmation.complete or [c.trial for c in confirmation.candidates] != wanted
 
 
@@ -403,7 +397,7 @@ def confirm_candidates(study: optuna.Study, evaluator: Evaluator, objective: str
     export decides by them. With none confirmed nothing is stored: the export keeps the last confirmation, if any."""
     from tqdm.auto import tqdm
 
-    candidates, confirmed = confirmation_candidates(study, top), []
+    candidates, confirmed = best_candidates(study, top), []
     try:
         for trial in tqdm(candidates, desc="confirming the best skip sets", unit="set", disable=not show_progress,
                           dynamic_ncols=True):
