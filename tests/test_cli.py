@@ -61,6 +61,7 @@ def test_generate_reads_a_config(capsys, tmp_path, tiny_model_dir):
         (["--top-p", "0"], r"number in \(0, 1\]"),  # before the model loads, as every flag's range
         (["--config", "/nonexistent/best.json"], "does not exist"),
         (["--config", "x.json", "--skip-mlp", "1"], "either --config or --skip-attn"),
+        (["--skip-attn", "1", "--max-draft-tokens", "0"], "drafts nothing, so the skip set would never be used"),
     ],
 )
 def test_generate_bad_input_is_one_line_and_exit_2(capsys, tiny_model_dir, argv, message):
@@ -160,6 +161,7 @@ def test_optimize_searches_the_draft_head_and_its_config_decodes_as_plain_greedy
         (["optimize", "--skip-prior", "2"], r"number in \(0, 1\)"),
         (["optimize", "--skip-prior", "0"], r"number in \(0, 1\)"),
         (["optimize", "--n-trials", "-3"], "integer >= 1"),
+        (["optimize", "--num-prompts", "1", "--confirm-repeats", "1"], "one paired run a confirmation: no interval"),
         (["optimize", "--dataset", "/nonexistent/prompts.jsonl"], "does not exist"),
     ],
 )

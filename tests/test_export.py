@@ -105,6 +105,11 @@ def test_a_confirmation_of_one_paired_run_claims_no_interval(tmp_path):
     text = decide(fake_study(tmp_path, [1.0, 1.1], confirmed=[single])).text
     assert "0.90x as fast as plain decoding (measured, one paired run: no interval)" in text
     assert "0.00" not in text and "unbounded" not in text
+    faster = dict(candidate(1, 1.04, 0.0, None, [1]), paired_runs=1)  # above 1.0, and still no interval to say so
+    (tmp_path / "faster").mkdir()
+    text = decide(fake_study(tmp_path / "faster", [1.0, 1.1], confirmed=[faster])).text
+    assert "no interval), so it cannot be told apart from plain decoding: confirm with more prompts" in text
+    assert "that interval" not in text
 
 
 def test_a_study_that_never_skipped_anything_says_so(tmp_path):

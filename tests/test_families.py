@@ -228,7 +228,7 @@ def test_optimize_runs_a_three_trial_study_and_its_config_is_refused_by_another_
                                                                                        family_dirs):
     code, out, err = run(capsys, "optimize", "--model", family_dirs[family], "--studies-dir", tmp_path,
                          "--study-name", "f", "--n-trials", 3, "--num-prompts", 1, "--max-new-tokens", 6,
-                         "--no-progress", "--no-plots", "--min-match", 0, "--confirm-top", 1, "--confirm-repeats", 1)
+                         "--no-progress", "--no-plots", "--min-match", 0, "--confirm-top", 1, "--confirm-repeats", 2)
     assert code == 0, err
     assert ": 3 distinct skip sets evaluated" in out and (tmp_path / "f" / "best.json").is_file()
     other = next(f for f in family_dirs if f != family)

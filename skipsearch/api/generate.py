@@ -59,6 +59,9 @@ def generate_text(settings: GenerateSettings) -> Generation:
         raise ValueError("--autoregressive decodes plainly: it takes no --config, --skip-attn or --skip-mlp")
     if not s.prompt.strip():
         raise ValueError("--prompt is empty: give the text to answer")
+    if s.max_draft_tokens == 0 and (s.config or s.skip_attn or s.skip_mlp):
+        raise ValueError("--max-draft-tokens 0 drafts nothing, so the skip set would never be used: give it >= 1, "
+                         "or decode plainly with --autoregressive")
     profile = CostProfile.load(s.cost_profile) if s.cost_profile is not None else None
     stored = _stored_memory(s.memory)  # before the model loads, which can take minutes
     sampling = Sampling(do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)

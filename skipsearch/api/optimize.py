@@ -186,6 +186,10 @@ def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
     if s.too_long not in TOO_LONG:
         raise ValueError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {s.too_long!r}")
     datasets, rows, prompt_datasets = _study_prompts(s)
+    if s.confirm_top and s.objective != "modeled" and s.confirm_repeats * s.num_prompts < 2:
+        raise ValueError(f"--confirm-repeats {s.confirm_repeats} over --num-prompts {s.num_prompts} is one paired run "
+                         "a confirmation: no interval, so no skip set could ever be confirmed and exported; raise "
+                         "either (or --confirm-top 0 to skip the confirmation)")
     make_sampler(s.sampler, s.seed, s.objective == "pareto")
     if s.heartbeat_grace <= s.heartbeat_interval:
         raise ValueError("--heartbeat-grace must be longer than --heartbeat-interval")

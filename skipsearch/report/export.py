@@ -102,7 +102,9 @@ def _decide_by(confirmation: Confirmation, study: optuna.Study, dataset: str | N
             f"acceptance {chosen.figures.acceptance_rate:.2f}, {chosen.skipped} sublayers skipped"))
     text = (f"no skip set was confirmed faster than plain decoding on this model and device: the best, trial "
             f"{best.trial} ({best.skip}), decodes {_figure(best.figures, objective)}")
-    if speedup(best).estimate > 1.0:
+    if speedup(best).estimate > 1.0 and objective != "modeled" and best.figures.paired_runs < 2:
+        text += ", so it cannot be told apart from plain decoding: confirm with more prompts or --confirm-repeats"
+    elif speedup(best).estimate > 1.0:
         text += "; that interval includes 1.0, so it cannot be told apart from plain decoding"
     return Decision(None, best, text + "; plain decoding is exported")
 
