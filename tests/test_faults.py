@@ -23,6 +23,7 @@ from optuna.trial import TrialState
 from skipsearch.cli import main
 from skipsearch.io.errors import RESOURCE_EXIT
 from skipsearch.search.evaluation import Evaluator
+from skipsearch.search import records
 from skipsearch.search.records import read_confirmation
 from skipsearch.search.storage import dead_worker, make_storage, recover_dead_workers_trials
 from skipsearch.search.study import distinct_trials
@@ -192,6 +193,40 @@ def test_stop_signals_are_handled_in_the_main_thread_only():
     thread.start()
     thread.join()
     assert outcome == [previous[0]]
+
+
+@pytest.mark.parametrize("signals", [(signal.SIGINT,), (signal.SIGINT, signal.SIGINT)], ids=["once", "twice"])
+def test_ctrl_c_while_the_vocabulary_is_ranked_still_exports(signals, tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A first run ranks the vocabulary before its first trial (a prompt a second on the default model): Ctrl-C there
+    lets the ranking finish and stops before the trials, twice abandons it; either way plain decoding is exported,
+    and the same command then runs the study."""
+    from skipsearch.search import heads
+
+    real, sent = heads.rank_vocabulary, []
+
+    def rank_vocabulary(*args, **kwargs):
+        if not sent:
+            for signum in signals:
+                sent.append(signum)
+                os.kill(os.getpid(), signum)
+                time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(heads, "rank_vocabulary", rank_vocabulary)
+    storage = f"sqlite:///{tmp_path}/study.db"
+    argv = ["optimize", "--model", str(tiny_model_dir), "--storage", storage, "--study-name", "ranked",
+            "--n-trials", "2", "--head-rows", "512", "--studies-dir", str(tmp_path / "studies"), *SMALL]
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert sent and code == 130, captured
+    [line] = captured.err.strip().splitlines()
+    assert line.startswith("python -m skipsearch optimize: stopped by Ctrl-C before the first trial, while ranking")
+    best = tmp_path / "studies" / "ranked" / "best.json"
+    assert json.loads(best.read_text())["skip"] == {"attn": [], "mlp": []} and f"exported {best}" in line
+    assert "Ctrl-C: stopping after the vocabulary ranking" in captured.out
+    study = optuna.load_study(study_name="ranked", storage=storage)
+    assert not finished(study) and (records.read_vocabulary(study) is None) == (len(signals) == 2)
+    assert main(argv) == 0 and len(distinct_trials(optuna.load_study(study_name="ranked", storage=storage))) == 2
 
 
 def test_sigterm_outside_a_study_ends_the_command_as_ctrl_c(monkeypatch, capsys):

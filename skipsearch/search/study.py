@@ -286,9 +286,27 @@ def run_study(
                           compile=settings.compile if settings.compile is not None else model.device.type == "cuda",
                           datasets=prompt_datasets)
     _enqueue_first_trials(study, settings, space, new=existing is None)
-    space = with_ranking(study, space, evaluator, special_token_ids, ranking_prompts)
-    _search(study, storage, evaluator, settings, space, stop if stop is not None else StopRequest())
+    stop = stop if stop is not None else StopRequest()
+    space = _ranked(study, space, evaluator, special_token_ids, ranking_prompts, stop)
+    if stop.interrupts:
+        stop.outcome = "before the first trial, while ranking the vocabulary: the export keeps the last one, if any"
+        return study
+    _search(study, storage, evaluator, settings, space, stop)
     return study
+
+
+def _ranked(study: optuna.Study, space: SearchSpace, evaluator: Evaluator, special_token_ids: Sequence[int],
+            ranking_prompts: Sequence[Sequence[int]], stop: StopRequest) -> SearchSpace:
+    """`with_ranking` (a first run decodes every ranking prompt) under the stop signals: a first one lets the ranking
+    finish and the study stop before its trials, a second abandons it; either way the caller still exports."""
+    with stop_on_signals(stop):
+        stop.running = "vocabulary ranking"
+        try:
+            return with_ranking(study, space, evaluator, special_token_ids, ranking_prompts)
+        except Interrupted:
+            return space
+        finally:
+            stop.running = StopRequest.running
 
 
 def _open(settings: StudySettings) -> tuple[optuna.Study, optuna.storages.BaseStorage]:
