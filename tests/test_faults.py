@@ -224,6 +224,7 @@ def test_ctrl_c_while_the_vocabulary_is_ranked_still_exports(signals, tiny_model
     best = tmp_path / "studies" / "ranked" / "best.json"
     assert json.loads(best.read_text())["skip"] == {"attn": [], "mlp": []} and f"exported {best}" in line
     assert "Ctrl-C: stopping after the vocabulary ranking" in captured.out
+    assert "0 distinct skip sets evaluated; 2 warm starts queued, none evaluated yet" in captured.out
     study = optuna.load_study(study_name="ranked", storage=storage)
     assert not finished(study) and (records.read_vocabulary(study) is None) == (len(signals) == 2)
     assert main(argv) == 0 and len(distinct_trials(optuna.load_study(study_name="ranked", storage=storage))) == 2

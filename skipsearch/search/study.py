@@ -449,8 +449,10 @@ def study_summary(study: optuna.Study) -> str:
     early = sum(t.stopped_early is not None for t in distinct)
     repeats = sum(t.repeat_of is not None for t in finished_trials(study))
     failed = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
+    queued = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))  # only warm starts are enqueued
     parts = [f"{len(distinct)} distinct skip sets evaluated",
-             f"warm starts: trials {', '.join(map(str, warm))}" if warm else "no warm starts",
+             f"warm starts: trials {', '.join(map(str, warm))}" if warm else
+             f"{queued} warm starts queued, none evaluated yet" if queued else "no warm starts",
              *[f"trial {n}, the empty set, is plain decoding: scored 1 by definition, not decoded" for n in plain],
              f"{screened} stopped by the pre-screen", f"{early} stopped early by the pruner",
              f"{repeats} repeated proposals answered from earlier trials without decoding"]
