@@ -171,6 +171,49 @@ def test_confirmed_sets_at_one_skipped_share_are_drawn_apart_and_named_by_trial(
     fig = plots.speedup_vs_skipped(head_only)
     ax = fig.axes[0]
     assert list(ax.get_xticks()) == [0.0] and len(set(ax.containers[0].lines[0].get_xdata())) == 3
+    low, high = ax.get_xlim()
+    spread = ax.containers[0].lines[0].get_xdata()
+    assert high - low >= 5 * (max(spread) - min(spread))  # beside the tick, not at the axis' edges
+    plt.close(fig)
+
+
+def test_a_confirmation_of_one_paired_run_is_drawn_and_titled_without_an_interval():
+    """One paired run bounds nothing: its figure says "no interval" rather than 0.00-inf, and no bar runs from 0."""
+    from skipsearch.search.records import Confirmation, ConfirmedCandidate, Figures, Ratio, write_confirmation
+
+    study = synthetic_study(n=6)
+    single = ConfirmedCandidate(1, SkipSet.of([3]), 0.89, 1, 1 / 60,
+                                Figures(speedup=Ratio(0.89, 0.0, None), paired_runs=1, acceptance_rate=0.9, prompts=1))
+    write_confirmation(study, Confirmation((single,), top=1, repeats=1))
+    assert plots._highlight(study)[1].endswith("0.89x (one paired run: no interval)")
+    fig = plots.speedup_vs_skipped(study)
+    [confirmed] = [c for c in fig.axes[0].containers if c.get_label().startswith("confirmed")]
+    [bars] = confirmed.lines[2]
+    assert all(abs(y1 - y0) < 1e-12 for (_, y0), (_, y1) in bars.get_segments())  # no whisker
+    plt.close(fig)
+
+
+def test_plots_with_nothing_to_draw_say_so():
+    """A study of plain decoding alone draws no point; a study whose top trials only trim the head leaves the
+    share of skipped sublayers all zero: each says why instead of showing an empty panel."""
+    from skipsearch.decode.skipset import DraftHead
+
+    empty = synthetic_study(n=0)
+    fig = plots.speedup_vs_skipped(empty)
+    assert "nothing to compare" in fig.axes[0].texts[0].get_text() and fig.axes[0].get_ylim()[1] > 1.0
+    plt.close(fig)
+    head_only = synthetic_study(n=0)
+    head = DraftHead(tuple(range(64)))
+    for number in range(3):
+        head_only.add_trial(optuna.trial.create_trial(value=1.1, user_attrs={
+            "skip_attn": [], "skip_mlp": [], "skip_head_rows": 64, "skipped": 0, "skipped_fraction": 0.0,
+            "speedup": 1.1, "acceptance_rate": 0.9}))
+    from skipsearch.search.records import write_vocabulary
+    from skipsearch.search.vocabulary import VocabularyRanking
+
+    write_vocabulary(head_only, VocabularyRanking(head.ids))
+    fig = plots.skip_map(head_only)
+    assert [t.get_text() for t in fig.axes[1].texts] == ["none of them skips a sublayer: they only trim the LM head"]
     plt.close(fig)
 
 

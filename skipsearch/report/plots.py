@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import math
+import textwrap
 import warnings
 from pathlib import Path
 
@@ -37,11 +38,18 @@ def _highlight(study: optuna.Study) -> tuple[ConfirmedCandidate | None, str]:
     if shown is None:
         return None, "plain decoding exported: no skip set was confirmed"
     speedup = quoted_speedup(shown.figures, study_label(study).objective)
-    high = "inf" if speedup.high is None else format(speedup.high, ".2f")
-    figure = f"{speedup.estimate:.2f}x ({speedup.low:.2f}-{high})"
+    if _has_interval(speedup):
+        figure = f"{speedup.estimate:.2f}x ({speedup.low:.2f}-{speedup.high:.2f})"
+    else:
+        figure = f"{speedup.estimate:.2f}x (one paired run: no interval)"
     if decision.pays:
         return shown, f"exported skip set, trial {shown.trial}: {figure} as fast as plain decoding"
     return shown, f"best confirmed skip set, trial {shown.trial} (not exported, plain decoding is): {figure}"
+
+
+def _has_interval(ratio: Ratio) -> bool:
+    """Whether a confirmed speedup has an interval: one paired run bounds nothing (its high is unbounded)."""
+    return ratio.low is not None and ratio.high is not None
 
 
 def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
@@ -79,6 +87,9 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
         bar.set_label(bar_label, fontsize=8)
         if data is best_map:
             bar.set_ticks([0, 1], labels=["kept", "skipped"])
+    if top and not frequency.any():  # as empty as the map of a set that skips nothing: say why
+        axes[1].text(0.5, 0.5, "none of them skips a sublayer: they only trim the LM head", transform=axes[1].transAxes,
+                     ha="center", va="center", fontsize=9, bbox={"facecolor": "white", "edgecolor": "gray"})
     if shown is None or not shown.skip.size:  # an all-kept map reads as an empty plot: say that it is none
         note = "plain decoding" if shown is None else "no sublayer skipped" + (
             ": the draft only reads fewer rows of the LM head" if shown.skip.head is not None else "")
@@ -111,8 +122,8 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     xs = _dodged([c.skipped_fraction for c in confirmed])
     if confirmed:
         ratios = [speedup(c) for c in confirmed]
-        errors = [[r.estimate - r.low for r in ratios],
-                  [(r.high or r.estimate) - r.estimate for r in ratios]]  # unbounded: drawn without a bar
+        errors = [[r.estimate - r.low if _has_interval(r) else 0.0 for r in ratios],  # one paired run: no bar
+                  [r.high - r.estimate if _has_interval(r) else 0.0 for r in ratios]]
         ax.errorbar(xs, [r.estimate for r in ratios], yerr=errors, fmt="o", mfc="none", color="black", capsize=3,
                     label="confirmed (95% interval), by trial")
         for candidate, x, ratio in zip(confirmed, xs, ratios):
@@ -127,10 +138,16 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     shares = {t.skipped_fraction for t in decoded} | {c.skipped_fraction for c in confirmed}
     if len(shares) == 1:  # one share (head-only sets: 0), spread apart: ticks at -0.002 would read as shares
         ax.set_xticks(sorted(shares))
+        half = max([0.05, *(2 * abs(x - min(shares)) for x in xs)])  # the spread a small offset from its tick
+        ax.set_xlim(min(shares) - half, min(shares) + half)
+    if not shares:
+        ax.set_ylim(0, 2)  # the dashed line inside the frame, not on its edge
+        ax.text(0.5, 0.3, "no skip set was decoded: nothing to compare with plain decoding", transform=ax.transAxes,
+                ha="center", va="center", fontsize=9, bbox={"facecolor": "white", "edgecolor": "gray"})
     ax.set_xlabel("skipped share of all sublayers (0 to 1)")
     ax.set_ylabel(("predicted" if label.objective == "modeled" else "measured") + " speedup (x plain decoding)")
-    ax.set_title(f"{study.study_name} on {label.device_name or label.device or ''}: speedup vs skipped share\n{title}",
-                 fontsize=9)
+    ax.set_title(f"{study.study_name} on {label.device_name or label.device or ''}: speedup vs skipped share\n"
+                 + textwrap.fill(title, 90), fontsize=9)  # a long verdict wrapped, not cut at the figure's edges
     legend = ax.legend(loc="best", fontsize=8)
     for handle in legend.legend_handles:  # a trial's colour is its acceptance (the colour bar), not its kind
         if isinstance(handle, PathCollection):
