@@ -56,7 +56,7 @@ def test_importances_shows_the_top_sublayers_by_name():
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.get_yticklabels()]
     assert len(labels) == 15 and all(label.startswith("layer ") for label in labels)
-    assert "the other 41 share" in ax.get_title() and "%" in ax.get_xlabel()
+    assert "the other 41 sublayers share" in ax.get_title() and "%" in ax.get_xlabel()
     assert all(text.get_text().endswith("%") for text in ax.texts)  # every bar carries its number
     assert "attention (all:" in ax.get_legend().get_texts()[0].get_text()
     assert_labelled(fig)

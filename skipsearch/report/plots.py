@@ -284,12 +284,13 @@ def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     ax.tick_params(axis="y", labelsize=8)
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=color[kind]) for kind in ("attn", "mlp", "head")
                        if kind != "head" or HEAD_PARAM in shares],
-              labels=[f"attention (all: {by_kind['attn']:.0%})", f"MLP (all: {by_kind['mlp']:.0%})"]
-              + ([f"draft head size: {shares[HEAD_PARAM]:.0%}"] if HEAD_PARAM in shares else []),
+              labels=[f"attention (all: {by_kind['attn']:.1%})", f"MLP (all: {by_kind['mlp']:.1%})"]
+              + ([f"draft head size: {shares[HEAD_PARAM]:.1%}"] if HEAD_PARAM in shares else []),
               loc="lower right", fontsize=8)
     ax.set_xlabel(f"share of the importance for the {_target_label(study)} (PED-ANOVA, %)")
     ax.set_ylabel("sublayer (skipped or kept)")
-    rest_text = f"; the other {len(rest)} share {sum(s for _, s in rest):.0%}" if rest else ""
+    others = "parameters" if any(name == HEAD_PARAM for name, _ in rest) else "sublayers"
+    rest_text = f"; the other {len(rest)} {others} share {sum(s for _, s in rest):.0%}" if rest else ""
     rough = (f"\nonly {_trials(decoded)}: a rough ranking (it compares the best {_PED_ANOVA_TOP:.0%} of the trials "
              f"with all of them, and wants {IMPORTANCE_MIN_TRIALS} or more)" if decoded < IMPORTANCE_MIN_TRIALS else "")
     ax.set_title(f"{study.study_name}: the {len(shown)} sublayers whose skipping matters most{rest_text}{rough}",
