@@ -209,12 +209,15 @@ def test_optimize_runs_one_study_per_category(capsys, tmp_path, tiny_model_dir):
                          "--confirm-top", 1, "--no-plots", "--no-progress", "--no-warm-starts", "--min-match", 0,
                          "--studies-dir", tmp_path / "studies", "--study-name", "sb")
     assert code == 0, err
-    assert "category mt_bench: study sb-mt_bench on 1 prompts" in out and "category qa: study sb-qa" in out
+    assert "category mt_bench: study sb-mt_bench on 1 prompt\n" in out and "category qa: study sb-qa" in out
     assert {p.name for p in (tmp_path / "studies").iterdir()} >= {"sb-mt_bench.db", "sb-qa.db", "sb"}
     config = load_skip_config(tmp_path / "studies" / "sb" / "best.json")
     assert config.search["categories"] == [MT_BENCH, "qa"]
     assert f"exported {tmp_path / 'studies' / 'sb' / 'best.json'}" in out
     assert category_study_name("sb", "math reasoning/x") == "sb-math-reasoning-x"
+    for command in ("export", "plot"):  # the name given to optimize names no study of its own: say which are
+        code, _, err = run(capsys, command, "--study-name", "sb", "--studies-dir", tmp_path / "studies")
+        assert code == 2 and "one study per category, sb-mt_bench, sb-qa: give one of them to --study-name" in err
 
 
 @pytest.mark.parametrize("extra, message", [

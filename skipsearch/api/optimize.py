@@ -156,7 +156,7 @@ def _per_category(s: OptimizeSettings, run: _Prepared, say: Callable[[str], None
     for category in dict.fromkeys(run.categories):
         mine = [i for i, c in enumerate(run.categories) if c == category]
         own = replace(s, study_name=category_study_name(s.study_name, category))
-        say(f"category {category}: study {own.study_name} on {len(mine)} prompts")
+        say(f"category {category}: study {own.study_name} on {len(mine)} prompt{'' if len(mine) == 1 else 's'}")
         results[category] = result = _optimize(own, replace(run, prompts=[run.prompts[i] for i in mine],
                                                             categories=[category] * len(mine)), say)
         if result.stopped_by:

@@ -3,6 +3,7 @@ fills from its flags and Python callers fill by name; each field is the flag of 
 
 from __future__ import annotations
 
+import glob
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,10 @@ class StudyOptions:
             return self.storage
         database = self.studies_dir / f"{self.study_name}.db"
         if must_exist and not database.is_file():
+            categories = sorted(path.stem for path in self.studies_dir.glob(f"{glob.escape(self.study_name)}-*.db"))
+            if categories and (self.folder / "best.json").is_file():  # the export of an optimize --per-category
+                raise ValueError(f"no study database at {database}: `optimize --per-category` made one study per "
+                                 f"category, {', '.join(categories)}: give one of them to --study-name")
             raise ValueError(f"no study database at {database}: run `python -m skipsearch optimize` first, "
                              "or give --storage / --studies-dir")
         return default_storage(self.study_name, self.studies_dir)
