@@ -571,3 +571,16 @@ def test_default_contexts_on_cuda_fit_a_quarter_of_free_memory(monkeypatch):
     fitting = CUDA_CONTEXTS[len(CUDA_CONTEXTS) // 2]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * fitting * per_token, 1 << 40))
     assert default_contexts(stand_in) == [c for c in CUDA_CONTEXTS if c <= fitting]
+
+
+def test_a_profiles_table_names_its_units_and_aligns_its_columns():
+    from skipsearch.costs.profiler import format_profile
+
+    lines = format_profile(two_contexts()).splitlines()
+    assert lines[0].startswith("milliseconds, one token unless said")
+    header, *rows = lines[1:4]
+    assert re.split(r"\s{2,}", header.strip()) == ["context", "forward", "attention, a layer", "MLP, a layer", "rest",
+                                                   "verify 2 tokens"]
+    assert len({len(header), *map(len, rows)}) == 1  # right-aligned under their headers
+    assert [row.split()[:3] for row in rows] == [["16", "10000.000", "1000.000"], ["64", "18000.000", "3000.000"]]
+    assert "draft-mode switch" not in "\n".join(lines)  # a profile made now switches nothing

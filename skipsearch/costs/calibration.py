@@ -19,13 +19,13 @@ from ..decode.steps import synchronize
 
 
 def calibrated(model: torch.nn.Module, profile: CostProfile, repeats: int, compile_mode: str | None,
-                clock: Callable[[], float]) -> tuple[Overheads, list[str]]:
+                clock: Callable[[], float], show_progress: bool = False) -> tuple[Overheads, list[str]]:
     """What a round pays besides its forwards: the confidence read, timed directly; the rest, residuals of real
     decoding runs over the profiled forwards (`_overheads`), with what was clipped. A drafting round runs the draft
     path's view of the model (skipping.py's `draft_model`), made once per skip set: nothing is switched per round, and
     what the view costs besides its forwards is in the residuals."""
     timed = replace(profile, overheads=Overheads(adaptive_token_s=_confidence_read_s(model, clock)))
-    decodes = _decoding_runs(model, timed, max(1, min(repeats, 5)), compile_mode)
+    decodes = _decoding_runs(model, timed, max(1, min(repeats, 5)), compile_mode, show_progress)
     return _overheads(timed, decodes, model)
 
 
@@ -63,9 +63,11 @@ def _calibration(model: torch.nn.Module, profile: CostProfile) -> tuple[list[int
     return prompt, skip, DraftPolicy(max_draft_tokens=_DRAFT_TOKENS, adaptive=False, guard=False)
 
 
-def _decoding_runs(model: torch.nn.Module, profile: CostProfile, repeats: int,
-                   compile_mode: str | None = None) -> list[tuple[DecodeStats, DecodeStats]]:
-    """`repeats` pairs of real decoding runs: plain, and fixed drafting."""
+def _decoding_runs(model: torch.nn.Module, profile: CostProfile, repeats: int, compile_mode: str | None = None,
+                   show_progress: bool = False) -> list[tuple[DecodeStats, DecodeStats]]:
+    """`repeats` pairs of real decoding runs: plain, and fixed drafting (after a pair to warm up)."""
+    from tqdm.auto import tqdm
+
     prompt, skip, fixed = _calibration(model, profile)
     if compile_mode is not None:
         # Compiled runs decode on the engine's cache, which the profile's longest context grew; a step's cost follows
@@ -78,8 +80,10 @@ def _decoding_runs(model: torch.nn.Module, profile: CostProfile, repeats: int,
         return generate(model, prompt, skip=skip_set, max_new_tokens=_NEW_TOKENS, policy=fixed,
                         compile=compile_mode is not None, compile_mode=compile_mode).stats
 
-    run(None), run(skip)  # warm-up
-    return [(run(None), run(skip)) for _ in range(repeats)]
+    pairs = tqdm(range(repeats + 1), desc="decoding, for what a round costs besides forwards", unit="pair",
+                 disable=not show_progress)
+    decodes = [(run(None), run(skip)) for _ in pairs]
+    return decodes[1:]  # the first warmed up
 
 
 def _overheads(profile: CostProfile, decodes: list[tuple[DecodeStats, DecodeStats]], model: torch.nn.Module

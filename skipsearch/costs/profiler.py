@@ -203,7 +203,7 @@ def profile_costs(
     profile = _profile(model, [r.costs(model.config.num_hidden_layers) for r in runs])
     clipped = [c for r in runs for c in r.clipped(model.config.num_hidden_layers)]
     if calibrate:
-        overheads, more = calibrated(model, profile, repeats, compile_mode, clock)
+        overheads, more = calibrated(model, profile, repeats, compile_mode, clock, show_progress)
         profile, clipped = replace(profile, overheads=overheads), clipped + more
     return replace(profile, provenance={**profile.provenance, "clipped": clipped}) if clipped else profile
 
@@ -328,10 +328,12 @@ def format_profile(profile: CostProfile) -> str:
     """A per-context table of the profile's costs, in milliseconds."""
     ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
     n = len(profile.contexts[0].verify_s)
-    lines = [f"context  forward  attention  MLP  rest  verify {n} tokens   (ms; {profile.label()})"]
-    for c in profile.contexts:
-        lines.append(f"{c.context_tokens}  {ms(c.verify_s[0])}  {ms(c.attn_s)}  {ms(c.mlp_s)}  {ms(c.rest_s)}  "
-                     f"{ms(c.verify_s[-1])}")
+    header = ["context", "forward", "attention, a layer", "MLP, a layer", "rest", f"verify {n} tokens"]
+    rows = [[str(c.context_tokens), ms(c.verify_s[0]), ms(c.attn_s), ms(c.mlp_s), ms(c.rest_s), ms(c.verify_s[-1])]
+            for c in profile.contexts]
+    column_widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [f"milliseconds, one token unless said ({profile.label()}):"]
+    lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, column_widths)) for row in [header, *rows]]
     o = profile.overheads
     switch = (f"draft-mode switch {ms(o.switch_s)} + {ms(o.switch_sublayer_s)} per skipped sublayer (an older "
               "profile's); " if o.switch_s or o.switch_sublayer_s else "")
