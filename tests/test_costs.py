@@ -269,7 +269,7 @@ def test_profile_config_only_and_the_folder_without_weights(capsys, tmp_path, ti
     assert not (tmp_path / "p.json").exists()
     code, out, _ = run(capsys, "profile", "--model", folder / "config.json", "--config-only", "--contexts", "8,32",
                        "--repeats", 1, "--output", tmp_path / "p.json", "--no-progress")
-    assert code == 0 and re.search(r"^8 .*\n32 ", out, re.MULTILINE)
+    assert code == 0 and re.search(r"^ +8 .*\n +32 ", out, re.MULTILINE)
     profile = CostProfile.load(tmp_path / "p.json")
     assert profile.context_lengths == [8, 32] and profile.provenance["weights"].startswith("random")
     with pytest.raises(SystemExit) as exit_info:
