@@ -42,10 +42,12 @@ def add_export_flags(exp: argparse.ArgumentParser) -> None:
                      help="skipsearch: the skip-config JSON; dv: Draft & Verify / SWIFT's skip_layers.json format "
                           "({\"<model>\": {\"attention\": [...], \"mlp\": [...]}})")
     exp.add_argument("--output", type=Path, default=None,
-                     help="(default: <studies-dir>/<study-name>/best.json, or skip_layers.json with --format dv)")
+                     help="the file to write (default: <studies-dir>/<study-name>/best.json, or skip_layers.json with "
+                          "--format dv)")
     add_study_flags(exp)
 
 
 def add_plot_flags(plot: argparse.ArgumentParser) -> None:
-    plot.add_argument("--output", type=Path, default=None, help="(default: <studies-dir>/<study-name>/plots)")
+    plot.add_argument("--output", type=Path, default=None,
+                      help="the folder to write the PNGs to (default: <studies-dir>/<study-name>/plots)")
     add_study_flags(plot)
