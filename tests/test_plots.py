@@ -4,6 +4,7 @@ import json
 import random
 
 import matplotlib.colors
+import matplotlib.container
 import matplotlib.pyplot as plt
 import optuna
 import pytest
@@ -331,3 +332,24 @@ def test_history_shows_measured_trials_at_their_numbers():
     points = fig.axes[0].collections[0].get_offsets()
     assert sorted(points[:, 0].tolist()) == [0, 1, 2, 3, 6] and points[:, 1].max() < 50
     plt.close(fig)
+
+
+def test_category_bars_stand_in_the_legends_order_beside_a_labelled_baseline(tmp_path, monkeypatch):
+    from skipsearch.report import categories
+
+    drawn = []
+    monkeypatch.setattr(categories, "save_figure", lambda fig, path: drawn.append(fig))
+    methods = ["hf prompt lookup (10)", "skipsearch plain loop", "skipsearch attn=[3]"]
+    groups = [categories.CategoryRows(name, 2, [BenchRow("hf greedy", 20.0, 1.0, True), *[
+        BenchRow(method, 20.0 + k, 1.0 + 0.1 * k, True, 0.9, 1.3) for k, method in enumerate(methods)]])
+        for name in ("qa", "coding")]
+    categories.plot_categories(groups, tmp_path / "c.png", "per category")
+    ax = drawn[0].axes[0]
+    legend = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert "HF greedy (1.0x)" in legend and [label for label in legend if label in methods] == methods
+    heights = {container.get_label(): [bar.get_y() for bar in container] for container in ax.containers
+               if isinstance(container, matplotlib.container.BarContainer)}
+    for category in range(2):  # within each category, the legend's first method stands highest
+        tops = [heights[method][category] for method in methods]
+        assert tops == sorted(tops, reverse=True)
+    plt.close(drawn[0])

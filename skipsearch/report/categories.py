@@ -68,10 +68,11 @@ def plot_categories(groups: list[CategoryRows], path: Path, title: str) -> Path:
         rows = [next(r for r in g.rows if r.method == method) for g in groups][::-1]
         errors = [[r.speedup - r.speedup_low for r in rows],
                   [(r.speedup_high or r.speedup) - r.speedup for r in rows]]
-        ax.barh(positions + (k - (len(methods) - 1) / 2) * height, [r.speedup for r in rows], height=height,
+        # The first method on top in each category, as the legend lists it.
+        ax.barh(positions + ((len(methods) - 1) / 2 - k) * height, [r.speedup for r in rows], height=height,
                 xerr=errors, error_kw={"capsize": 2, "elinewidth": 1}, label=textwrap.fill(method, 40))
     ax.set_yticks(positions, labels)
-    ax.axvline(1.0, color="gray", linestyle="--", linewidth=1, zorder=0)
+    ax.axvline(1.0, color="gray", linestyle="--", linewidth=1, zorder=0, label="HF greedy (1.0x)")
     ax.set_xlabel("speedup over HF greedy (x; geometric mean of paired runs, whiskers: 95% interval)")
     ax.set_ylabel("category (prompts)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
