@@ -593,3 +593,27 @@ def test_the_head_copies_follow_the_models_head_when_it_changes():
         with torch.no_grad():
             untrimmed = draft_model(model, SkipSet((1,)))(ids).logits
             torch.testing.assert_close(draft_model(model, skip)(ids).logits[..., rows], untrimmed[..., rows])
+
+
+
+def test_a_regional_draft_step_is_made_again_when_its_trimmed_head_is_stale():
+    """Compiled regional steps read the model's own weights, but a draft step's trimmed head is a copy: after the
+    head changes in place, the draft step is made again from the new head (its drafts would only get worse: the
+    verification reads the live weights)."""
+    from skipsearch.decode.skipset import DraftHead
+
+    model, prompt = tiny_model("llama", seed=4), [5, 9, 14, 3, 7]
+    skip = SkipSet((1,), (), DraftHead(tuple(range(0, 96, 2))))
+    policy = DraftPolicy(max_draft_tokens=4, adaptive=False, guard=False)
+    engine = engine_for(model)
+    for rounds in range(2):
+        out = generate(model, prompt, skip=skip, max_new_tokens=12, eos_token_id=None, policy=policy, **REGIONAL)
+        assert out.tokens == hf_greedy(model, prompt, 12, eos=None)
+        [step] = [step for (drafted, _), step in engine.draft_steps.items() if drafted == skip]
+        head = model._skipsearch_drafts["heads"][skip.head]  # what the draft step reads its rows from
+        torch.testing.assert_close(head.weight, model.lm_head.weight.detach()[list(skip.head.ids)])
+        if rounds == 0:
+            first = step
+            with torch.no_grad():
+                model.lm_head.weight.mul_(-1)
+    assert step is not first  # made again from the new head

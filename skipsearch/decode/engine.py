@@ -96,6 +96,7 @@ class Engine:
         self.cache: SpeculativeCache | None = None
         self.verify_steps: dict[tuple, Step] = {}
         self.draft_steps: collections.OrderedDict[tuple, Step] = collections.OrderedDict()
+        self.draft_sources: dict[tuple, tuple] = {}  # the LM head each draft step's trimmed head copied (head_source)
         self.prefill_steps: dict[tuple[int, CompileSettings], Step] = {}
         self.prefill_row: torch.Tensor | None = None  # the row a compiled prefill step keeps (Prefill)
         self.layers: dict[str, CompiledLayers] = {}  # by backend
@@ -229,6 +230,7 @@ class Engine:
         # The steps close over the old cache: freed first, so that the engine never holds two caches at once.
         self.verify_steps.clear()
         self.draft_steps.clear()
+        self.draft_sources.clear()
         self.prefill_steps.clear()
         for compiled in self.layers.values():
             compiled.resized()
@@ -248,11 +250,18 @@ class Engine:
                 torch._dynamo.mark_static_address(self.prefill_row)  # read in place by the prefill's CUDA graphs
 
     def _draft_step(self, skip: SkipSet, settings: CompileSettings) -> Step:
-        key = (skip, settings)
+        key, source = (skip, settings), head_source(*adapter.output_head(self.model)[1:])
+        # A trimmed head copied rows the model's head no longer has: the step is made again, but for frozen steps,
+        # which hold every weight as compiled until `release_cache` (README).
+        if (key in self.draft_steps and skip.head is not None and self.draft_sources.get(key) != source
+                and settings.resolved(self.model.device) != "frozen"):
+            del self.draft_steps[key]
+            forget_draft(self.model, skip)
         if key in self.draft_steps:
             self.draft_steps.move_to_end(key)
             return self.draft_steps[key]
         self.draft_steps[key] = step = self._compiled_step(skip, settings)
+        self.draft_sources[key] = source
         if settings.resolved(self.model.device) == "regional" and not self.layers[settings.backend].warmed:
             # In the first call's timed setup: the first skip set's setup time counts every kind's compile.
             step.prepare = lambda: self._warm_layer_kinds(settings)
@@ -261,7 +270,8 @@ class Engine:
 
     def _evict(self) -> None:
         while len(self.draft_steps) > self._kept_skip_sets:
-            (old_skip, _), _ = self.draft_steps.popitem(last=False)
+            (old_skip, settings), _ = self.draft_steps.popitem(last=False)
+            self.draft_sources.pop((old_skip, settings), None)
             forget_draft(self.model, old_skip)
 
     def _compiled_step(self, skip: SkipSet | None, settings: CompileSettings) -> Step:
