@@ -29,7 +29,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${GPU
 rehearsal=$(mktemp -d)  # the install gpu.sh runs there, with no index, for the image's Python and platform
 trap 'rm -rf "$rehearsal"' EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --only-binary=:all: \
-  --python-version "${GPU_PYTHON:-3.12}" --platform manylinux2014_x86_64 --target "$rehearsal" .whl/*.whl
+  --python-version "${GPU_PYTHON:-3.12}" --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+  --target "$rehearsal" .whl/*.whl
 echo "$(ls .whl | wc -l) wheels in .whl/, installed here with no index as gpu.sh installs them"
 
 anchor=../shared/anchors/gpt-fast

@@ -245,6 +245,8 @@ def test_sampling_with_a_seed_is_reproducible_and_one_token_sampling_equals_plai
 def test_threads_sharing_one_callable_count_every_call(monkeypatch):
     """One callable shared by threads: its statistics add up every call (adding reads and writes each field; a
     thread switch in between lost the other thread's call)."""
+    import copy
+    import pickle
     import time
     from concurrent.futures import ThreadPoolExecutor
 
@@ -264,6 +266,7 @@ def test_threads_sharing_one_callable_count_every_call(monkeypatch):
         list(pool.map(lambda _: MODELS["llama"].generate(PROMPT, max_new_tokens=6, do_sample=False, eos_token_id=None,
                                                           pad_token_id=0, custom_generate=shared), range(8)))
     assert shared.stats.new_tokens == 8 * 6
+    assert pickle.loads(pickle.dumps(shared)).stats.new_tokens == copy.deepcopy(shared).stats.new_tokens == 8 * 6
 
 
 def test_concurrent_calls_on_one_model_stay_correct():

@@ -150,15 +150,16 @@ def test_optimize_takes_several_datasets(capsys, tmp_path, tiny_model_dir):
                         ("chat.jsonl", ["How are you today?", "Tell me about cats."])):
         (tmp_path / name).write_text("".join(json.dumps({"prompt": text}) + "\n" for text in texts))
     argv = ["optimize", "--model", str(tiny_model_dir), "--studies-dir", str(tmp_path / "studies"), "--study-name",
-            "two", "--n-trials", "2", "--num-prompts", "2", "--max-new-tokens", "4", "--no-progress", "--no-plots",
+            "two", "--n-trials", "2", "--num-prompts", "1", "--max-new-tokens", "4", "--no-progress", "--no-plots",
             "--min-match", "0", "--confirm-top", "1", "--no-warm-starts",
+            "--confirm-repeats", "1",  # a prompt of each dataset: 2 paired runs, which confirm
             "--dataset", str(tmp_path / "code.jsonl"), "--dataset", str(tmp_path / "chat.jsonl")]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"\n{tmp_path / 'code.jsonl'}: " in out and f"\n{tmp_path / 'chat.jsonl'}: " in out
     study = optuna.load_study(study_name="two", storage=f"sqlite:///{tmp_path}/studies/two.db")
     assert study.user_attrs["skipsearch"]["dataset"] == [str(tmp_path / "code.jsonl"), str(tmp_path / "chat.jsonl")]
-    assert study.user_attrs["skipsearch"]["num_prompts"] == 4
+    assert study.user_attrs["skipsearch"]["num_prompts"] == 2
     decoded = [record for record in read_trials(study) if record.skip.drafts and record.figures]
     assert decoded and all(set(t.datasets) == {str(tmp_path / "code.jsonl"), str(tmp_path / "chat.jsonl")} for t in decoded)
     assert load_skip_config(tmp_path / "studies" / "two" / "best.json").search["dataset"] == \

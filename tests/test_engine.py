@@ -595,7 +595,6 @@ def test_the_head_copies_follow_the_models_head_when_it_changes():
             torch.testing.assert_close(draft_model(model, skip)(ids).logits[..., rows], untrimmed[..., rows])
 
 
-
 def test_a_regional_draft_step_is_made_again_when_its_trimmed_head_is_stale():
     """Compiled regional steps read the model's own weights, but a draft step's trimmed head is a copy: after the
     head changes in place, the draft step is made again from the new head (its drafts would only get worse: the

@@ -76,13 +76,23 @@ def test_a_confirmed_skip_set_is_exported_with_its_interval(tmp_path):
     assert config.metrics["confirmed"] is True and config.search["trial_number"] == 1
 
 
-@pytest.mark.parametrize("objective", ["pareto", "speed_x_acceptance"])
-def test_of_sets_confirmed_faster_the_export_is_the_best_speedup_x_acceptance_not_the_fastest(tmp_path, objective):
-    fastest, best = candidate(1, 1.5, 1.3, 1.7, [1], acceptance=0.5), candidate(2, 1.3, 1.1, 1.5, [2], acceptance=0.9)
+@pytest.mark.parametrize("objective, exported", [("pareto", 2), ("speed_x_acceptance", 2), ("speedup", 1)])
+def test_of_sets_confirmed_faster_the_export_is_the_best_by_the_studys_score(tmp_path, objective, exported):
+    """Pareto and speed x acceptance studies export the best speedup x acceptance, not the fastest; a speedup study
+    the fastest. Each candidate's score is what the confirmation stores: `ranking.score` of its figures."""
+    from skipsearch.search.ranking import score
+    from skipsearch.search.records import Figures, Ratio
+
+    def scored(trial, speedup, low, high, acceptance):
+        made = candidate(trial, speedup, low, high, [trial], acceptance=acceptance)
+        made["score"] = score(Figures(speedup=Ratio(speedup, low, high), acceptance_rate=acceptance), objective)
+        return made
+
+    fastest, best = scored(1, 1.5, 1.3, 1.7, 0.5), scored(2, 1.3, 1.1, 1.5, 0.9)
     study = fake_study(tmp_path, [1.0, 1.5, 1.3], confirmed=[fastest, best], objective=objective)
     decision = decide(study)
-    assert decision.pays and decision.chosen.trial == 2 and decision.best.trial == 1
-    assert export_trial(study, tmp_path / "best.json").skip == SkipSet.of([2], [], 4)
+    assert decision.pays and decision.chosen.trial == exported and decision.best.trial == 1
+    assert export_trial(study, tmp_path / "best.json").skip == SkipSet.of([exported], [], 4)
 
 
 def test_export_of_a_confirmed_trial_carries_its_confirmed_figures(tmp_path):

@@ -186,10 +186,7 @@ def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
     if s.too_long not in TOO_LONG:
         raise ValueError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {s.too_long!r}")
     datasets, rows, prompt_datasets = _study_prompts(s)
-    if s.confirm_top and s.objective != "modeled" and s.confirm_repeats * s.num_prompts < 2:
-        raise ValueError(f"--confirm-repeats {s.confirm_repeats} over --num-prompts {s.num_prompts} is one paired run "
-                         "a confirmation: no interval, so no skip set could ever be confirmed and exported; raise "
-                         "either (or --confirm-top 0 to skip the confirmation)")
+    _check_confirmable(s, s.num_prompts if s.per_category else len(rows))
     make_sampler(s.sampler, s.seed, s.objective == "pareto")
     if s.heartbeat_grace <= s.heartbeat_interval:
         raise ValueError("--heartbeat-grace must be longer than --heartbeat-interval")
@@ -209,6 +206,8 @@ def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
         say(f"the modeled objective prices rounds with {s.cost_profile} [{profile.label()}]")
     encoded = encode_rows(loaded, rows, s.raw, s.max_new_tokens, policy.max_draft_tokens, s.too_long, say,
                           not s.no_progress)
+    if not s.per_category:  # --too-long skip may have left fewer
+        _check_confirmable(s, len(encoded.ids))
     if prompt_datasets is not None:  # each prompt kept, with its dataset
         prompt_datasets = [prompt_datasets[i] for i in encoded.kept]
     projections = load_projections(s.project_with or (), loaded.model)
@@ -247,6 +246,14 @@ def head_rows(asked: tuple[int, ...] | None, vocab_size: int) -> tuple[int, ...]
         raise ValueError(f"--head-rows {too_many[0]} is not fewer than the model's {vocab_size} tokens: a draft head "
                          "trims the vocabulary")
     return tuple(asked)
+
+
+def _check_confirmable(s: OptimizeSettings, prompts: int) -> None:
+    """A ValueError where the confirmation would measure one paired run: no interval, so it could never export."""
+    if s.confirm_top and s.objective != "modeled" and s.confirm_repeats * prompts < 2:
+        raise ValueError(f"--confirm-repeats {s.confirm_repeats} over {prompts} prompt gives the confirmation one "
+                         "paired run: no interval, so no skip set could ever be confirmed and exported; raise "
+                         "--confirm-repeats or --num-prompts (or skip the confirmation with --confirm-top 0)")
 
 
 def _study_prompts(s: OptimizeSettings) -> tuple[list[str], list[PromptRow], list[str] | None]:

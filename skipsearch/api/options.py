@@ -3,7 +3,7 @@ fills from its flags and Python callers fill by name; each field is the flag of 
 
 from __future__ import annotations
 
-import glob
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,8 +59,8 @@ class StudyOptions:
             return self.storage
         database = self.studies_dir / f"{self.study_name}.db"
         if must_exist and not database.is_file():
-            categories = sorted(path.stem for path in self.studies_dir.glob(f"{glob.escape(self.study_name)}-*.db"))
-            if categories and (self.folder / "best.json").is_file():  # the export of an optimize --per-category
+            categories = _category_studies(self.folder / "best.json")
+            if categories:
                 raise ValueError(f"no study database at {database}: `optimize --per-category` made one study per "
                                  f"category, {', '.join(categories)}: give one of them to --study-name")
             raise ValueError(f"no study database at {database}: run `python -m skipsearch optimize` first, "
@@ -77,6 +77,15 @@ class StudyOptions:
         if label is None:
             raise not_made_by_skipsearch(self.study_name)
         return study
+
+
+def _category_studies(exported: Path) -> list[str]:
+    """The category studies an `optimize --per-category` export names (none where `exported` is not one)."""
+    try:
+        studies = json.loads(exported.read_text(encoding="utf-8-sig"))["search"]["category_studies"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [name for name in studies.values() if isinstance(name, str)] if isinstance(studies, dict) else []
 
 
 def not_made_by_skipsearch(name: str) -> ValueError:

@@ -61,7 +61,6 @@ class SelfSpeculative:
         self.compile, self.compile_backend, self.cost_profile = compile, compile_backend, cost_profile
         self.stats = DecodeStats()
         self.memory = DraftMemory()
-        self._adding = threading.Lock()  # `stats.add` reads and writes each field: two threads would lose a call
 
     # The parameters mirror transformers' `_sample`, which `generate` calls with them; `stop_strings` is extra on
     # purpose: generate hands an extra parameter to the callable instead of building criteria that need a tokenizer.
@@ -98,13 +97,21 @@ class SelfSpeculative:
         finally:
             if streamer is not None:
                 streamer.end()  # also on errors: a consumer thread of TextIteratorStreamer would wait forever
-        with self._adding:
-            self.stats.add(output.stats)
+        self._count(output.stats)
         sequences = torch.cat([input_ids, torch.tensor([output.tokens], dtype=input_ids.dtype,
                                                        device=input_ids.device)], dim=1)
         if generation_config.return_dict_in_generate:
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences
+
+
+    def _count(self, stats: DecodeStats) -> None:
+        with _COUNTING:  # `add` reads and writes each field: threads sharing this callable would lose a call's
+            self.stats.add(stats)
+
+
+# One lock for every callable (a lock of its own would keep a callable from being pickled or deep-copied).
+_COUNTING = threading.Lock()
 
 
 def self_speculative(

@@ -8,8 +8,9 @@ Sliding-window layers are full-length too and the mask does the windowing: trans
 `StaticSlidingWindowLayer` keeps only the window and rolls it, which cannot be rolled back.
 
 `position` is where the cache writes next: a device scalar that each step advances on the device
-(`advance`), so a step needs no position from the host. The decoding loop, which knows the
-committed length anyway, sets it once a round (`seek`), as gpt-fast passes `input_pos`. The masks
+(`advance`), so a step needs no position from the host. The decoding loop sets it from the
+committed length it keeps anyway (`seek`: back to the round's start before verifying, past the
+accepted tokens after), as gpt-fast passes `input_pos`. The masks
 are built from it on the device too (`attention_mask`), which spares transformers' mask code, and
 with it a host read of the position per multi-token forward on CUDA.
 """

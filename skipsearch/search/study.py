@@ -289,7 +289,7 @@ def run_study(
     stop = stop if stop is not None else StopRequest()
     space = _ranked(study, space, evaluator, special_token_ids, ranking_prompts, stop)
     if stop.interrupts:
-        stop.outcome = "before the first trial, while ranking the vocabulary: the export keeps the last one, if any"
+        stop.outcome = "before the first trial, while ranking the vocabulary: plain decoding, or the last confirmed set"
         return study
     _search(study, storage, evaluator, settings, space, stop)
     return study
@@ -449,10 +449,11 @@ def study_summary(study: optuna.Study) -> str:
     early = sum(t.stopped_early is not None for t in distinct)
     repeats = sum(t.repeat_of is not None for t in finished_trials(study))
     failed = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
-    queued = len(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))  # only warm starts are enqueued
+    queued = sum("warm_start" in t.user_attrs for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
     parts = [f"{len(distinct)} distinct skip sets evaluated",
              f"warm starts: trials {', '.join(map(str, warm))}" if warm else
-             f"{queued} warm starts queued, none evaluated yet" if queued else "no warm starts",
+             f"{queued} warm start{'' if queued == 1 else 's'} queued, none evaluated yet" if queued else
+             "no warm starts",
              *[f"trial {n}, the empty set, is plain decoding: scored 1 by definition, not decoded" for n in plain],
              f"{screened} stopped by the pre-screen", f"{early} stopped early by the pruner",
              f"{repeats} repeated proposals answered from earlier trials without decoding"]
