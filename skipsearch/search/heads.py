@@ -1,5 +1,5 @@
 """A study's draft heads: the vocabulary ranking it makes once, from prompts beside its calibration prompts, and
-keeps."""
+keeps; a stop signal while it is made ends the study before its trials (`ranked_space`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from . import records
 from .evaluation import Evaluator
 from .space import SearchSpace
 from .vocabulary import rank_vocabulary
+from .worker import Interrupted, StopRequest, stop_on_signals
 
 
 def with_ranking(study: optuna.Study, space: SearchSpace, evaluator: Evaluator, special_token_ids: Sequence[int],
@@ -46,3 +47,17 @@ def _decoded(evaluator: Evaluator, prompts: Sequence[Sequence[int]]
                    disable=not evaluator.show_progress)
     return prompts, [generate(evaluator.model, list(p), max_new_tokens=evaluator.max_new_tokens,
                               eos_token_id=evaluator.eos_token_id).tokens for p in decoded]
+
+
+def ranked_space(study: optuna.Study, space: SearchSpace, evaluator: Evaluator, special_token_ids: Sequence[int],
+                 ranking_prompts: Sequence[Sequence[int]], stop: StopRequest) -> SearchSpace:
+    """`with_ranking` (a first run decodes every ranking prompt) under the stop signals: a first one lets the ranking
+    finish and the study stop before its trials, a second abandons it; either way the caller still exports."""
+    with stop_on_signals(stop):
+        stop.running = "vocabulary ranking"
+        try:
+            return with_ranking(study, space, evaluator, special_token_ids, ranking_prompts)
+        except Interrupted:
+            return space
+        finally:
+            stop.running = StopRequest.running

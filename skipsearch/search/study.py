@@ -27,7 +27,7 @@ from ..decode.skipset import SkipSet
 from ..io.errors import ResourceExhausted, exhausted_resource, resource_error
 from . import records
 from .evaluation import Evaluation, Evaluator
-from .heads import with_ranking
+from .heads import ranked_space
 from .ranking import best_candidates, score, screened_score
 from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord, distinct_trials, finished_trials,
                       read_confirmation, read_label)
@@ -287,26 +287,12 @@ def run_study(
                           datasets=prompt_datasets)
     _enqueue_first_trials(study, settings, space, new=existing is None)
     stop = stop if stop is not None else StopRequest()
-    space = _ranked(study, space, evaluator, special_token_ids, ranking_prompts, stop)
+    space = ranked_space(study, space, evaluator, special_token_ids, ranking_prompts, stop)
     if stop.interrupts:
         stop.outcome = "before the first trial, while ranking the vocabulary: plain decoding, or the last confirmed set"
         return study
     _search(study, storage, evaluator, settings, space, stop)
     return study
-
-
-def _ranked(study: optuna.Study, space: SearchSpace, evaluator: Evaluator, special_token_ids: Sequence[int],
-            ranking_prompts: Sequence[Sequence[int]], stop: StopRequest) -> SearchSpace:
-    """`with_ranking` (a first run decodes every ranking prompt) under the stop signals: a first one lets the ranking
-    finish and the study stop before its trials, a second abandons it; either way the caller still exports."""
-    with stop_on_signals(stop):
-        stop.running = "vocabulary ranking"
-        try:
-            return with_ranking(study, space, evaluator, special_token_ids, ranking_prompts)
-        except Interrupted:
-            return space
-        finally:
-            stop.running = StopRequest.running
 
 
 def _open(settings: StudySettings) -> tuple[optuna.Study, optuna.storages.BaseStorage]:
