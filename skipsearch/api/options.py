@@ -3,7 +3,6 @@ fills from its flags and Python callers fill by name; each field is the flag of 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import optuna
 
 from ..decode.policy import DraftPolicy
 from ..io import models
+from ..io.files import read_json
 from ..search.records import STUDY_ATTR, read_label
 from ..search.storage import default_storage, load_study
 
@@ -82,8 +82,8 @@ class StudyOptions:
 def _category_studies(exported: Path) -> list[str]:
     """The category studies an `optimize --per-category` export names (none where `exported` is not one)."""
     try:
-        studies = json.loads(exported.read_text(encoding="utf-8-sig"))["search"]["category_studies"]
-    except (OSError, ValueError, KeyError, TypeError):
+        studies = read_json(exported, "export")["search"]["category_studies"]
+    except (OSError, ValueError, KeyError, TypeError):  # no such export: the plain "no study database" applies
         return []
     return [name for name in studies.values() if isinstance(name, str)] if isinstance(studies, dict) else []
 

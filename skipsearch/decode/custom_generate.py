@@ -104,7 +104,6 @@ class SelfSpeculative:
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences
 
-
     def _count(self, stats: DecodeStats) -> None:
         with _COUNTING:  # `add` reads and writes each field: threads sharing this callable would lose a call's
             self.stats.add(stats)
