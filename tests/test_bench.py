@@ -3,6 +3,7 @@ import json
 import torch
 
 from conftest import VirtualTimer, tiny_model
+from skipsearch.decode.provenance import ConfigMetrics, ConfigSearch
 from skipsearch.costs.profiler import profile_costs
 from skipsearch.decode.config import ModelInfo, SkipConfig
 from skipsearch.decode.policy import DraftPolicy
@@ -55,7 +56,7 @@ def test_bench_verdict_quotes_the_paired_figure_and_the_studys_own_verdict():
     assert bench_verdict(base + [fast]).startswith("in this run the config's skip set decodes 1.20x")
     nothing = BenchRow("skipsearch config (skips nothing)", 10.0, 1.0, True)
     config = SkipConfig(model=ModelInfo("tiny", "LlamaForCausalLM", 4, 32), skip=SkipSet(),
-                        metrics={"verdict": "no skip set was confirmed faster than plain decoding: 0.84x"})
+                        metrics=ConfigMetrics(verdict="no skip set was confirmed faster than plain decoding: 0.84x"))
     assert bench_verdict(base + [nothing], config) == (
         "the config skips nothing: it decodes plainly (its study's verdict: no skip set was confirmed faster "
         "than plain decoding: 0.84x)")
@@ -77,8 +78,8 @@ def test_bench_verdict_of_several_sets_gives_the_end_to_end_figure_too():
     from skipsearch.report.export import category_config
 
     info = ModelInfo("tiny", "LlamaForCausalLM", 4, 32)
-    config = category_config({c: SkipConfig(info, SkipSet.of([i + 1]), metrics={"speedup": 1.2, "verdict": "won"},
-                                            search={"study_name": c}) for i, c in enumerate("ab")}, "s")
+    config = category_config({c: SkipConfig(info, SkipSet.of([i + 1]), metrics=ConfigMetrics(speedup=1.2, verdict="won"),
+                                            search=ConfigSearch(study_name=c)) for i, c in enumerate("ab")}, "s")
     rows = [BenchRow("hf greedy", 10.0, 1.0, True), BenchRow("skipsearch plain", 10.0, 1.0, True),
             BenchRow("skipsearch 2 sets chosen per prompt (a, b)", 10.3, 1.03, True, speedup_low=0.98,
                      speedup_high=1.08, acceptance_rate=0.9, speedup_over_plain_loop=1.18, speedup_over_plain_low=1.13,

@@ -263,7 +263,7 @@ def configs_of(model, tmp_path):
     save_skip_config(SkipConfig(info, FITS_CODE, policy), tmp_path / "code.json")
     save_skip_config(SkipConfig(info, FITS_CHAT, policy), tmp_path / "chat.json")
     both = SkipConfig.of_entries(info, [SkipEntry(FITS_CODE, "code.jsonl"), SkipEntry(FITS_CHAT, "chat.jsonl")],
-                                 policy, {})
+                                 policy)
     save_skip_config(both, tmp_path / "both.json")
     return tmp_path / "code.json", tmp_path / "chat.json", tmp_path / "both.json"
 

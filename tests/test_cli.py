@@ -85,7 +85,7 @@ def test_optimize_exports_plots_and_resumes(capsys, tmp_path, tiny_model_dir):
     assert code == 0
     assert (tmp_path / "cli.db").is_file() and "exported" in out and "plain decoding" in out
     best = load_skip_config(tmp_path / "cli" / "best.json")
-    assert best.search["study_name"] == "cli" and best.model.num_hidden_layers == 4
+    assert best.search.study_name == "cli" and best.model.num_hidden_layers == 4
     assert {p.name for p in (tmp_path / "cli" / "plots").iterdir()} >= {"history.png", "skip_map.png"}
     code, out, _ = run(capsys, *optimize_args(tiny_model_dir, tmp_path, "--no-plots", n_trials=6))
     assert code == 0 and "study cli in " in out and ": 6 distinct skip sets evaluated" in out
@@ -98,7 +98,7 @@ def test_optimize_exports_plots_and_resumes(capsys, tmp_path, tiny_model_dir):
 
     code, out, _ = run(capsys, "export", "--studies-dir", tmp_path, "--study-name", "cli", "--trial", 1,
                        "--output", tmp_path / "t1.json")
-    assert code == 0 and load_skip_config(tmp_path / "t1.json").search["trial_number"] == 1
+    assert code == 0 and load_skip_config(tmp_path / "t1.json").search.trial_number == 1
     code, out, _ = run(capsys, "plot", "--studies-dir", tmp_path, "--study-name", "cli", "--output", tmp_path / "p")
     assert code == 0 and len(out.split()) == 4
 

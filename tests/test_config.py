@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -6,6 +7,7 @@ from conftest import tiny_model
 from skipsearch.decode.config import (FORMAT, ModelInfo, SkipConfig, SkipEntry, combine_skip_configs, load_skip_config,
                                       parse_skip_config, save_skip_config)
 from skipsearch.decode.policy import DraftPolicy
+from skipsearch.decode.provenance import BestSkipping, ConfigMetrics, ConfigSearch
 from skipsearch.decode.skipset import SkipSet
 
 
@@ -13,7 +15,7 @@ def make_config(model, **overrides):
     fields = dict(
         model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([0, 2], [3], 4),
         draft=DraftPolicy(max_draft_tokens=5, adaptive=False),
-        metrics={"score": 0.5, "speedup": 1.1}, search={"study_name": "s"},
+        metrics=ConfigMetrics(score=0.5, speedup=1.1), search=ConfigSearch(study_name="s"),
     )
     fields.update(overrides)
     return SkipConfig(**fields)
@@ -72,7 +74,16 @@ def test_other_model_is_refused(tmp_path):
         (lambda d: d.update(draft=[1, 2]), r"'draft' has the wrong type \(list\)"),
         (lambda d: d["draft"].update(max_draft_tokens=2.5), r"draft.'max_draft_tokens' has the wrong type"),
         (lambda d: d["draft"].update(adaptive="yes"), r"draft.'adaptive' has the wrong type"),
-        (lambda d: d.update(metrics=[]), r"'metrics' has the wrong type"),
+        (lambda d: d.update(metrics=[]), r"metrics has the wrong type \(list\), expected an object"),
+        (lambda d: d["metrics"].update(speedup="fast"), r"metrics.speedup has the wrong type \(str\)"),
+        (lambda d: d["metrics"].update(confirmed=1), r"metrics.confirmed has the wrong type \(int\)"),
+        (lambda d: d["metrics"].update(paired_runs=True), r"metrics.paired_runs has the wrong type \(bool\)"),
+        (lambda d: d["metrics"].update(best_skipping={"trial": 1}), "metrics.best_skipping is not a trial with a"),
+        (lambda d: d["metrics"].update(best_skipping={"trial": 1, "skip": {"attn": ["0"]}}),
+         r"metrics.best_skipping.skip has the wrong type"),
+        (lambda d: d.update(search="s"), r"search has the wrong type \(str\), expected an object"),
+        (lambda d: d["search"].update(dataset=[1]), r"search.dataset has the wrong type \(list\)"),
+        (lambda d: d["search"].update(category_studies={"qa": 3}), r"search.category_studies has the wrong type"),
         (lambda d: d["draft"].update(guard="on"), r"draft.'guard' has the wrong type"),
     ],
 )
@@ -129,10 +140,10 @@ def test_configs_models_and_plots_do_not_import_the_decode_loop():
 
 def several(model):
     return SkipConfig.of_entries(
-        ModelInfo.of(model, "tiny"), [SkipEntry(SkipSet.of([1], [], 4), "code.jsonl", {"speedup": 1.2}),
-                                      SkipEntry(SkipSet.of([], [2], 4), "chat.jsonl", {"speedup": 1.1})],
+        ModelInfo.of(model, "tiny"), [SkipEntry(SkipSet.of([1], [], 4), "code.jsonl", ConfigMetrics(speedup=1.2)),
+                                      SkipEntry(SkipSet.of([], [2], 4), "chat.jsonl", ConfigMetrics(speedup=1.1))],
         DraftPolicy(max_draft_tokens=5, adaptive=False),
-        {"study_name": "s", "dataset": ["code.jsonl", "chat.jsonl"]})
+        ConfigSearch(study_name="s", dataset=["code.jsonl", "chat.jsonl"]))
 
 
 def test_several_sets_round_trip_as_version_2(tmp_path):
@@ -145,7 +156,7 @@ def test_several_sets_round_trip_as_version_2(tmp_path):
     assert data["skips"] == [{"label": "code.jsonl", "skip": {"attn": [1], "mlp": []}, "metrics": {"speedup": 1.2}},
                              {"label": "chat.jsonl", "skip": {"attn": [], "mlp": [2]}, "metrics": {"speedup": 1.1}}]
     assert load_skip_config(tmp_path / "best.json", model) == config
-    single = SkipConfig.of_entries(config.model, config.entries[:1], config.draft, {})
+    single = SkipConfig.of_entries(config.model, config.entries[:1], config.draft, ConfigSearch())
     assert single.to_json()["skips"][0]["label"] == "code.jsonl"  # a label is kept: version 2 with one set
     assert make_config(model).to_json()["version"] == 1  # one unlabelled set: version 1, which every release reads
 
@@ -156,7 +167,7 @@ def test_a_version_1_file_still_loads(tmp_path):
                       "hidden_size": 32}}
     config = parse_skip_config(data)
     assert config.skip_sets == (SkipSet.of([2], [], 4),) and config.others == () and config.label is None
-    assert config.metrics == {} and config.draft == DraftPolicy()
+    assert config.metrics == ConfigMetrics() and config.search == ConfigSearch() and config.draft == DraftPolicy()
 
 
 @pytest.mark.parametrize("mutate, message", [
@@ -168,7 +179,7 @@ def test_a_version_1_file_still_loads(tmp_path):
     (lambda d: d["skips"][1]["skip"].pop("mlp"), r"missing skips\[1\].skip.'mlp'"),
     (lambda d: d["skips"][1]["skip"].update(attn=[9]), "attn skip id 9 is out of range"),
     (lambda d: d["skips"][1].update(label=7), r"skips\[1\].'label' has the wrong type \(int\)"),
-    (lambda d: d["skips"][1].update(metrics=[]), r"skips\[1\].'metrics' has the wrong type \(list\)"),
+    (lambda d: d["skips"][1].update(metrics=[]), r"skips\[1\].metrics has the wrong type \(list\)"),
     (lambda d: d["skips"][1].update(skip=d["skips"][0]["skip"]), r"skips\[1\] repeats an earlier skip set"),
 ])
 def test_bad_version_2_configs_are_one_line_errors(tmp_path, mutate, message):
@@ -186,5 +197,28 @@ def test_configs_combine_into_one_of_several_sets():
     combined = combine_skip_configs([first, second, first], ["a.json", "b.json", "a.json"])
     assert combined.skip_sets == (first.skip, *second.skip_sets)  # the repeated set kept once
     assert [entry.label for entry in combined.entries] == ["a.json", "code.jsonl", "chat.jsonl"]
-    assert combined.entries[1].metrics == {"speedup": 1.2} and combined.model == first.model
+    assert combined.entries[1].metrics == ConfigMetrics(speedup=1.2) and combined.model == first.model
     assert combine_skip_configs([first]).label is None  # no sources: no labels made up
+
+
+def test_metrics_and_search_round_trip_typed_and_read_older_files():
+    """Every figure and setting survives a save and a load; an older file's nulls read as unknown, and a field this
+    release does not know is ignored."""
+    model = tiny_model()
+    best = BestSkipping(4, (1,), (), 64, ConfigMetrics(speedup=0.93, speedup_low=0.9, speedup_high=0.97, paired_runs=6))
+    metrics = ConfigMetrics(objective="speed_x_acceptance", score=1.0, speedup=1.0, tokens_per_second=50.5,
+                            baseline_tokens_per_second=50.5, confirmed=True, verdict="none pays", best_skipping=best)
+    search = ConfigSearch(study_name="s", trial_number=None, sampler="tpe", dataset=["a.jsonl", "b.jsonl"],
+                          num_prompts=8, max_new_tokens=64, device="cpu", dtype="float32", confirm_repeats=3,
+                          created_at="2026-11-28T00:00:00+00:00", categories=["qa"], category_studies={"qa": None})
+    data = make_config(model, metrics=metrics, search=search).to_json()
+    assert data["metrics"]["best_skipping"] == {"trial": 4, "skip": {"attn": [1], "mlp": [], "head_rows": 64},
+                                                "speedup": 0.93, "speedup_low": 0.9, "speedup_high": 0.97,
+                                                "paired_runs": 6}
+    assert "trial_number" not in data["search"] and "acceptance_rate" not in data["metrics"]  # unknown: left out
+    loaded = parse_skip_config(json.loads(json.dumps(data)))
+    assert loaded.metrics == metrics and loaded.search == search
+    data["metrics"].update(acceptance_rate=None, best_skipping=None, figure_of_a_later_release=3)
+    data["search"].update(trial_number=None, seed=0)
+    older = parse_skip_config(data)
+    assert older.metrics == replace(metrics, best_skipping=None) and older.search == search

@@ -84,8 +84,8 @@ def test_the_export_carries_each_datasets_confirmed_set(tmp_path):
     assert load_skip_config(tmp_path / "best.json") == config
     assert [(e.skip, e.label) for e in config.entries] == [(SkipSet.of([1]), "code.jsonl"),
                                                            (SkipSet.of([2]), "chat.jsonl")]
-    assert config.entries[1].metrics["speedup"] == 1.4 and config.entries[1].metrics["trial"] == 2
-    assert config.entries[1].metrics["verdict"] == verdicts[1]
+    assert config.entries[1].metrics.speedup == 1.4 and config.entries[1].metrics.trial == 2
+    assert config.entries[1].metrics.verdict == verdicts[1]
     with pytest.raises(ValueError, match="the Draft & Verify format holds one"):
         write_dv(config, tmp_path / "dv.json")
 
@@ -162,7 +162,7 @@ def test_optimize_takes_several_datasets(capsys, tmp_path, tiny_model_dir):
     assert study.user_attrs["skipsearch"]["num_prompts"] == 2
     decoded = [record for record in read_trials(study) if record.skip.drafts and record.figures]
     assert decoded and all(set(t.datasets) == {str(tmp_path / "code.jsonl"), str(tmp_path / "chat.jsonl")} for t in decoded)
-    assert load_skip_config(tmp_path / "studies" / "two" / "best.json").search["dataset"] == \
+    assert load_skip_config(tmp_path / "studies" / "two" / "best.json").search.dataset == \
         study.user_attrs["skipsearch"]["dataset"]
     assert main([*argv[:-2], "--dataset", str(tmp_path / "code.jsonl")]) == 2
     assert "is given twice" in capsys.readouterr().err

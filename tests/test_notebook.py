@@ -30,4 +30,4 @@ def test_view_study_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     assert not [o.text for o in outputs if o.output_type == "stream" and o.name == "stderr"]  # no warnings
     best = load_skip_config(tmp_path / "nb" / "best.json")  # the notebook shows the exported decision
     shown = best.skip if best.skip.size else "nothing (plain decoding)"
-    assert any(f"skip: {shown} (trial {best.search['trial_number']})" in o.get("text", "") for o in outputs)
+    assert any(f"skip: {shown} (trial {best.search.trial_number})" in o.get("text", "") for o in outputs)

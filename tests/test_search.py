@@ -124,7 +124,7 @@ def test_study_runs_resumes_exports_and_plots(tmp_path):
     assert "skipsearch_confirmation" in resumed.user_attrs
     config = export_trial(resumed, tmp_path / "best.json")
     assert load_skip_config(tmp_path / "best.json", model) == config
-    assert "verdict" in config.metrics
+    assert config.metrics.verdict
     written = write_plots(resumed, tmp_path / "plots")
     assert {p.name for p in written} == {"history.png", "importances.png", "skip_map.png", "speedup_vs_skipped.png"}
     for path in written:
@@ -305,7 +305,7 @@ def test_the_empty_set_is_plain_decoding_by_definition_and_never_exported(tmp_pa
     decision = decide(study)
     config = export_trial(study, tmp_path / "best.json")
     if decision.chosen is None:
-        assert config.skip == SkipSet() and config.search["trial_number"] is None
+        assert config.skip == SkipSet() and config.search.trial_number is None
     else:
         assert config.skip.size and decision.chosen.trial != plain.number
     assert "trial 0, the empty set, is plain decoding: scored 1 by definition, not decoded" in study_summary(study)

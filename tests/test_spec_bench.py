@@ -7,6 +7,7 @@ import json
 import pytest
 
 from conftest import tiny_model
+from skipsearch.decode.provenance import ConfigMetrics, ConfigSearch
 from skipsearch.api.optimize import category_study_name
 from skipsearch.api.prompts import encode_rows
 from skipsearch.cli import main
@@ -172,20 +173,21 @@ def test_the_categories_winners_are_exported_together():
     info = ModelInfo("tiny", "LlamaForCausalLM", 4, 32)
 
     def won(attn, verdict):
-        return SkipConfig(info, SkipSet.of(attn), metrics={"speedup": 1.2, "verdict": verdict},
-                          search={"study_name": f"s-{verdict}"})
+        return SkipConfig(info, SkipSet.of(attn), metrics=ConfigMetrics(speedup=1.2, verdict=verdict),
+                          search=ConfigSearch(study_name=f"s-{verdict}"))
 
-    plain = SkipConfig(info, SkipSet(), metrics={"speedup": 1.0, "verdict": "lost"}, search={"study_name": "s-c"})
+    plain = SkipConfig(info, SkipSet(), metrics=ConfigMetrics(speedup=1.0, verdict="lost"),
+                       search=ConfigSearch(study_name="s-c"))
     config = category_config({"a": won([1], "a won"), "b": won([2], "b won"), "c": plain, "d": won([1], "d won")},
                              "s")
     assert [(e.label, e.skip) for e in config.entries] == [("a, d", SkipSet.of([1])), ("b", SkipSet.of([2]))]
-    assert config.entries[0].metrics["verdict"] == "a: a won; d: d won"
-    assert config.search["category_studies"] == {"a": "s-a won", "b": "s-b won", "c": "s-c", "d": "s-d won"}
+    assert config.entries[0].metrics.verdict == "a: a won; d: d won"
+    assert config.search.category_studies == {"a": "s-a won", "b": "s-b won", "c": "s-c", "d": "s-d won"}
     assert config.to_json()["version"] == 2
     one = category_config({"a": won([1], "a won"), "c": plain}, "s")
     assert one.to_json()["version"] == 2 and one.label == "a"  # a labelled set, even alone
     nothing = category_config({"c": plain}, "s")
-    assert not nothing.skip.size and nothing.to_json()["version"] == 1 and "c: lost" in nothing.metrics["verdict"]
+    assert not nothing.skip.size and nothing.to_json()["version"] == 1 and "c: lost" in nothing.metrics.verdict
 
 
 def test_a_categorys_trimmed_head_alone_is_exported():
@@ -193,8 +195,10 @@ def test_a_categorys_trimmed_head_alone_is_exported():
     studies export) won: it is not taken for plain decoding."""
     info = ModelInfo("tiny", "LlamaForCausalLM", 4, 32, vocab_size=8)
     head = SkipSet(head=DraftHead((0, 1, 2)))
-    won = SkipConfig(info, head, metrics={"speedup": 1.2, "verdict": "a won"}, search={"study_name": "s-a"})
-    plain = SkipConfig(info, SkipSet(), metrics={"speedup": 1.0, "verdict": "lost"}, search={"study_name": "s-c"})
+    won = SkipConfig(info, head, metrics=ConfigMetrics(speedup=1.2, verdict="a won"),
+                     search=ConfigSearch(study_name="s-a"))
+    plain = SkipConfig(info, SkipSet(), metrics=ConfigMetrics(speedup=1.0, verdict="lost"),
+                       search=ConfigSearch(study_name="s-c"))
     config = category_config({"a": won, "c": plain}, "s")
     assert [(e.label, e.skip) for e in config.entries] == [("a", head)]
 
@@ -212,7 +216,7 @@ def test_optimize_runs_one_study_per_category(capsys, tmp_path, tiny_model_dir):
     assert "category mt_bench: study sb-mt_bench on 1 prompt\n" in out and "category qa: study sb-qa" in out
     assert {p.name for p in (tmp_path / "studies").iterdir()} >= {"sb-mt_bench.db", "sb-qa.db", "sb"}
     config = load_skip_config(tmp_path / "studies" / "sb" / "best.json")
-    assert config.search["categories"] == [MT_BENCH, "qa"]
+    assert config.search.categories == [MT_BENCH, "qa"]
     assert f"exported {tmp_path / 'studies' / 'sb' / 'best.json'}" in out
     assert category_study_name("sb", "math reasoning/x") == "sb-math-reasoning-x"
     for command in ("export", "plot"):  # the name given to optimize names no study of its own: say which are

@@ -81,7 +81,7 @@ def test_noise_never_exports_a_skip_set_that_is_truly_slower(tmp_path):
         result = study(model, clock, seed)
         config = export_trial(result, tmp_path / f"best{seed}.json")
         assert config.skip == SkipSet(), (seed, decide(result).text)
-        assert "no skip set was confirmed faster" in config.metrics["verdict"]
+        assert "no skip set was confirmed faster" in config.metrics.verdict
         clock.remove()
 
 
@@ -103,12 +103,12 @@ def test_a_truly_faster_skip_set_is_exported_with_an_interval_that_contains_its_
     result = study(model, clock, 1, n_trials=16, confirm_top=3, confirm_repeats=6)
     config = export_trial(result, tmp_path / "best.json")
     assert config.skip.size > 0, decide(result).text
-    assert config.metrics["confirmed"] and config.metrics["acceptance_rate"] == 1.0
+    assert config.metrics.confirmed and config.metrics.acceptance_rate == 1.0
     clock.remove()
     truth = true_ratio(model, config.skip)
     assert truth > 1.0
-    assert config.metrics["speedup_low"] <= truth <= config.metrics["speedup_high"]
-    assert config.metrics["speedup_low"] > 1.0
+    assert config.metrics.speedup_low <= truth <= config.metrics.speedup_high
+    assert config.metrics.speedup_low > 1.0
 
 
 def count_decodes(monkeypatch):

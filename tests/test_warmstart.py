@@ -180,7 +180,7 @@ def test_a_config_of_several_sets_warm_starts_each(tmp_path):
     from skipsearch.decode.policy import DraftPolicy
 
     entries = [SkipEntry(SkipSet.of([1], [], 4), "code.jsonl"), SkipEntry(SkipSet.of([], [2], 4), None)]
-    save_skip_config(SkipConfig.of_entries(TINY, entries, DraftPolicy(), {}), tmp_path / "best.json")
+    save_skip_config(SkipConfig.of_entries(TINY, entries, DraftPolicy()), tmp_path / "best.json")
     sets = read_warm_starts(str(tmp_path / "best.json"))
     assert [(s.name, s.skip_set(4), s.origin.rsplit(":", 1)[-1]) for s in sets] == [
         ("code.jsonl", entries[0].skip, "code.jsonl"), ("best[1]", entries[1].skip, "best[1]")]

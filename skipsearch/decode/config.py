@@ -2,7 +2,8 @@
 
 Version 1 carries one skip set ("skip", with its "metrics"); version 2 several ("skips": a list of {"label", "skip",
 "metrics"}, e.g. the best set per dataset of a study of several), among which decoding chooses one per prompt
-(choice.py). A config of one unlabelled set is written as version 1, which every release reads.
+(choice.py). A config of one unlabelled set is written as version 1, which every release reads. Each set's "metrics"
+and the config's "search" say where the sets came from (provenance.py); decoding reads neither.
 
 A skip set whose draft reads a trimmed LM head carries it as "head" beside "attn" and "mlp" (`DraftHead.to_json`: its
 ids as a deflated bitmap over the vocabulary, their count and sha256), and the model's "vocab_size" and "tokenizer"
@@ -24,6 +25,7 @@ from torch import nn
 
 from ..io.files import read_json, write_atomic
 from .policy import DEPRECATED_FIELDS, DraftPolicy, deprecation
+from .provenance import ConfigMetrics, ConfigSearch
 from .skipping import check_model, supported_layers
 from . import adapter
 from .skipset import DraftHead, SkipSet
@@ -78,10 +80,10 @@ class SkipEntry:
 
     skip: SkipSet
     label: str | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
+    metrics: ConfigMetrics = field(default_factory=ConfigMetrics)
 
     def to_json(self, vocab_size: int | None = None) -> dict[str, Any]:
-        return {"label": self.label, "skip": skip_json(self.skip, vocab_size), "metrics": self.metrics}
+        return {"label": self.label, "skip": skip_json(self.skip, vocab_size), "metrics": self.metrics.to_json()}
 
 
 @dataclass
@@ -92,14 +94,14 @@ class SkipConfig:
     model: ModelInfo
     skip: SkipSet
     draft: DraftPolicy = field(default_factory=DraftPolicy)
-    metrics: dict[str, Any] = field(default_factory=dict)
-    search: dict[str, Any] = field(default_factory=dict)
+    metrics: ConfigMetrics = field(default_factory=ConfigMetrics)
+    search: ConfigSearch = field(default_factory=ConfigSearch)
     label: str | None = None
     others: tuple[SkipEntry, ...] = ()
 
     @classmethod
     def of_entries(cls, model: ModelInfo, entries: Sequence[SkipEntry], draft: DraftPolicy,
-                   search: dict[str, Any]) -> SkipConfig:
+                   search: ConfigSearch = ConfigSearch()) -> SkipConfig:
         first, *others = entries
         return cls(model=model, skip=first.skip, draft=draft, metrics=first.metrics, search=search,
                    label=first.label, others=tuple(others))
@@ -122,8 +124,8 @@ class SkipConfig:
             **({"skips": [entry.to_json(self.model.vocab_size) for entry in self.entries]} if several
                else {"skip": skip_json(self.skip, self.model.vocab_size)}),
             "draft": self.draft.as_dict(),
-            **({} if several else {"metrics": self.metrics}),
-            "search": self.search,
+            **({} if several else {"metrics": self.metrics.to_json()}),
+            "search": self.search.to_json(),
         }
 
     def check_model(self, model: nn.Module) -> None:
@@ -212,19 +214,11 @@ def _skip_set(mapping: Any, where: str, num_layers: int, source: str) -> SkipSet
         raise ValueError(f"{source}: {error}") from None
 
 
-def _object(mapping: dict, key: str, where: str, source: str) -> dict[str, Any]:
-    """An optional object (metrics, search); empty when absent."""
-    value = mapping.get(key, {})
-    if not isinstance(value, dict):
-        raise ValueError(f"{source}: {where}{key!r} has the wrong type ({type(value).__name__}), expected an object")
-    return value
-
-
 def _entries(data: dict, num_layers: int, source: str) -> list[SkipEntry]:
     """The config's skip sets: version 1's one ("skip" and "metrics"), version 2's list ("skips")."""
     if data["version"] == 1:
         skip = _skip_set(_need(data, "skip", dict, "", source), "skip.", num_layers, source)
-        return [SkipEntry(skip, None, _object(data, "metrics", "", source))]
+        return [SkipEntry(skip, None, ConfigMetrics.from_json(data.get("metrics", {}), "metrics", source))]
     listed = _need(data, "skips", list, "", source)
     if not listed:
         raise ValueError(f"{source}: 'skips' is empty: a config carries at least one skip set")
@@ -239,7 +233,8 @@ def _entries(data: dict, num_layers: int, source: str) -> list[SkipEntry]:
         skip = _skip_set(_need(item, "skip", dict, where, source), f"{where}skip.", num_layers, source)
         if any(entry.skip == skip for entry in entries):
             raise ValueError(f"{source}: skips[{i}] repeats an earlier skip set ({skip})")
-        entries.append(SkipEntry(skip, label, _object(item, "metrics", where, source)))
+        entries.append(SkipEntry(skip, label, ConfigMetrics.from_json(item.get("metrics", {}), f"{where}metrics",
+                                                                      source)))
     return entries
 
 
@@ -270,7 +265,7 @@ def parse_skip_config(data: Any, source: str = "skip config") -> SkipConfig:
     draft_data = data.get("draft", {})
     if not isinstance(draft_data, dict):
         raise ValueError(f"{source}: 'draft' has the wrong type ({type(draft_data).__name__}), expected an object")
-    search = _object(data, "search", "", source)
+    search = ConfigSearch.from_json(data.get("search", {}), "search", source)
     defaults = DraftPolicy()
 
     def draft_field(key: str, kind: type | tuple[type, ...]) -> Any:

@@ -254,7 +254,7 @@ def bench_verdict(rows: list[BenchRow], config: SkipConfig | None = None) -> str
     if not ours:
         return None
     row, unguarded = ours[0], next((r for r in ours if r.guarded is False), None)
-    recorded = config.metrics.get("verdict") if config is not None else None
+    recorded = config.metrics.verdict if config is not None else None
     if row.acceptance_rate is None:
         text = "the config skips nothing: it decodes plainly" if config is None or not config.others else \
             "the config's sets drafted nothing: the prefill chose plain decoding for every prompt"

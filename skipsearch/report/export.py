@@ -14,26 +14,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields as dataclass_fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
 from ..decode.config import SkipConfig, SkipEntry, save_skip_config
+from ..decode.provenance import BestSkipping, ConfigMetrics, ConfigSearch
 from ..decode.skipset import SkipSet
 from ..io.files import write_atomic
 from ..search.ranking import best_confirmed, fastest_confirmed, quoted_speedup, score
 from ..search.records import (Confirmation, ConfirmedCandidate, Figures, Ratio, StudyLabel, TrialRecord,
                               read_confirmation, read_trials, study_label)
 from ..search.warmstart import dv_json, dv_name
-
-# The figures a confirmation carries into best.json's metrics.
-_METRIC_KEYS = ("speedup", "speedup_low", "speedup_high", "paired_runs", "acceptance_rate", "tokens_per_second",
-                "baseline_tokens_per_second", "mean_accepted_tokens", "predicted_speedup", "predicted_speedup_low",
-                "predicted_speedup_high")
 
 
 @dataclass(frozen=True)
@@ -140,28 +135,25 @@ def config_from_trial(study: optuna.Study, trial: TrialRecord) -> SkipConfig:
     confirmation = read_confirmation(study)
     confirmed = confirmation.of_trial(trial.number) if confirmation is not None else None
     if confirmed is not None:  # the confirmation's figures are the better-measured ones
-        metrics = _metrics(label.objective, confirmed.score, confirmed.figures)
-        metrics["confirmed"] = True
-        metrics["verdict"] = (f"trial {trial.number} exported on request; its confirmation measured "
-                              f"{_figure(confirmed.figures, label.objective)}")
+        metrics = _metrics(label.objective, confirmed.score, confirmed.figures, confirmed=True,
+                           verdict=f"trial {trial.number} exported on request; its confirmation measured "
+                                   f"{_figure(confirmed.figures, label.objective)}")
     else:
         metrics = _metrics(label.objective, trial.values[0] if len(trial.values) == 1 else None,
-                           trial.figures or Figures())
-        metrics["confirmed"] = False
-        metrics["verdict"] = f"trial {trial.number} exported on request: its figures come from the search, unconfirmed"
+                           trial.figures or Figures(), confirmed=False,
+                           verdict=f"trial {trial.number} exported on request: its figures come from the search, "
+                                   "unconfirmed")
     return _config(study, label, trial.skip, metrics, trial.number)
 
 
-def _metrics(objective: str, score: float | None, figures: Figures) -> dict[str, Any]:
-    return {"objective": objective, "score": score, **_metric_figures(figures)}
-
-
-def _metric_figures(figures: Figures) -> dict[str, Any]:
+def _metrics(objective: str | None, score: float | None, figures: Figures, **rest) -> ConfigMetrics:
+    """best.json's metrics of a skip set: `figures` as the confirmation or the search measured them."""
     flat = figures.as_dict()
-    return {key: flat[key] for key in _METRIC_KEYS}
+    measured = {f.name: flat[f.name] for f in dataclass_fields(ConfigMetrics) if f.name in flat}
+    return ConfigMetrics(objective=objective, score=score, **measured, **rest)
 
 
-def _config(study: optuna.Study, label: StudyLabel, skip: SkipSet, metrics: dict[str, Any],
+def _config(study: optuna.Study, label: StudyLabel, skip: SkipSet, metrics: ConfigMetrics,
             trial_number: int | None) -> SkipConfig:
     skip.check_fits(label.model.num_hidden_layers)
     return SkipConfig(model=label.model, skip=skip, draft=label.draft, metrics=metrics,
@@ -178,16 +170,15 @@ def decided_config(study: optuna.Study) -> SkipConfig:
     decision = decide(study)
     if decision.chosen is not None:
         chosen = decision.chosen
-        metrics = _metrics(label.objective, chosen.score, chosen.figures)
-        metrics.update(confirmed=True, verdict=decision.text)
+        metrics = _metrics(label.objective, chosen.score, chosen.figures, confirmed=True, verdict=decision.text)
         return _config(study, label, chosen.skip, metrics, chosen.trial)
     best = decision.best
     baseline = best.figures.baseline_tokens_per_second if best else None
-    metrics = {"objective": label.objective, "score": 1.0, "speedup": 1.0, "acceptance_rate": None,
-               "tokens_per_second": baseline, "baseline_tokens_per_second": baseline, "mean_accepted_tokens": None,
-               "confirmed": best is not None, "verdict": decision.text,
-               "best_skipping": None if best is None else {
-                   "trial": best.trial, "skip": best.skip.as_dict(), **_metric_figures(best.figures)}}
+    metrics = ConfigMetrics(objective=label.objective, score=1.0, speedup=1.0, tokens_per_second=baseline,
+                            baseline_tokens_per_second=baseline, confirmed=best is not None, verdict=decision.text,
+                            best_skipping=None if best is None else BestSkipping(
+                                best.trial, best.skip.attn, best.skip.mlp, best.skip.head_rows,
+                                _metrics(None, None, best.figures)))
     return _config(study, label, SkipSet(), metrics, None)
 
 
@@ -203,8 +194,8 @@ def _dataset_entries(study: optuna.Study, label: StudyLabel) -> list[SkipEntry]:
     entries = []
     for skip, wins in won.items():
         chosen = wins[0][1].chosen
-        metrics = _metrics(label.objective, chosen.score, chosen.figures)
-        metrics.update(confirmed=True, trial=chosen.trial, verdict="; ".join(f"{d}: {w.text}" for d, w in wins))
+        metrics = _metrics(label.objective, chosen.score, chosen.figures, confirmed=True, trial=chosen.trial,
+                           verdict="; ".join(f"{d}: {w.text}" for d, w in wins))
         entries.append(SkipEntry(skip, ", ".join(d for d, _ in wins), metrics))
     return entries
 
@@ -218,30 +209,29 @@ def category_config(configs: dict[str, SkipConfig], study_name: str) -> SkipConf
         if config.skip.drafts and not config.others:  # a trimmed head alone drafts too
             won.setdefault(config.skip, []).append((category, config))
     first = next(iter(configs.values()))
-    search = {**first.search, "study_name": study_name, "trial_number": None, "categories": list(configs),
-              "category_studies": {c: config.search.get("study_name") for c, config in configs.items()}}
-    verdicts = "; ".join(f"{c}: {config.metrics.get('verdict')}" for c, config in configs.items())
+    search = replace(first.search, study_name=study_name, trial_number=None, categories=list(configs),
+                     category_studies={c: config.search.study_name for c, config in configs.items()})
+    verdicts = "; ".join(f"{c}: {config.metrics.verdict}" for c, config in configs.items())
     if not won:
-        metrics = {"objective": first.metrics.get("objective"), "score": 1.0, "speedup": 1.0, "acceptance_rate": None,
-                   "mean_accepted_tokens": None, "confirmed": False,
-                   "verdict": f"no category's skip set was confirmed faster than plain decoding ({verdicts}); plain "
-                              "decoding is exported"}
+        metrics = ConfigMetrics(objective=first.metrics.objective, score=1.0, speedup=1.0, confirmed=False,
+                                verdict=f"no category's skip set was confirmed faster than plain decoding ({verdicts});"
+                                        " plain decoding is exported")
         return SkipConfig(model=first.model, skip=SkipSet(), draft=first.draft, metrics=metrics, search=search)
-    entries = [SkipEntry(skip, ", ".join(c for c, _ in wins), {
-        **wins[0][1].metrics, "verdict": "; ".join(f"{c}: {w.metrics.get('verdict')}" for c, w in wins)})
+    entries = [SkipEntry(skip, ", ".join(c for c, _ in wins), replace(
+        wins[0][1].metrics, verdict="; ".join(f"{c}: {w.metrics.verdict}" for c, w in wins)))
         for skip, wins in won.items()]
     return SkipConfig.of_entries(first.model, entries, first.draft, search)
 
 
-def _search_settings(study: optuna.Study, label: StudyLabel, trial_number: int | None) -> dict:
+def _search_settings(study: optuna.Study, label: StudyLabel, trial_number: int | None) -> ConfigSearch:
     confirmation = read_confirmation(study)
-    return {
-        "study_name": study.study_name, "trial_number": trial_number, "sampler": label.sampler,
-        "dataset": label.dataset, "num_prompts": label.num_prompts, "max_new_tokens": label.max_new_tokens,
-        "device": label.device, "device_name": label.device_name, "dtype": label.dtype,
-        "confirm_repeats": None if confirmation is None else confirmation.repeats,
-        "created_at": datetime.now(timezone.utc).isoformat(),
-    }
+    return ConfigSearch(
+        study_name=study.study_name, trial_number=trial_number, sampler=label.sampler, dataset=label.dataset,
+        num_prompts=label.num_prompts, max_new_tokens=label.max_new_tokens, device=label.device,
+        device_name=label.device_name, dtype=label.dtype,
+        confirm_repeats=None if confirmation is None else confirmation.repeats,
+        created_at=datetime.now(timezone.utc).isoformat(),
+    )
 
 
 def export_trial(study: optuna.Study, path: Path, trial_number: int | None = None,

@@ -1,0 +1,146 @@
+"""What a skip config says of where its skip sets came from: the figures each was measured at (`ConfigMetrics`) and
+the search that chose them (`ConfigSearch`).
+
+Both are informational: decoding reads neither. In the JSON each is an object of optional fields, written only where
+known (null and absent read alike, as in the study label), so that configs of every release load; a field of the
+wrong type is refused in one line, and a field this release does not know is ignored.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, fields
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+
+@dataclass(frozen=True)
+class BestSkipping:
+    """In a "skip nothing" export, the fastest skip set the confirmation measured, which did not pay: its trial, its
+    sublayers and head size (a config carries the exported head's ids alone), and its figures."""
+
+    trial: int
+    attn: tuple[int, ...]
+    mlp: tuple[int, ...]
+    head_rows: int | None
+    figures: ConfigMetrics
+
+    def to_json(self) -> dict[str, Any]:
+        skip: dict[str, Any] = {"attn": list(self.attn), "mlp": list(self.mlp)}
+        if self.head_rows is not None:
+            skip["head_rows"] = self.head_rows
+        return {"trial": self.trial, "skip": skip, **self.figures.to_json()}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str, source: str) -> BestSkipping:
+        if not isinstance(data, dict) or not _matches(data.get("trial"), int) or not isinstance(data.get("skip"), dict):
+            raise ValueError(f"{source}: {where} is not a trial with a skip set")
+        skip = data["skip"]
+        sublayers = {kind: skip.get(kind, []) for kind in ("attn", "mlp")}
+        if not all(_matches(layers, list[int]) for layers in sublayers.values()) or \
+                not _matches(skip.get("head_rows"), int | None):
+            raise ValueError(f"{source}: {where}.skip has the wrong type (expected lists of layer indices)")
+        return cls(data["trial"], tuple(sublayers["attn"]), tuple(sublayers["mlp"]), skip.get("head_rows"),
+                   ConfigMetrics.from_json({k: v for k, v in data.items() if k not in ("trial", "skip")}, where, source))
+
+
+@dataclass(frozen=True)
+class ConfigMetrics:
+    """A skip set's figures: the objective and its score, the speedup over plain decoding with its interval, the
+    acceptance, and the verdict that says whether the set pays. Unknown figures are None."""
+
+    objective: str | None = None
+    score: float | None = None
+    speedup: float | None = None
+    speedup_low: float | None = None
+    speedup_high: float | None = None
+    paired_runs: int | None = None
+    acceptance_rate: float | None = None
+    tokens_per_second: float | None = None
+    baseline_tokens_per_second: float | None = None
+    mean_accepted_tokens: float | None = None
+    predicted_speedup: float | None = None
+    predicted_speedup_low: float | None = None
+    predicted_speedup_high: float | None = None
+    confirmed: bool | None = None  # measured again, with more paired runs, after the search
+    verdict: str | None = None
+    trial: int | None = None  # the trial that found the set, where a config carries several
+    best_skipping: BestSkipping | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = _known(self)
+        if self.best_skipping is not None:
+            out["best_skipping"] = self.best_skipping.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any, where: str, source: str) -> ConfigMetrics:
+        values = _read(cls, data, where, source, nested=("best_skipping",))
+        if isinstance(data.get("best_skipping"), dict):
+            values["best_skipping"] = BestSkipping.from_json(data["best_skipping"], f"{where}.best_skipping", source)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ConfigSearch:
+    """How the study that chose a config's skip sets searched: its name, the trial exported (None: the study's
+    decision), its sampler, prompts and device; a config of one study per category also names each one's study."""
+
+    study_name: str | None = None
+    trial_number: int | None = None
+    sampler: str | None = None
+    dataset: str | list[str] | None = None  # a list: a study of several datasets
+    num_prompts: int | None = None
+    max_new_tokens: int | None = None
+    device: str | None = None
+    device_name: str | None = None
+    dtype: str | None = None
+    confirm_repeats: int | None = None
+    created_at: str | None = None  # when the config was exported, ISO 8601 in UTC
+    categories: list[str] | None = None
+    category_studies: dict[str, str | None] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return _known(self)
+
+    @classmethod
+    def from_json(cls, data: Any, where: str, source: str) -> ConfigSearch:
+        return cls(**_read(cls, data, where, source))
+
+
+def _known(record: Any) -> dict[str, Any]:
+    """The record's known fields as JSON values (its nested records are each class's to write)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)
+            if getattr(record, f.name) is not None and not isinstance(getattr(record, f.name), BestSkipping)}
+
+
+def _read(cls: type, data: Any, where: str, source: str, nested: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`cls`'s fields found in the JSON object `data`, each checked against its type (`nested` ones are left to the
+    caller)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: {where} has the wrong type ({type(data).__name__}), expected an object")
+    hints = get_type_hints(cls)
+    values = {}
+    for f in fields(cls):
+        value = data.get(f.name)
+        if value is None or f.name in nested:
+            continue
+        if not _matches(value, hints[f.name]):
+            raise ValueError(f"{source}: {where}.{f.name} has the wrong type ({type(value).__name__})")
+        values[f.name] = value
+    return values
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    """Whether the JSON value `value` is of the type `hint` (a JSON number is a float; a bool is no number)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if origin is list:
+        return isinstance(value, list) and all(_matches(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items())
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return hint is bool
+    return isinstance(value, (int, float)) if hint is float else isinstance(value, hint)
