@@ -42,6 +42,22 @@ def test_bench_rows_json_and_chart(tmp_path):
     assert png_path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_table_gives_the_plain_loop_figure_its_interval_in_its_own_column():
+    """As the HF greedy figure and the per-category table do: a column of its own, aligned under its header."""
+    from skipsearch.report.bench import BenchRow
+
+    rows = [BenchRow("hf greedy", 10.0, 1.0, True),
+            BenchRow("skipsearch attn=[3]", 12.0, 1.2, True, 1.1, 1.3, 0.8, 2.5, speedup_over_plain_loop=1.15,
+                     speedup_over_plain_low=1.05, speedup_over_plain_high=1.26),
+            BenchRow("skipsearch attn=[4]", 11.0, 1.1, True, 1.0, 1.2, 0.8, 2.5, speedup_over_plain_loop=1.07,
+                     speedup_over_plain_low=0.98)]  # one paired run: unbounded above
+    header, *lines = format_table(rows).splitlines()
+    figure = header.index("vs our plain loop (decode)")
+    interval = header.index("95% interval", figure)
+    assert [line[figure:interval].strip() for line in lines] == ["-", "1.15", "1.07"]
+    assert [line[interval:].split()[0] for line in lines] == ["-", "1.05-1.26", "0.98-inf"]
+
+
 def test_bench_verdict_quotes_the_paired_figure_and_the_studys_own_verdict():
     from skipsearch.report.bench import BenchRow
 
