@@ -7,7 +7,7 @@ from skipsearch.costs.profiler import profile_costs
 from skipsearch.decode.config import ModelInfo, SkipConfig
 from skipsearch.decode.policy import DraftPolicy
 from skipsearch.decode.skipset import SkipSet
-from skipsearch.report.bench import bench_verdict, format_table, run_bench, write_outputs
+from skipsearch.report.bench import bench_rows, bench_verdict, format_table, measure_methods, write_outputs
 
 PROMPTS = [[5, 9, 14, 3, 5, 9], [7, 2, 30, 31, 8]]
 
@@ -18,8 +18,9 @@ def test_bench_rows_json_and_chart(tmp_path):
                         draft=DraftPolicy(max_draft_tokens=3, adaptive=False))
     profile = profile_costs(model, contexts=(8,), max_verify_tokens=4, repeats=2, calibrate=False,
                             clock=VirtualTimer(model))
-    rows = run_bench(model, PROMPTS, max_new_tokens=8, eos=None, config=config, early_exit_layer=2,
-                     prompt_lookup_tokens=3, repeats=2, profile=profile, show_progress=False)
+    measured = measure_methods(model, PROMPTS, max_new_tokens=8, eos=None, config=config, early_exit_layer=2,
+                               prompt_lookup_tokens=3, repeats=2, show_progress=False)
+    rows = bench_rows(model, measured, config, profile)
     names = [r.method for r in rows]
     assert names == ["hf greedy", "hf prompt lookup (3)", "hf early exit (layer 2)", "skipsearch plain",
                      "skipsearch attn=[1] mlp=[2] (guarded)",

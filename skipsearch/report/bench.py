@@ -161,17 +161,6 @@ class Measured:
                         self.guarded)
 
 
-def run_bench(
-    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, eos: int | list[int] | None,
-    config: SkipConfig | None = None, early_exit_layer: int | None = None, prompt_lookup_tokens: int = 10,
-    repeats: int = 3, profile: CostProfile | None = None, show_progress: bool = True,
-    project_with: Sequence[tuple[str, CostProfile]] = (), compile: bool = False,
-) -> list[BenchRow]:
-    measured = measure_methods(model, prompts, max_new_tokens, eos, config, early_exit_layer, prompt_lookup_tokens,
-                               repeats, show_progress, compile)
-    return bench_rows(model, measured, config, profile, project_with)
-
-
 def measure_methods(
     model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, eos: int | list[int] | None,
     config: SkipConfig | None = None, early_exit_layer: int | None = None, prompt_lookup_tokens: int = 10,
