@@ -8,7 +8,7 @@ from skipsearch.costs.profiler import profile_costs
 from skipsearch.decode.config import ModelInfo, SkipConfig
 from skipsearch.decode.policy import DraftPolicy
 from skipsearch.decode.skipset import SkipSet
-from skipsearch.report.bench import bench_verdict, format_table, run_bench, write_outputs
+from skipsearch.report.bench import bench_rows, bench_verdict, format_table, measure_methods, write_outputs
 
 PROMPTS = [[5, 9, 14, 3, 5, 9], [7, 2, 30, 31, 8]]
 
@@ -19,8 +19,9 @@ def test_bench_rows_json_and_chart(tmp_path):
                         draft=DraftPolicy(max_draft_tokens=3, adaptive=False))
     profile = profile_costs(model, contexts=(8,), max_verify_tokens=4, repeats=2, calibrate=False,
                             clock=VirtualTimer(model))
-    rows = run_bench(model, PROMPTS, max_new_tokens=8, eos=None, config=config, early_exit_layer=2,
-                     prompt_lookup_tokens=3, repeats=2, profile=profile, show_progress=False)
+    measured = measure_methods(model, PROMPTS, max_new_tokens=8, eos=None, config=config, early_exit_layer=2,
+                               prompt_lookup_tokens=3, repeats=2, show_progress=False)
+    rows = bench_rows(model, measured, config, profile)
     names = [r.method for r in rows]
     assert names == ["hf greedy", "hf prompt lookup (3)", "hf early exit (layer 2)", "skipsearch plain",
                      "skipsearch attn=[1] mlp=[2] (guarded)",
@@ -41,6 +42,22 @@ def test_bench_rows_json_and_chart(tmp_path):
     data = json.loads(json_path.read_text())
     assert [r["method"] for r in data["rows"]] == names and data["verdict"] == verdict
     assert png_path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_table_gives_the_plain_loop_figure_its_interval_in_its_own_column():
+    """As the HF greedy figure and the per-category table do: a column of its own, aligned under its header."""
+    from skipsearch.report.bench import BenchRow
+
+    rows = [BenchRow("hf greedy", 10.0, 1.0, True),
+            BenchRow("skipsearch attn=[3]", 12.0, 1.2, True, 1.1, 1.3, 0.8, 2.5, speedup_over_plain_loop=1.15,
+                     speedup_over_plain_low=1.05, speedup_over_plain_high=1.26),
+            BenchRow("skipsearch attn=[4]", 11.0, 1.1, True, 1.0, 1.2, 0.8, 2.5, speedup_over_plain_loop=1.07,
+                     speedup_over_plain_low=0.98)]  # one paired run: unbounded above
+    header, *lines = format_table(rows).splitlines()
+    figure = header.index("vs our plain loop (decode)")
+    interval = header.index("95% interval", figure)
+    assert [line[figure:interval].strip() for line in lines] == ["-", "1.15", "1.07"]
+    assert [line[interval:].split()[0] for line in lines] == ["-", "1.05-1.26", "0.98-inf"]
 
 
 def test_bench_verdict_quotes_the_paired_figure_and_the_studys_own_verdict():

@@ -334,6 +334,39 @@ def test_history_shows_measured_trials_at_their_numbers():
     plt.close(fig)
 
 
+def _plain_decoding_first(objective: str, n: int) -> optuna.Study:
+    """A study whose trial 0 is the plain-decoding warm start (1.0 by definition, not decoded), then `n` trials."""
+    study = synthetic_study(objective, n=0)
+    study.add_trial(optuna.trial.create_trial(
+        values=[1.0, 1.0] if objective == "pareto" else [1.0],
+        user_attrs={"skip_attn": [], "skip_mlp": [], "skipped": 0, "skipped_fraction": 0.0, "speedup": 1.0,
+                    "acceptance_rate": None, "plain_decoding": "by definition"}))
+    study.add_trials(synthetic_study(objective, n=n).trials)
+    return study
+
+
+def _plain_line(ax: plt.Axes) -> list:
+    return [line for line in ax.get_lines() if line.get_label() == "plain decoding (1.0)"
+            and set(line.get_ydata()) == {1.0}]
+
+
+@pytest.mark.parametrize("objective", ["speed_x_acceptance", "pareto"])
+def test_history_draws_plain_decoding_as_a_line_not_a_trial(objective):
+    fig = plots.history(_plain_decoding_first(objective, n=4))
+    ax = fig.axes[0]
+    assert sorted(ax.collections[0].get_offsets()[:, 0].tolist()) == [1, 2, 3, 4]
+    assert _plain_line(ax) and "plain decoding (1.0)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(fig)
+
+
+def test_a_history_of_plain_decoding_alone_says_so():
+    fig = plots.history(_plain_decoding_first("speed_x_acceptance", n=0))
+    ax = fig.axes[0]
+    assert not any(len(points.get_offsets()) for points in ax.collections) and _plain_line(ax)
+    assert "no skip set was decoded" in ax.texts[0].get_text() and ax.get_ylim()[0] < 1.0 < ax.get_ylim()[1]
+    plt.close(fig)
+
+
 def test_category_bars_stand_in_the_legends_order_beside_a_labelled_baseline(tmp_path, monkeypatch):
     from skipsearch.report import categories
 

@@ -161,17 +161,6 @@ class Measured:
                         self.guarded)
 
 
-def run_bench(
-    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, eos: int | list[int] | None,
-    config: SkipConfig | None = None, early_exit_layer: int | None = None, prompt_lookup_tokens: int = 10,
-    repeats: int = 3, profile: CostProfile | None = None, show_progress: bool = True,
-    project_with: Sequence[tuple[str, CostProfile]] = (), compile: bool = False,
-) -> list[BenchRow]:
-    measured = measure_methods(model, prompts, max_new_tokens, eos, config, early_exit_layer, prompt_lookup_tokens,
-                               repeats, show_progress, compile)
-    return bench_rows(model, measured, config, profile, project_with)
-
-
 def measure_methods(
     model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, eos: int | list[int] | None,
     config: SkipConfig | None = None, early_exit_layer: int | None = None, prompt_lookup_tokens: int = 10,
@@ -293,11 +282,12 @@ def span(low: float | None, high: float | None) -> str:
 
 def format_table(rows: list[BenchRow]) -> str:
     header = ["method", "tok/s", "vs HF greedy", "95% interval", "acceptance", "mean acc.", "identical",
-              "vs our plain loop (decode)", "predicted vs plain"]
+              "vs our plain loop (decode)", "95% interval", "predicted vs plain"]
     lines = [[r.method, fmt(r.tokens_per_second, ".1f"), fmt(r.speedup, ".2f") + "x", span(r.speedup_low, r.speedup_high),
               fmt(r.acceptance_rate, ".2f"),
               fmt(r.mean_accepted_tokens, ".2f"), "yes" if r.identical else "NO",
-              fmt(r.speedup_over_plain_loop, ".2f"), fmt(r.predicted_speedup, ".2f")] for r in rows]
+              fmt(r.speedup_over_plain_loop, ".2f"), span(r.speedup_over_plain_low, r.speedup_over_plain_high),
+              fmt(r.predicted_speedup, ".2f")] for r in rows]
     widths = [max(len(str(x)) for x in column) for column in zip(header, *lines)]
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in [header, *lines])
 

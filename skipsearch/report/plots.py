@@ -17,8 +17,8 @@ from optuna.trial import TrialState
 
 from ..io.files import write_output
 from ..search.ranking import quoted_speedup, ranked
-from ..search.records import (ConfirmedCandidate, Ratio, TrialRecord, decoded_trials, measured_trials,
-                              read_confirmation, study_label)
+from ..search.records import (ConfirmedCandidate, Ratio, TrialRecord, decoded_trials, read_confirmation,
+                              study_label)
 from ..search.space import HEAD_PARAM
 from .export import decide
 
@@ -209,17 +209,28 @@ def _only(study: optuna.Study, trials: list[TrialRecord]) -> optuna.Study:
 
 
 def history(study: optuna.Study) -> plt.Figure:
-    """Optuna's optimization history of the measured trials (the first objective of a Pareto study), labelled,
-    with whole trial numbers."""
+    """Optuna's optimization history of the decoded trials (the first objective of a Pareto study), labelled,
+    with whole trial numbers, beside a dashed line at plain decoding's 1.0."""
     multi = len(study.directions) > 1
+    # Plain decoding's trial is not measured: every objective scores it 1.0 by definition (its speedup is 1, its
+    # acceptance counts as 1), which the dashed line draws.
+    trials = decoded_trials(study)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # Optuna's matplotlib plots
+        # With no trial, Optuna's legend is empty; the one below holds the plain decoding line.
+        warnings.filterwarnings("ignore", "No artists with labels", UserWarning)
         ax = optuna.visualization.matplotlib.plot_optimization_history(
-            _only(study, measured_trials(study)), target=(lambda t: t.values[0]) if multi else None,
+            _only(study, trials), target=(lambda t: t.values[0]) if multi else None,
             target_name="Speedup" if multi else "Score")
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, zorder=0, label="plain decoding (1.0)")
+    ax.legend(bbox_to_anchor=(1.05, 1.0), loc="upper left")  # Optuna's, drawn before the line: again to hold it
     # Matplotlib's default ticks put 0.5, 1.5, ... between trials when there are few of them.
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    return _labelled(ax, f"{study.study_name}: {_target_label(study)} per measured trial", "trial number",
+    if not trials:
+        ax.set_ylim(0, 2)  # the dashed line inside the frame, not on its edge
+        ax.text(0.5, 0.3, "no skip set was decoded:\nnothing to compare with plain decoding", transform=ax.transAxes,
+                ha="center", va="center", fontsize=9, bbox={"facecolor": "white", "edgecolor": "gray"})
+    return _labelled(ax, f"{study.study_name}: {_target_label(study)} per decoded trial", "trial number",
                      _target_label(study, units=True))
 
 

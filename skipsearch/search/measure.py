@@ -30,9 +30,6 @@ class Interval:
     high: float
     pairs: int
 
-    def contains(self, value: float) -> bool:
-        return self.low <= value <= self.high
-
     def __str__(self) -> str:
         if self.pairs < 2:
             return f"{self.estimate:.2f}x (one paired run: no interval)"

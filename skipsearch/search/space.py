@@ -87,9 +87,11 @@ class SearchSpace:
         return None
 
     def suggest(self, trial: optuna.Trial) -> SkipSet:
-        draws = {(kind, i): trial.suggest_float(self.param_name(kind, i), 0.0, 1.0) for kind, i in self.sublayers()}
-        rows = trial.suggest_categorical(HEAD_PARAM, (0, *self.head_rows)) if self.head_rows else 0
-        return self.skip_set(draws, rows)
+        names = [self.param_name(kind, i) for kind, i in self.sublayers()]
+        params: dict[str, float] = {name: trial.suggest_float(name, 0.0, 1.0) for name in names}
+        if self.head_rows:
+            params[HEAD_PARAM] = trial.suggest_categorical(HEAD_PARAM, (0, *self.head_rows))
+        return self.from_params(params)
 
     def skip_set(self, draws: dict[tuple[str, int], float], head_rows: int = 0) -> SkipSet:
         # Over the cap, keep the sublayers whose draws are furthest below the prior.
@@ -107,6 +109,7 @@ class SearchSpace:
         return self.ranking.head(rows)
 
     def from_params(self, params: dict[str, float]) -> SkipSet:
+        """The skip set that a trial's parameters, by name, draw (`params_for` is its inverse)."""
         return self.skip_set({(kind, i): params[self.param_name(kind, i)] for kind, i in self.sublayers()},
                              int(params.get(HEAD_PARAM, 0)))
 
