@@ -9,6 +9,7 @@ from pathlib import Path
 import optuna
 
 from ..decode.policy import DraftPolicy
+from ..decode.provenance import ConfigSearch
 from ..io import models
 from ..io.files import read_json
 from ..search.records import STUDY_ATTR, read_label
@@ -82,10 +83,10 @@ class StudyOptions:
 def _category_studies(exported: Path) -> list[str]:
     """The category studies an `optimize --per-category` export names (none where `exported` is not one)."""
     try:
-        studies = read_json(exported, "export")["search"]["category_studies"]
-    except (OSError, ValueError, KeyError, TypeError):  # no such export: the plain "no study database" applies
+        search = ConfigSearch.from_json(read_json(exported, "export").get("search", {}), "search", str(exported))
+    except (OSError, ValueError, AttributeError):  # no such export: the plain "no study database" applies
         return []
-    return [name for name in studies.values() if isinstance(name, str)] if isinstance(studies, dict) else []
+    return [name for name in (search.category_studies or {}).values() if name is not None]
 
 
 def not_made_by_skipsearch(name: str) -> ValueError:
