@@ -74,16 +74,21 @@ def test_other_model_is_refused(tmp_path):
         (lambda d: d.update(draft=[1, 2]), r"'draft' has the wrong type \(list\)"),
         (lambda d: d["draft"].update(max_draft_tokens=2.5), r"draft.'max_draft_tokens' has the wrong type"),
         (lambda d: d["draft"].update(adaptive="yes"), r"draft.'adaptive' has the wrong type"),
-        (lambda d: d.update(metrics=[]), r"metrics has the wrong type \(list\), expected an object"),
-        (lambda d: d["metrics"].update(speedup="fast"), r"metrics.speedup has the wrong type \(str\)"),
-        (lambda d: d["metrics"].update(confirmed=1), r"metrics.confirmed has the wrong type \(int\)"),
-        (lambda d: d["metrics"].update(paired_runs=True), r"metrics.paired_runs has the wrong type \(bool\)"),
-        (lambda d: d["metrics"].update(best_skipping={"trial": 1}), "metrics.best_skipping is not a trial with a"),
+        (lambda d: d.update(metrics=[]), r"'metrics' has the wrong type \(list\), expected an object"),
+        (lambda d: d["metrics"].update(speedup="fast"), r"metrics.'speedup' has the wrong type \(str\), expected float \| None"),
+        (lambda d: d["metrics"].update(confirmed=1), r"metrics.'confirmed' has the wrong type \(int\)"),
+        (lambda d: d["metrics"].update(paired_runs=True), r"metrics.'paired_runs' has the wrong type \(bool\)"),
+        (lambda d: d["metrics"].update(best_skipping={"trial": 1}), "metrics.'best_skipping' is not a trial with a"),
+        (lambda d: d["metrics"].update(best_skipping=[1]), "metrics.'best_skipping' is not a trial with a"),
+        (lambda d: d["metrics"].update(best_skipping={"trial": 1, "skip": {"head_rows": "x"}}),
+         r"metrics.best_skipping.skip.'head_rows' has the wrong type"),
+        (lambda d: d["metrics"].update(best_skipping={"trial": 1, "skip": {}, "speedup": "x"}),
+         r"metrics.best_skipping.'speedup' has the wrong type"),
         (lambda d: d["metrics"].update(best_skipping={"trial": 1, "skip": {"attn": ["0"]}}),
          r"metrics.best_skipping.skip has the wrong type"),
-        (lambda d: d.update(search="s"), r"search has the wrong type \(str\), expected an object"),
-        (lambda d: d["search"].update(dataset=[1]), r"search.dataset has the wrong type \(list\)"),
-        (lambda d: d["search"].update(category_studies={"qa": 3}), r"search.category_studies has the wrong type"),
+        (lambda d: d.update(search="s"), r"'search' has the wrong type \(str\), expected an object"),
+        (lambda d: d["search"].update(dataset=[1]), r"search.'dataset' has the wrong type \(list\)"),
+        (lambda d: d["search"].update(category_studies={"qa": 3}), r"search.'category_studies' has the wrong type"),
         (lambda d: d["draft"].update(guard="on"), r"draft.'guard' has the wrong type"),
     ],
 )
@@ -179,7 +184,7 @@ def test_a_version_1_file_still_loads(tmp_path):
     (lambda d: d["skips"][1]["skip"].pop("mlp"), r"missing skips\[1\].skip.'mlp'"),
     (lambda d: d["skips"][1]["skip"].update(attn=[9]), "attn skip id 9 is out of range"),
     (lambda d: d["skips"][1].update(label=7), r"skips\[1\].'label' has the wrong type \(int\)"),
-    (lambda d: d["skips"][1].update(metrics=[]), r"skips\[1\].metrics has the wrong type \(list\)"),
+    (lambda d: d["skips"][1].update(metrics=[]), r"skips\[1\].'metrics' has the wrong type \(list\)"),
     (lambda d: d["skips"][1].update(skip=d["skips"][0]["skip"]), r"skips\[1\] repeats an earlier skip set"),
 ])
 def test_bad_version_2_configs_are_one_line_errors(tmp_path, mutate, message):
@@ -216,6 +221,9 @@ def test_metrics_and_search_round_trip_typed_and_read_older_files():
                                                 "speedup": 0.93, "speedup_low": 0.9, "speedup_high": 0.97,
                                                 "paired_runs": 6}
     assert "trial_number" not in data["search"] and "acceptance_rate" not in data["metrics"]  # unknown: left out
+    data["search"]["categories"].append("rag")  # the JSON is a copy: the config is not changed through it
+    assert search.categories == ["qa"]
+    data["search"]["categories"].pop()
     loaded = parse_skip_config(json.loads(json.dumps(data)))
     assert loaded.metrics == metrics and loaded.search == search
     data["metrics"].update(acceptance_rate=None, best_skipping=None, figure_of_a_later_release=3)

@@ -44,7 +44,7 @@ def test_a_search_figure_above_one_is_not_exported_without_confirmation(tmp_path
     pays, text = verdict(study)
     assert not pays and "no skip set has been confirmed yet" in text
     config = export_trial(study, tmp_path / "best.json")
-    assert config.skip == SkipSet() and config.metrics.acceptance_rate is None
+    assert config.skip == SkipSet() and config.metrics.speedup == 1.0 and config.metrics.acceptance_rate is None
 
 
 def test_nothing_confirmed_exports_plain_decoding_with_the_best_confirmed_interval(tmp_path):

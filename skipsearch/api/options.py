@@ -83,8 +83,10 @@ class StudyOptions:
 def _category_studies(exported: Path) -> list[str]:
     """The category studies an `optimize --per-category` export names (none where `exported` is not one)."""
     try:
-        search = ConfigSearch.from_json(read_json(exported, "export").get("search", {}), "search", str(exported))
-    except (OSError, ValueError, AttributeError):  # no such export: the plain "no study database" applies
+        data = read_json(exported, "export")
+        search = ConfigSearch.from_json(data.get("search", {}) if isinstance(data, dict) else None, "search",
+                                        str(exported))
+    except (OSError, ValueError):  # no such export: the plain "no study database" applies
         return []
     return [name for name in (search.category_studies or {}).values() if name is not None]
 

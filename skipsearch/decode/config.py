@@ -25,7 +25,7 @@ from torch import nn
 
 from ..io.files import read_json, write_atomic
 from .policy import DEPRECATED_FIELDS, DraftPolicy, deprecation
-from .provenance import ConfigMetrics, ConfigSearch
+from .provenance import ConfigMetrics, ConfigSearch, known_fields, matches
 from .skipping import check_model, supported_layers
 from . import adapter
 from .skipset import DraftHead, SkipSet
@@ -56,7 +56,7 @@ class ModelInfo:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {key: value for key, value in vars(self).items() if value is not None}
+        return known_fields(self)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -193,11 +193,12 @@ def combine_skip_configs(configs: Sequence[SkipConfig], sources: Sequence[str] |
     return SkipConfig.of_entries(first.model, list(entries.values()), first.draft, first.search)
 
 
-def _need(mapping: Any, key: str, kind: type | tuple[type, ...], where: str, source: str) -> Any:
+def _need(mapping: Any, key: str, kind: Any, where: str, source: str) -> Any:
+    """`mapping[key]`, refused in one line where it is missing or not of the type `kind`."""
     if not isinstance(mapping, dict) or key not in mapping:
         raise ValueError(f"{source}: missing {where}{key!r}")
     value = mapping[key]
-    if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+    if not matches(value, kind):
         raise ValueError(f"{source}: {where}{key!r} has the wrong type ({type(value).__name__})")
     return value
 
@@ -239,7 +240,7 @@ def _entries(data: dict, num_layers: int, source: str) -> list[SkipEntry]:
 
 
 def parse_skip_config(data: Any, source: str = "skip config") -> SkipConfig:
-    def need(mapping: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    def need(mapping: Any, key: str, kind: Any, where: str) -> Any:
         return _need(mapping, key, kind, where, source)
 
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -268,7 +269,7 @@ def parse_skip_config(data: Any, source: str = "skip config") -> SkipConfig:
     search = ConfigSearch.from_json(data.get("search", {}), "search", source)
     defaults = DraftPolicy()
 
-    def draft_field(key: str, kind: type | tuple[type, ...]) -> Any:
+    def draft_field(key: str, kind: Any) -> Any:
         return need(draft_data, key, kind, "draft.") if key in draft_data else getattr(defaults, key)
 
     old = [key for key in DEPRECATED_FIELDS if key in draft_data]

@@ -8,6 +8,7 @@ wrong type is refused in one line, and a field this release does not know is ign
 
 from __future__ import annotations
 
+import copy
 import types
 from dataclasses import dataclass, fields
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -28,19 +29,21 @@ class BestSkipping:
         skip: dict[str, Any] = {"attn": list(self.attn), "mlp": list(self.mlp)}
         if self.head_rows is not None:
             skip["head_rows"] = self.head_rows
-        return {"trial": self.trial, "skip": skip, **self.figures.to_json()}
+        return {**self.figures.to_json(), "trial": self.trial, "skip": skip}
 
     @classmethod
     def from_json(cls, data: Any, where: str, source: str) -> BestSkipping:
-        if not isinstance(data, dict) or not _matches(data.get("trial"), int) or not isinstance(data.get("skip"), dict):
-            raise ValueError(f"{source}: {where} is not a trial with a skip set")
+        if not isinstance(data, dict) or not matches(data.get("trial"), int) or not isinstance(data.get("skip"), dict):
+            raise ValueError(f"{source}: {_quoted(where)} is not a trial with a skip set")
         skip = data["skip"]
         sublayers = {kind: skip.get(kind, []) for kind in ("attn", "mlp")}
-        if not all(_matches(layers, list[int]) for layers in sublayers.values()) or \
-                not _matches(skip.get("head_rows"), int | None):
+        if not all(matches(layers, list[int]) for layers in sublayers.values()):
             raise ValueError(f"{source}: {where}.skip has the wrong type (expected lists of layer indices)")
+        if not matches(skip.get("head_rows"), int | None):
+            raise ValueError(f"{source}: {where}.skip.'head_rows' has the wrong type (expected a row count)")
+        figures = {k: v for k, v in data.items() if k not in ("trial", "skip")}
         return cls(data["trial"], tuple(sublayers["attn"]), tuple(sublayers["mlp"]), skip.get("head_rows"),
-                   ConfigMetrics.from_json({k: v for k, v in data.items() if k not in ("trial", "skip")}, where, source))
+                   ConfigMetrics.from_json(figures, where, source))
 
 
 @dataclass(frozen=True)
@@ -67,15 +70,16 @@ class ConfigMetrics:
     best_skipping: BestSkipping | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out = _known(self)
+        out = known_fields(self)
         if self.best_skipping is not None:
             out["best_skipping"] = self.best_skipping.to_json()
         return out
 
     @classmethod
     def from_json(cls, data: Any, where: str, source: str) -> ConfigMetrics:
+        """The metrics in the JSON object `data`, found at the path `where` in `source` (both for errors)."""
         values = _read(cls, data, where, source, nested=("best_skipping",))
-        if isinstance(data.get("best_skipping"), dict):
+        if data.get("best_skipping") is not None:
             values["best_skipping"] = BestSkipping.from_json(data["best_skipping"], f"{where}.best_skipping", source)
         return cls(**values)
 
@@ -100,45 +104,54 @@ class ConfigSearch:
     category_studies: dict[str, str | None] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return _known(self)
+        return known_fields(self)
 
     @classmethod
     def from_json(cls, data: Any, where: str, source: str) -> ConfigSearch:
         return cls(**_read(cls, data, where, source))
 
 
-def _known(record: Any) -> dict[str, Any]:
-    """The record's known fields as JSON values (its nested records are each class's to write)."""
-    return {f.name: getattr(record, f.name) for f in fields(record)
-            if getattr(record, f.name) is not None and not isinstance(getattr(record, f.name), BestSkipping)}
+def known_fields(record: Any) -> dict[str, Any]:
+    """A dataclass's fields that are not None, as JSON values: copies of its lists and mappings, since a frozen record
+    must not change through its JSON (nested records are each class's to write)."""
+    values = {f.name: getattr(record, f.name) for f in fields(record)}
+    return {name: copy.copy(value) for name, value in values.items()
+            if value is not None and not isinstance(value, BestSkipping)}
 
 
 def _read(cls: type, data: Any, where: str, source: str, nested: tuple[str, ...] = ()) -> dict[str, Any]:
     """`cls`'s fields found in the JSON object `data`, each checked against its type (`nested` ones are left to the
-    caller)."""
+    caller); `where` is the object's path in errors."""
     if not isinstance(data, dict):
-        raise ValueError(f"{source}: {where} has the wrong type ({type(data).__name__}), expected an object")
+        raise ValueError(f"{source}: {_quoted(where)} has the wrong type ({type(data).__name__}), expected an object")
     hints = get_type_hints(cls)
     values = {}
     for f in fields(cls):
         value = data.get(f.name)
         if value is None or f.name in nested:
             continue
-        if not _matches(value, hints[f.name]):
-            raise ValueError(f"{source}: {where}.{f.name} has the wrong type ({type(value).__name__})")
+        if not matches(value, hints[f.name]):
+            raise ValueError(f"{source}: {where}.{f.name!r} has the wrong type ({type(value).__name__}), expected "
+                             f"{hints[f.name]}")
         values[f.name] = value
     return values
 
 
-def _matches(value: Any, hint: Any) -> bool:
+def _quoted(path: str) -> str:
+    """A JSON path as the config's errors name a key: its last part quoted (`skips[1].'metrics'`)."""
+    parent, _, key = path.rpartition(".")
+    return f"{parent}.{key!r}" if parent else repr(key)
+
+
+def matches(value: Any, hint: Any) -> bool:
     """Whether the JSON value `value` is of the type `hint` (a JSON number is a float; a bool is no number)."""
     origin, args = get_origin(hint), get_args(hint)
     if origin in (Union, types.UnionType):
-        return any(_matches(value, arg) for arg in args)
+        return any(matches(value, arg) for arg in args)
     if origin is list:
-        return isinstance(value, list) and all(_matches(item, args[0]) for item in value)
+        return isinstance(value, list) and all(matches(item, args[0]) for item in value)
     if origin is dict:
-        return isinstance(value, dict) and all(_matches(k, args[0]) and _matches(v, args[1]) for k, v in value.items())
+        return isinstance(value, dict) and all(matches(k, args[0]) and matches(v, args[1]) for k, v in value.items())
     if hint is type(None):
         return value is None
     if isinstance(value, bool):

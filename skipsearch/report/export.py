@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, fields as dataclass_fields, replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,6 +29,11 @@ from ..search.ranking import best_confirmed, fastest_confirmed, quoted_speedup, 
 from ..search.records import (Confirmation, ConfirmedCandidate, Figures, Ratio, StudyLabel, TrialRecord,
                               read_confirmation, read_trials, study_label)
 from ..search.warmstart import dv_json, dv_name
+
+# The figures of a measurement that best.json's metrics carry (of Figures' flat names; not `identical` or `prompts`).
+_METRIC_FIGURES = ("speedup", "speedup_low", "speedup_high", "paired_runs", "acceptance_rate", "tokens_per_second",
+                   "baseline_tokens_per_second", "mean_accepted_tokens", "predicted_speedup", "predicted_speedup_low",
+                   "predicted_speedup_high")
 
 
 @dataclass(frozen=True)
@@ -149,8 +154,7 @@ def config_from_trial(study: optuna.Study, trial: TrialRecord) -> SkipConfig:
 def _metrics(objective: str | None, score: float | None, figures: Figures, **rest) -> ConfigMetrics:
     """best.json's metrics of a skip set: `figures` as the confirmation or the search measured them."""
     flat = figures.as_dict()
-    measured = {f.name: flat[f.name] for f in dataclass_fields(ConfigMetrics) if f.name in flat}
-    return ConfigMetrics(objective=objective, score=score, **measured, **rest)
+    return ConfigMetrics(objective=objective, score=score, **{name: flat[name] for name in _METRIC_FIGURES}, **rest)
 
 
 def _config(study: optuna.Study, label: StudyLabel, skip: SkipSet, metrics: ConfigMetrics,

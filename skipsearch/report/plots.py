@@ -222,7 +222,8 @@ def history(study: optuna.Study) -> plt.Figure:
         ax = optuna.visualization.matplotlib.plot_optimization_history(
             _only(study, trials), target=(lambda t: t.values[0]) if multi else None,
             target_name="Speedup" if multi else "Score")
-    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, zorder=0, label="plain decoding (1.0)")
+    # Above the style's grid (zorder 0.5), which has a line at 1.0 too, and below Optuna's points.
+    ax.axhline(1.0, color="0.3", linestyle="--", linewidth=1, zorder=1.5, label="plain decoding (1.0)")
     ax.legend(bbox_to_anchor=(1.05, 1.0), loc="upper left")  # Optuna's, drawn before the line: again to hold it
     # Matplotlib's default ticks put 0.5, 1.5, ... between trials when there are few of them.
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
