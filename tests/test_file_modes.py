@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import matplotlib.pyplot as plt
 import pytest
 
-from skipsearch.io.files import follow_umask, write_atomic
+from skipsearch.io.files import follow_umask, json_matches, write_atomic
 from skipsearch.report.bench import BenchRow, write_outputs
 from skipsearch.report.plots import save_figure
 
@@ -49,3 +49,14 @@ def test_follow_umask_gives_folders_their_search_bit(tmp_path):
     with umask(0o022):
         follow_umask(folder)
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o755
+
+
+@pytest.mark.parametrize("value, hint, expected", [
+    (1, float, True), (1.5, float, True), (True, float, False), (True, int, False), (True, bool, True),
+    (2.0, int, False), ("x", str | None, True), (None, str | None, True), (None, str, False),
+    (["a", "b"], str | list[str] | None, True), (["a", 1], list[str], False), ({"a": None}, dict[str, str | None], True),
+    ({"a": 3}, dict[str, str | None], False), ([], list, True), ({}, list, False),
+])
+def test_json_matches_reads_a_json_value_against_a_type(value, hint, expected):
+    """JSON has one number type, so an integer is a float; but a bool is neither (Python's bool is an int)."""
+    assert json_matches(value, hint) is expected

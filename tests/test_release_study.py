@@ -2,6 +2,7 @@
 export, summarize and judge as that release did."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -95,3 +96,14 @@ def test_records_write_back_what_the_release_stored(name, storage):
     assert Confirmation.from_attrs(study.user_attrs[CONFIRM_ATTR]).attrs() == study.user_attrs[CONFIRM_ATTR]
     for trial in study.trials:
         assert TrialRecord.of(trial).attrs() == trial.user_attrs, trial.number
+
+
+@pytest.mark.parametrize("field, value", [("num_prompts", "8"), ("dataset", [1]), ("objective", None),
+                                          ("seed", True), ("device", 0)])
+def test_a_label_with_a_field_of_the_wrong_type_is_refused_when_read(field, value, storage):
+    """A damaged label is refused in one line when the study is opened, not met later as a traceback."""
+    from skipsearch.search.records import STUDY_ATTR, StudyLabel
+
+    attrs = {**load_study(sorted(EXPECTED)[0], storage).user_attrs[STUDY_ATTR], field: value}
+    with pytest.raises(ValueError, match=re.escape(f"not a skipsearch study label ({field} is {value!r})")):
+        StudyLabel.from_attrs(attrs)

@@ -23,9 +23,9 @@ from typing import Any
 
 from torch import nn
 
-from ..io.files import read_json, write_atomic
+from ..io.files import json_matches, read_json, write_atomic
 from .policy import DEPRECATED_FIELDS, DraftPolicy, deprecation
-from .provenance import ConfigMetrics, ConfigSearch, known_fields, matches
+from .provenance import ConfigMetrics, ConfigSearch, known_fields
 from .skipping import check_model, supported_layers
 from . import adapter
 from .skipset import DraftHead, SkipSet
@@ -198,7 +198,7 @@ def _need(mapping: Any, key: str, kind: Any, where: str, source: str) -> Any:
     if not isinstance(mapping, dict) or key not in mapping:
         raise ValueError(f"{source}: missing {where}{key!r}")
     value = mapping[key]
-    if not matches(value, kind):
+    if not json_matches(value, kind):
         raise ValueError(f"{source}: {where}{key!r} has the wrong type ({type(value).__name__})")
     return value
 

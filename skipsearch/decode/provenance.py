@@ -9,9 +9,10 @@ wrong type is refused in one line, and a field this release does not know is ign
 from __future__ import annotations
 
 import copy
-import types
 from dataclasses import dataclass, fields
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Any, get_type_hints
+
+from ..io.files import json_matches
 
 
 @dataclass(frozen=True)
@@ -33,13 +34,13 @@ class BestSkipping:
 
     @classmethod
     def from_json(cls, data: Any, where: str, source: str) -> BestSkipping:
-        if not isinstance(data, dict) or not matches(data.get("trial"), int) or not isinstance(data.get("skip"), dict):
+        if not isinstance(data, dict) or not json_matches(data.get("trial"), int) or not isinstance(data.get("skip"), dict):
             raise ValueError(f"{source}: {_quoted(where)} is not a trial with a skip set")
         skip = data["skip"]
         sublayers = {kind: skip.get(kind, []) for kind in ("attn", "mlp")}
-        if not all(matches(layers, list[int]) for layers in sublayers.values()):
+        if not all(json_matches(layers, list[int]) for layers in sublayers.values()):
             raise ValueError(f"{source}: {where}.skip has the wrong type (expected lists of layer indices)")
-        if not matches(skip.get("head_rows"), int | None):
+        if not json_matches(skip.get("head_rows"), int | None):
             raise ValueError(f"{source}: {where}.skip.'head_rows' has the wrong type (expected a row count)")
         figures = {k: v for k, v in data.items() if k not in ("trial", "skip")}
         return cls(data["trial"], tuple(sublayers["attn"]), tuple(sublayers["mlp"]), skip.get("head_rows"),
@@ -130,7 +131,7 @@ def _read(cls: type, data: Any, where: str, source: str, nested: tuple[str, ...]
         value = data.get(f.name)
         if value is None or f.name in nested:
             continue
-        if not matches(value, hints[f.name]):
+        if not json_matches(value, hints[f.name]):
             raise ValueError(f"{source}: {where}.{f.name!r} has the wrong type ({type(value).__name__}), expected "
                              f"{hints[f.name]}")
         values[f.name] = value
@@ -141,19 +142,3 @@ def _quoted(path: str) -> str:
     """A JSON path as the config's errors name a key: its last part quoted (`skips[1].'metrics'`)."""
     parent, _, key = path.rpartition(".")
     return f"{parent}.{key!r}" if parent else repr(key)
-
-
-def matches(value: Any, hint: Any) -> bool:
-    """Whether the JSON value `value` is of the type `hint` (a JSON number is a float; a bool is no number)."""
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (Union, types.UnionType):
-        return any(matches(value, arg) for arg in args)
-    if origin is list:
-        return isinstance(value, list) and all(matches(item, args[0]) for item in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(matches(k, args[0]) and matches(v, args[1]) for k, v in value.items())
-    if hint is type(None):
-        return value is None
-    if isinstance(value, bool):
-        return hint is bool
-    return isinstance(value, (int, float)) if hint is float else isinstance(value, hint)

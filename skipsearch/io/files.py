@@ -12,7 +12,8 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+import types
+from typing import Any, Union, get_args, get_origin
 
 from .errors import ResourceExhausted, resource_error
 
@@ -196,3 +197,19 @@ def check_output_folder(path: Path, flag: str) -> None:
     if problem:
         raise ValueError(f"{flag} {str(path)!r} cannot be written: {problem}")
 
+
+def json_matches(value: Any, hint: Any) -> bool:
+    """Whether the JSON value `value` is of the type `hint` (a JSON number is a float; a bool is no number)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(json_matches(value, arg) for arg in args)
+    if origin is list:
+        return isinstance(value, list) and all(json_matches(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(json_matches(key, args[0]) and json_matches(item, args[1])
+                                               for key, item in value.items())
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return hint is bool
+    return isinstance(value, (int, float)) if hint is float else isinstance(value, hint)

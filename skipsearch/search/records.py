@@ -12,7 +12,7 @@ import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, get_type_hints
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -21,6 +21,7 @@ from ..decode.config import ModelInfo
 from ..decode.cost_profile import CostProfile
 from ..decode.policy import DraftPolicy
 from ..decode.skipset import SkipSet
+from ..io.files import json_matches
 from .measure import Interval
 from .space import SearchSpace
 from .vocabulary import VocabularyRanking
@@ -232,11 +233,19 @@ class StudyLabel:
                                                  "head_rows": tuple(values["space"].get("head_rows", ()))})
             if values["cost_profile"] is not None:
                 values["cost_profile"] = CostProfile.from_dict(values["cost_profile"])
-            if not isinstance(values["objective"], str):
-                raise TypeError("no objective")
+            hints = get_type_hints(cls)
+            for name in _LABEL_SCALARS:
+                if not json_matches(values[name], hints[name]):
+                    raise TypeError(f"{name} is {values[name]!r}")
             return cls(**values)
         except (AttributeError, KeyError, TypeError, ValueError) as error:
             raise ValueError(f"not a skipsearch study label ({error})") from None
+
+
+# A label's fields that are plain JSON values, each checked against its type when a study is opened (a damaged one
+# is refused there, not in a later traceback).
+_LABEL_SCALARS = ("objective", "sampler", "dataset", "num_prompts", "max_new_tokens", "seed", "device", "device_name",
+                  "dtype")
 
 
 @dataclass(frozen=True)
