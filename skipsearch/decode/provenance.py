@@ -34,7 +34,7 @@ class BestSkipping:
 
     @classmethod
     def from_json(cls, data: Any, where: str, source: str) -> BestSkipping:
-        if not isinstance(data, dict) or not json_matches(data.get("trial"), int) or not isinstance(data.get("skip"), dict):
+        if not (isinstance(data, dict) and json_matches(data.get("trial"), int) and isinstance(data.get("skip"), dict)):
             raise ValueError(f"{source}: {_quoted(where)} is not a trial with a skip set")
         skip = data["skip"]
         sublayers = {kind: skip.get(kind, []) for kind in ("attn", "mlp")}
