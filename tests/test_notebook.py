@@ -30,7 +30,8 @@ def test_view_study_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     assert not [o.text for o in outputs if o.output_type == "stream" and o.name == "stderr"]  # no warnings
     best = load_skip_config(tmp_path / "nb" / "best.json")  # the notebook shows the exported decision
     shown = best.skip if best.skip.size else "nothing (plain decoding)"
-    assert any(f"skip: {shown} (trial {best.search.trial_number})" in o.get("text", "") for o in outputs)
+    trial = "" if best.search.trial_number is None else f" (trial {best.search.trial_number})"
+    assert any(f"skip: {shown}{trial}\n" in o.get("text", "") for o in outputs)
     figures = ("figures of the exported skip set:" if best.skip.drafts else
                "figures of the best confirmed skip set" if best.metrics.best_skipping else "no skip set has been confirmed")
     assert any(figures in o.get("text", "") for o in outputs)  # plain decoding's figures are not shown as a set's
