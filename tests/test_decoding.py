@@ -1,3 +1,5 @@
+from collections import Counter
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -90,12 +92,12 @@ def test_empty_skip_set_decodes_plainly():
     assert out.tokens == generate(MODELS["qwen2"], [5, 9, 14], skip=None, max_new_tokens=20, eos_token_id=None).tokens
 
 
-def test_mean_accepted_tokens_counts_per_round():
+def test_mean_accepted_tokens_counts_per_round_of_drafts():
     out = generate(MODELS["qwen2"], [5, 9, 14], skip=SkipSet.of([3], [], NUM_LAYERS), max_new_tokens=20,
                    policy=DraftPolicy(max_draft_tokens=4, adaptive=False), eos_token_id=None)
     assert out.stats.drafted > 0 and out.stats.accepted > 0
-    assert out.stats.mean_accepted_tokens == out.stats.accepted / out.stats.rounds
     sizes = out.stats.verify_sizes
+    assert out.stats.mean_accepted_tokens == out.stats.accepted / sum(c for n, c in sizes.items() if n > 1)
     assert sum(sizes.values()) == out.stats.rounds and sum(n * c for n, c in sizes.items()) == out.stats.drafted + out.stats.rounds
 
 
@@ -187,9 +189,10 @@ def test_generate_rejects_bad_arguments():
 
 
 def test_stats_rates_and_sum():
-    stats = DecodeStats(new_tokens=10, rounds=4, drafted=8, accepted=6, wall_time_s=2.0)
-    stats.add(DecodeStats(new_tokens=2, rounds=1, drafted=0, accepted=0, wall_time_s=1.0))
-    assert (stats.acceptance_rate, stats.mean_accepted_tokens, stats.tokens_per_second) == (0.75, 1.2, 4.0)
+    stats = DecodeStats(new_tokens=10, rounds=4, drafted=8, accepted=6, wall_time_s=2.0, verify_sizes=Counter({3: 4}))
+    # A plain step (the guard's, say) verifies no drafts: it is no round of them, so the mean stays 6 / 4.
+    stats.add(DecodeStats(new_tokens=2, rounds=1, drafted=0, accepted=0, wall_time_s=1.0, verify_sizes=Counter({1: 1})))
+    assert (stats.acceptance_rate, stats.mean_accepted_tokens, stats.tokens_per_second) == (0.75, 1.5, 4.0)
     assert DecodeStats().acceptance_rate is None and DecodeStats().mean_accepted_tokens is None  # nothing drafted
     stats.add(DecodeStats(wall_time_s=2.5, compile_time_s=2.5))
     assert stats.compile_time_s == 2.5 and stats.tokens_per_second == 4.0  # compiling is not decoding

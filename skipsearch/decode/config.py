@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from ..io.files import json_matches, read_json, write_atomic
+from ..io.files import json_matches, json_type, read_json, write_atomic
 from .policy import DEPRECATED_FIELDS, DraftPolicy, deprecation
 from .provenance import ConfigMetrics, ConfigSearch, known_fields
 from .skipping import check_model, supported_layers
@@ -199,8 +199,16 @@ def _need(mapping: Any, key: str, kind: Any, where: str, source: str) -> Any:
         raise ValueError(f"{source}: missing {where}{key!r}")
     value = mapping[key]
     if not json_matches(value, kind):
-        raise ValueError(f"{source}: {where}{key!r} has the wrong type ({type(value).__name__})")
+        raise ValueError(f"{source}: {where}{key!r} has the wrong type ({type(value).__name__}), expected "
+                         f"{json_type(kind)}")
     return value
+
+
+def _object_or_empty(mapping: dict, key: str) -> Any:
+    """An optional object of what the config says of itself: an empty one where it is absent or null (unknown either
+    way); its type is its reader's to check."""
+    value = mapping.get(key)
+    return {} if value is None else value
 
 
 def _skip_set(mapping: Any, where: str, num_layers: int, source: str) -> SkipSet:
@@ -219,7 +227,7 @@ def _entries(data: dict, num_layers: int, source: str) -> list[SkipEntry]:
     """The config's skip sets: version 1's one ("skip" and "metrics"), version 2's list ("skips")."""
     if data["version"] == 1:
         skip = _skip_set(_need(data, "skip", dict, "", source), "skip.", num_layers, source)
-        return [SkipEntry(skip, None, ConfigMetrics.from_json(data.get("metrics", {}), "metrics", source))]
+        return [SkipEntry(skip, None, ConfigMetrics.from_json(_object_or_empty(data, "metrics"), "metrics", source))]
     listed = _need(data, "skips", list, "", source)
     if not listed:
         raise ValueError(f"{source}: 'skips' is empty: a config carries at least one skip set")
@@ -234,8 +242,8 @@ def _entries(data: dict, num_layers: int, source: str) -> list[SkipEntry]:
         skip = _skip_set(_need(item, "skip", dict, where, source), f"{where}skip.", num_layers, source)
         if any(entry.skip == skip for entry in entries):
             raise ValueError(f"{source}: skips[{i}] repeats an earlier skip set ({skip})")
-        entries.append(SkipEntry(skip, label, ConfigMetrics.from_json(item.get("metrics", {}), f"{where}metrics",
-                                                                      source)))
+        metrics = ConfigMetrics.from_json(_object_or_empty(item, "metrics"), f"{where}metrics", source)
+        entries.append(SkipEntry(skip, label, metrics))
     return entries
 
 
@@ -250,7 +258,9 @@ def parse_skip_config(data: Any, source: str = "skip config") -> SkipConfig:
                              "skipsearch skip config: give the JSON `export` writes by default, or pass this one to "
                              "`optimize --warm-start`")
         raise ValueError(f"{source}: not a skipsearch skip config (expected \"format\": \"{FORMAT}\")")
-    if data.get("version") not in VERSIONS or isinstance(data.get("version"), bool):
+    if data.get("version") is None:
+        raise ValueError(f"{source}: missing 'version' (this skipsearch reads versions {' and '.join(map(str, VERSIONS))})")
+    if data["version"] not in VERSIONS or isinstance(data["version"], bool):
         raise ValueError(f"{source}: unsupported version {data.get('version')!r} (this skipsearch reads versions "
                          f"{' and '.join(map(str, VERSIONS))})")
     model = need(data, "model", dict, "")
@@ -259,14 +269,14 @@ def parse_skip_config(data: Any, source: str = "skip config") -> SkipConfig:
         architecture=need(model, "architecture", str, "model."),
         num_hidden_layers=need(model, "num_hidden_layers", int, "model."),
         hidden_size=need(model, "hidden_size", int, "model."),
-        vocab_size=need(model, "vocab_size", int, "model.") if "vocab_size" in model else None,
-        tokenizer=need(model, "tokenizer", str, "model.") if "tokenizer" in model else None,
+        vocab_size=need(model, "vocab_size", int, "model.") if model.get("vocab_size") is not None else None,
+        tokenizer=need(model, "tokenizer", str, "model.") if model.get("tokenizer") is not None else None,
     )
     entries = _entries(data, info.num_hidden_layers, source)
-    draft_data = data.get("draft", {})
+    draft_data = data.get("draft", {})  # null is refused: it would decode with defaults nobody chose
     if not isinstance(draft_data, dict):
         raise ValueError(f"{source}: 'draft' has the wrong type ({type(draft_data).__name__}), expected an object")
-    search = ConfigSearch.from_json(data.get("search", {}), "search", source)
+    search = ConfigSearch.from_json(_object_or_empty(data, "search"), "search", source)
     defaults = DraftPolicy()
 
     def draft_field(key: str, kind: Any) -> Any:

@@ -12,7 +12,7 @@ import copy
 from dataclasses import dataclass, fields
 from typing import Any, get_type_hints
 
-from ..io.files import json_matches
+from ..io.files import json_matches, json_type
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def _read(cls: type, data: Any, where: str, source: str, nested: tuple[str, ...]
             continue
         if not json_matches(value, hints[f.name]):
             raise ValueError(f"{source}: {where}.{f.name!r} has the wrong type ({type(value).__name__}), expected "
-                             f"{hints[f.name]}")
+                             f"{json_type(hints[f.name])}")
         values[f.name] = value
     return values
 

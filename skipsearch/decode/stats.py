@@ -38,8 +38,10 @@ class DecodeStats:
 
     @property
     def mean_accepted_tokens(self) -> float | None:
-        """Accepted draft tokens per verification round; None when nothing was drafted, like the acceptance rate."""
-        return self.accepted / self.rounds if self.drafted else None
+        """Accepted draft tokens per round that verified drafts (the guard's plain steps verify none, and counting them
+        made a guarded run's mean look far below its acceptance); None when nothing was drafted."""
+        drafting_rounds = sum(count for size, count in self.verify_sizes.items() if size > 1)
+        return self.accepted / drafting_rounds if self.drafted and drafting_rounds else None
 
     @property
     def tokens_per_second(self) -> float:

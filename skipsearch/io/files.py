@@ -213,3 +213,19 @@ def json_matches(value: Any, hint: Any) -> bool:
     if isinstance(value, bool):
         return hint is bool
     return isinstance(value, (int, float)) if hint is float else isinstance(value, hint)
+
+
+def json_type(hint: Any) -> str:
+    """The type `hint` in the words of JSON: `float | None` is "a number", `list[str]` "a list of strings"."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(json_type(arg) for arg in args if arg is not type(None))
+    if origin is list:
+        return f"a list of {json_type(args[0]).removeprefix('a ').removeprefix('an ')}s"
+    if origin is dict:
+        return "an object"
+    return _JSON_NAMES.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+_JSON_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false", list: "a list",
+               dict: "an object"}

@@ -275,6 +275,11 @@ def fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def times(value: float | None) -> str:
+    """A table's ratio cell: "1.23x", or "-" where there is none."""
+    return fmt(value, ".2f") + ("" if value is None else "x")
+
+
 def span(low: float | None, high: float | None) -> str:
     """A table's interval cell: "low-high", "inf" for an unbounded high, "-" where there is none."""
     return "-" if low is None else f"{low:.2f}-{'inf' if high is None else format(high, '.2f')}"
@@ -283,11 +288,11 @@ def span(low: float | None, high: float | None) -> str:
 def format_table(rows: list[BenchRow]) -> str:
     header = ["method", "tok/s", "vs HF greedy", "95% interval", "acceptance", "mean acc.", "identical",
               "vs our plain loop (decode)", "95% interval", "predicted vs plain"]
-    lines = [[r.method, fmt(r.tokens_per_second, ".1f"), fmt(r.speedup, ".2f") + "x", span(r.speedup_low, r.speedup_high),
+    lines = [[r.method, fmt(r.tokens_per_second, ".1f"), times(r.speedup), span(r.speedup_low, r.speedup_high),
               fmt(r.acceptance_rate, ".2f"),
               fmt(r.mean_accepted_tokens, ".2f"), "yes" if r.identical else "NO",
-              fmt(r.speedup_over_plain_loop, ".2f"), span(r.speedup_over_plain_low, r.speedup_over_plain_high),
-              fmt(r.predicted_speedup, ".2f")] for r in rows]
+              times(r.speedup_over_plain_loop), span(r.speedup_over_plain_low, r.speedup_over_plain_high),
+              times(r.predicted_speedup)] for r in rows]
     widths = [max(len(str(x)) for x in column) for column in zip(header, *lines)]
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in [header, *lines])
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..decode.config import SkipConfig
-from .bench import BASELINE, BenchRow, Measured, bench_rows, fmt, span
+from .bench import BASELINE, BenchRow, Measured, bench_rows, fmt, span, times
 from .plots import save_figure
 
 OVERALL = "overall"
@@ -48,10 +48,10 @@ def format_category_table(groups: list[CategoryRows]) -> str:
     """One line per category and method (HF greedy, the baseline, left out): tok/s, speedup over HF greedy with its
     interval, acceptance, mean accepted tokens, and skipsearch's rows over its own plain loop."""
     header = ["category", "prompts", "method", "tok/s", "vs HF greedy", "95% interval", "acceptance", "mean acc.",
-              "vs our plain loop", "95% interval"]
-    lines = [[g.category, str(g.num_prompts), r.method, fmt(r.tokens_per_second, ".1f"), f"{r.speedup:.2f}x",
+              "vs our plain loop (decode)", "95% interval"]
+    lines = [[g.category, str(g.num_prompts), r.method, fmt(r.tokens_per_second, ".1f"), times(r.speedup),
               span(r.speedup_low, r.speedup_high), fmt(r.acceptance_rate, ".2f"), fmt(r.mean_accepted_tokens, ".2f"),
-              fmt(r.speedup_over_plain_loop, ".2f"), span(r.speedup_over_plain_low, r.speedup_over_plain_high)]
+              times(r.speedup_over_plain_loop), span(r.speedup_over_plain_low, r.speedup_over_plain_high)]
              for g in groups for r in g.rows if r.method != BASELINE]
     widths = [max(len(x) for x in column) for column in zip(header, *lines)]
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header, *lines])

@@ -214,7 +214,8 @@ def category_config(configs: dict[str, SkipConfig], study_name: str) -> SkipConf
             won.setdefault(config.skip, []).append((category, config))
     first = next(iter(configs.values()))
     search = replace(first.search, study_name=study_name, trial_number=None, categories=list(configs),
-                     category_studies={c: config.search.study_name for c, config in configs.items()})
+                     category_studies={c: config.search.study_name for c, config in configs.items()},
+                     created_at=datetime.now(timezone.utc).isoformat())
     verdicts = "; ".join(f"{c}: {config.metrics.verdict}" for c, config in configs.items())
     if not won:
         metrics = ConfigMetrics(objective=first.metrics.objective, score=1.0, speedup=1.0, confirmed=False,
