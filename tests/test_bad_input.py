@@ -146,6 +146,7 @@ CASES = [
     (["optimize", "--heartbeat-interval", "10", "--heartbeat-grace", "5"], "must be longer"),
     (["export", "--study-name", "never-ran"], "no study database"),
     (["bench", "--repeats", "0"], "integer >= 1"),
+    (["bench", "--dataset", "{dir}/prompts.jsonl", "--dataset", "builtin"], "--dataset: given twice; this command reads one"),
     # 1. output paths: a folder where a file goes, a file where a folder goes (checked before any work)
     (["export", "--output", "{dir}/studies"], "is a folder: name a file"),
     (["export", "--output", "{dir}/prompts.jsonl/best.json"], "is a file, not a folder"),

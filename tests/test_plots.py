@@ -166,6 +166,7 @@ def test_confirmed_sets_at_one_skipped_share_are_drawn_apart_and_named_by_trial(
     fig.canvas.draw()  # drawing recolours a handle that still maps acceptance to colour
     grey = matplotlib.colors.to_rgba("gray")
     assert trial_handles and all(tuple(h.get_facecolor()[0]) == grey for h in trial_handles)
+    assert ax.get_legend().get_window_extent().y1 <= ax.get_window_extent().y0  # below the axes, covering nothing
     plt.close(fig)
     head_only = synthetic_study(n=0)  # every set at share 0: one tick, not -0.002, 0.000, 0.002
     write_confirmation(head_only, Confirmation(candidates[1:], top=3, repeats=2))
@@ -359,6 +360,7 @@ def test_history_draws_plain_decoding_as_a_line_not_a_trial(objective):
     ax = fig.axes[0]
     assert sorted(ax.collections[0].get_offsets()[:, 0].tolist()) == [1, 2, 3, 4]
     assert _plain_line(ax) and "plain decoding (1.0)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert ax.get_ylim()[0] <= 0.95 and ax.get_ylim()[1] >= 1.05  # the line inside the frame, not on its edge
     plt.close(fig)
 
 

@@ -183,6 +183,7 @@ def test_the_categories_winners_are_exported_together():
     assert [(e.label, e.skip) for e in config.entries] == [("a, d", SkipSet.of([1])), ("b", SkipSet.of([2]))]
     assert config.entries[0].metrics.verdict == "a: a won; d: d won"
     assert config.search.category_studies == {"a": "s-a won", "b": "s-b won", "c": "s-c", "d": "s-d won"}
+    assert config.search.created_at is not None  # when the combined config was made, not a category's export
     assert config.to_json()["version"] == 2
     one = category_config({"a": won([1], "a won"), "c": plain}, "s")
     assert one.to_json()["version"] == 2 and one.label == "a"  # a labelled set, even alone

@@ -180,6 +180,17 @@ def add_study_flags(parser: argparse.ArgumentParser) -> None:
                             "(default: sqlite:///<studies-dir>/<study-name>.db)")
 
 
+class _OneDataset(argparse.Action):
+    """--dataset of a command that reads one: a second, which `optimize` would read too, is refused rather than taken
+    in place of the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) != self.default:
+            parser.error(f"argument {option_string}: given twice; this command reads one dataset (a study reads "
+                         "several: `optimize --dataset A --dataset B`)")
+        setattr(namespace, self.dest, values)
+
+
 def add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_tokens: int,
                       several_datasets: bool = False) -> None:
     data = parser.add_argument_group("prompts")
@@ -189,7 +200,7 @@ def add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_
                           help=f"{kinds}; repeatable: --num-prompts of each are decoded, and sets are ranked per "
                                f"dataset too, so best.json carries each dataset's best set (default: {BUILTIN})")
     else:
-        data.add_argument("--dataset", default=BUILTIN, help=kinds)
+        data.add_argument("--dataset", default=BUILTIN, action=_OneDataset, help=kinds)
     data.add_argument("--field", default="prompt",
                       help="the dataset field holding the prompt: text, or a list of user turns (a conversation: "
                            "each later turn is asked after the model's own answer to the one before)")

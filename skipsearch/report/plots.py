@@ -148,7 +148,8 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     ax.set_ylabel(("predicted" if label.objective == "modeled" else "measured") + " speedup (x plain decoding)")
     ax.set_title(f"{study.study_name} on {label.device_name or label.device or ''}: speedup vs skipped share\n"
                  + textwrap.fill(title, 90), fontsize=9)  # a long verdict wrapped, not cut at the figure's edges
-    legend = ax.legend(loc="best", fontsize=8)
+    # Below the axes: inside, "best" still covered points or intervals wherever they filled the frame.
+    legend = ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, fontsize=8)
     for handle in legend.legend_handles:  # a trial's colour is its acceptance (the colour bar), not its kind
         if isinstance(handle, PathCollection):
             handle.set_array(None)  # else drawing colours it from the colour map again
@@ -225,6 +226,8 @@ def history(study: optuna.Study) -> plt.Figure:
     # Above the style's grid (zorder 0.5), which has a line at 1.0 too, and below Optuna's points.
     ax.axhline(1.0, color="0.3", linestyle="--", linewidth=1, zorder=1.5, label="plain decoding (1.0)")
     ax.legend(bbox_to_anchor=(1.05, 1.0), loc="upper left")  # Optuna's, drawn before the line: again to hold it
+    low, high = ax.get_ylim()
+    ax.set_ylim(min(low, 0.95), max(high, 1.05))  # the line off the frame's edge where every trial is below (above) it
     # Matplotlib's default ticks put 0.5, 1.5, ... between trials when there are few of them.
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if not trials:
