@@ -147,6 +147,7 @@ CASES = [
     (["export", "--study-name", "never-ran"], "no study database"),
     (["bench", "--repeats", "0"], "integer >= 1"),
     (["bench", "--dataset", "{dir}/prompts.jsonl", "--dataset", "builtin"], "--dataset: given twice; this command reads one"),
+    (["bench", "--dataset", "builtin", "--dataset", "{dir}/prompts.jsonl"], "--dataset: given twice; this command reads one"),
     # 1. output paths: a folder where a file goes, a file where a folder goes (checked before any work)
     (["export", "--output", "{dir}/studies"], "is a folder: name a file"),
     (["export", "--output", "{dir}/prompts.jsonl/best.json"], "is a file, not a folder"),

@@ -185,9 +185,11 @@ class _OneDataset(argparse.Action):
     in place of the first."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        if getattr(namespace, self.dest) != self.default:
+        given = f"_{self.dest}_given"  # not the value: a first --dataset equal to the default is given all the same
+        if getattr(namespace, given, False):
             parser.error(f"argument {option_string}: given twice; this command reads one dataset (a study reads "
                          "several: `optimize --dataset A --dataset B`)")
+        setattr(namespace, given, True)
         setattr(namespace, self.dest, values)
 
 
