@@ -391,3 +391,28 @@ def test_category_bars_stand_in_the_legends_order_beside_a_labelled_baseline(tmp
         tops = [heights[method][category] for method in methods]
         assert tops == sorted(tops, reverse=True)
     plt.close(drawn[0])
+
+
+def test_importances_leave_out_sublayers_that_every_trial_decided_alike():
+    """A study of warm starts alone keeps most sublayers in every trial: PED-ANOVA gave each a share all the same."""
+    space = SearchSpace(num_layers=LAYERS, skip_prior=0.3)
+    study = optuna.create_study(study_name="warm", directions=["maximize"])
+    study.set_user_attr(STUDY_ATTR, {"model": {"name_or_path": "synthetic", "architecture": "LlamaForCausalLM",
+                                               "num_hidden_layers": LAYERS, "hidden_size": 576},
+                                     "objective": "speed_x_acceptance"})
+    warm = [space.from_params(params) for params in space.warm_start_params()][1:]  # the first skips nothing
+    for value, skip in enumerate(warm):
+        params = space.params_for(skip)
+        study.add_trial(optuna.trial.create_trial(
+            params=params, distributions={name: FloatDistribution(0, 1) for name in params}, values=[1.0 + value],
+            user_attrs={"skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp), "skipped": skip.size}))
+    varied = {f"layer {i} attention" for i in range(15, 30)} | {f"layer {i} MLP" for i in range(15, 30)}
+    fig = plots.importances(study)
+    ax = fig.axes[0]
+    labels = {t.get_text() for t in ax.get_yticklabels()}
+    assert labels and labels <= varied, labels - varied
+    decided = {space.param_name(kind, i) for skip in warm for kind, ids in (("attn", skip.attn), ("mlp", skip.mlp))
+               for i in ids if not all(i in (s.attn if kind == "attn" else s.mlp) for s in warm)}
+    assert len(labels) == min(15, len(decided))
+    assert f"{len(space.sublayers()) - len(decided)} decided alike in every trial, left out" in ax.get_title()
+    plt.close(fig)

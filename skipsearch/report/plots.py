@@ -256,6 +256,24 @@ def _trials(n: int) -> str:
     return f"{n} decoded trial{'' if n == 1 else 's'}"
 
 
+def _decision(trial: TrialRecord, param: str) -> int | bool:
+    """What `param` decided in `trial`: the head's rows, or whether its sublayer was skipped."""
+    if param == HEAD_PARAM:
+        return trial.skip.head_rows or 0
+    kind, layer = param.split("_")
+    return int(layer) in (trial.skip.attn if kind == "attn" else trial.skip.mlp)
+
+
+def _deciding_params(study: optuna.Study, trials: list[TrialRecord]) -> tuple[list[str], int]:
+    """The parameters whose decision differs between `trials`, and how many others there are. One the trials all
+    decide alike (a sublayer kept in every warm start) cannot explain their values, yet PED-ANOVA would give it a
+    share."""
+    numbers = {t.number for t in trials}
+    names = {name for t in study.get_trials(deepcopy=False) if t.number in numbers for name in t.params}
+    deciding = sorted(name for name in names if len({_decision(t, name) for t in trials}) > 1)
+    return deciding, len(names) - len(deciding)
+
+
 def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     """The `top` sublayers whose skip decision explains most of the objective (PED-ANOVA), the rest as one bar.
 
@@ -269,11 +287,13 @@ def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     # and pre-screen estimates sit on another scale.
     view = _only(study, trials)
     values = {}
-    if decoded >= 2:
+    deciding, alike = _deciding_params(study, trials)
+    if decoded >= 2 and deciding:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # on few trials Optuna warns that every importance is 0; the title says so
             values = optuna.importance.get_param_importances(
-                view, evaluator=optuna.importance.PedAnovaImportanceEvaluator(target_quantile=_PED_ANOVA_TOP),
+                view, params=deciding,
+                evaluator=optuna.importance.PedAnovaImportanceEvaluator(target_quantile=_PED_ANOVA_TOP),
                 # PED-ANOVA takes a given target's low values as the good ones: the speedup, negated.
                 target=(lambda t: -t.values[0]) if multi else None, normalize=False,  # all 0 is not equal shares
             )
@@ -306,6 +326,8 @@ def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     ax.set_ylabel("sublayer (skipped or kept)")
     others = "parameters" if any(name == HEAD_PARAM for name, _ in rest) else "sublayers"
     rest_text = f"; the other {len(rest)} {others} share {sum(s for _, s in rest):.0%}" if rest else ""
+    if alike:
+        rest_text += f"; {alike} decided alike in every trial, left out"
     rough = (f"\nonly {_trials(decoded)}: a rough ranking (it compares the best {_PED_ANOVA_TOP:.0%} of the trials "
              f"with all of them, and wants {IMPORTANCE_MIN_TRIALS} or more)" if decoded < IMPORTANCE_MIN_TRIALS else "")
     ax.set_title(f"{study.study_name}: the {len(shown)} sublayers whose skipping matters most{rest_text}{rough}",
