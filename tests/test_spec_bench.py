@@ -191,6 +191,27 @@ def test_the_categories_winners_are_exported_together():
     assert not nothing.skip.size and nothing.to_json()["version"] == 1 and "c: lost" in nothing.metrics.verdict
 
 
+def test_the_combined_config_counts_every_categorys_prompts():
+    info = ModelInfo("tiny", "LlamaForCausalLM", 4, 32)
+
+    def config(attn, prompts):
+        return SkipConfig(info, SkipSet.of(attn), metrics=ConfigMetrics(speedup=1.2, verdict="won"),
+                          search=ConfigSearch(study_name="s", num_prompts=prompts))
+
+    assert category_config({"a": config([1], 4), "b": config([2], 3), "c": config([], 2)}, "s").search.num_prompts == 9
+    assert category_config({"a": config([1], 4), "b": config([2], None)}, "s").search.num_prompts is None
+
+
+def test_the_line_of_the_combined_export_names_the_categories_that_confirmed_a_set():
+    from skipsearch.report.export import categories_confirmed
+
+    info = ModelInfo("tiny", "LlamaForCausalLM", 4, 32)
+    won, plain = SkipConfig(info, SkipSet.of([1])), SkipConfig(info, SkipSet())
+    assert categories_confirmed({"a": won, "b": plain, "c": won}) == "a skip set confirmed for a, c, none for b"
+    assert categories_confirmed({"a": won}) == "a skip set confirmed for a"
+    assert categories_confirmed({"a": plain, "b": plain}) == "a skip set confirmed for no category"
+
+
 def test_a_categorys_trimmed_head_alone_is_exported():
     """A category whose study confirmed a draft that skips nothing but reads a trimmed head (what Gemma 3 270M's
     studies export) won: it is not taken for plain decoding."""
@@ -218,7 +239,12 @@ def test_optimize_runs_one_study_per_category(capsys, tmp_path, tiny_model_dir):
     assert {p.name for p in (tmp_path / "studies").iterdir()} >= {"sb-mt_bench.db", "sb-qa.db", "sb"}
     config = load_skip_config(tmp_path / "studies" / "sb" / "best.json")
     assert config.search.categories == [MT_BENCH, "qa"]
-    assert f"exported {tmp_path / 'studies' / 'sb' / 'best.json'}" in out
+    from skipsearch.report.export import categories_confirmed, exported_text
+
+    # Which category confirmed a set depends on timing: the line must say what the files hold.
+    studied = {c: load_skip_config(tmp_path / "studies" / f"sb-{c}" / "best.json") for c in config.search.categories}
+    assert f"exported {tmp_path / 'studies' / 'sb' / 'best.json'}: {exported_text(config)}; " \
+           f"{categories_confirmed(studied)}\n" in out
     assert category_study_name("sb", "math reasoning/x") == "sb-math-reasoning-x"
     for command in ("export", "plot"):  # the name given to optimize names no study of its own: say which are
         code, _, err = run(capsys, command, "--study-name", "sb", "--studies-dir", tmp_path / "studies")

@@ -17,7 +17,7 @@ from ..decode.skipset import SkipSet
 from ..io import models
 from ..io.data import BUILTIN, PromptRow, draw_per_category, load_rows
 from ..io.files import check_output_folder
-from ..report.export import category_config, dataset_verdicts, export_trial, exported_text, verdict
+from ..report.export import categories_confirmed, category_config, dataset_verdicts, export_trial, exported_text, verdict
 from ..report.plots import write_plots
 from ..report.projections import decode_stats, load_projections, projection_lines
 from ..search.published import matching_skip_sets
@@ -166,6 +166,7 @@ def _per_category(s: OptimizeSettings, run: _Prepared, say: Callable[[str], None
     last = results[category]
     combined = Optimization(last.study, config, f"exported {s.folder / 'best.json'}: {exported_text(config)}",
                             last.stopped_by, last.outcome, by_category=results)
+    combined.exported += f"; {categories_confirmed({c: r.config for c, r in results.items()})}"
     if last.stopped_by:
         combined.exported += f" (the categories studied before the stop: {', '.join(results)})"
     say(combined.exported)

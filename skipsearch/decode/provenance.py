@@ -94,7 +94,7 @@ class ConfigSearch:
     trial_number: int | None = None
     sampler: str | None = None
     dataset: str | list[str] | None = None  # a list: a study of several datasets
-    num_prompts: int | None = None
+    num_prompts: int | None = None  # the prompts its studies decoded: of every dataset, of every category
     max_new_tokens: int | None = None
     device: str | None = None
     device_name: str | None = None

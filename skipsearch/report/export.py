@@ -204,16 +204,31 @@ def _dataset_entries(study: optuna.Study, label: StudyLabel) -> list[SkipEntry]:
     return entries
 
 
+def _confirmed_a_set(config: SkipConfig) -> bool:
+    """Whether a category's study exported a skip set (a trimmed head alone drafts too), not plain decoding."""
+    return config.skip.drafts and not config.others
+
+
+def categories_confirmed(configs: dict[str, SkipConfig]) -> str:
+    """Which categories' studies confirmed a skip set, and which did not, for the line that names the combined file."""
+    won = [category for category, config in configs.items() if _confirmed_a_set(config)]
+    lost = [category for category in configs if category not in won]
+    return f"a skip set confirmed for {', '.join(won) or 'no category'}" + (f", none for {', '.join(lost)}"
+                                                                            if won and lost else "")
+
+
 def category_config(configs: dict[str, SkipConfig], study_name: str) -> SkipConfig:
     """One config of each category's exported skip set (one study per category), labelled with the categories it
     won (joined by ", ") and carrying its study's figures; a category whose study exported plain decoding is left
     out, since decoding always weighs plain decoding. None won: plain decoding, each category's verdict quoted."""
     won: dict[SkipSet, list[tuple[str, SkipConfig]]] = {}
     for category, config in configs.items():
-        if config.skip.drafts and not config.others:  # a trimmed head alone drafts too
+        if _confirmed_a_set(config):
             won.setdefault(config.skip, []).append((category, config))
     first = next(iter(configs.values()))
+    counts = [config.search.num_prompts for config in configs.values()]
     search = replace(first.search, study_name=study_name, trial_number=None, categories=list(configs),
+                     num_prompts=None if None in counts else sum(counts),
                      category_studies={c: config.search.study_name for c, config in configs.items()},
                      created_at=datetime.now(timezone.utc).isoformat())
     verdicts = "; ".join(f"{c}: {config.metrics.verdict}" for c, config in configs.items())
