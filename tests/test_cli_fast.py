@@ -1,6 +1,6 @@
-import argparse
 """`--help` answers without the heavy imports, and the parser's literal choices and defaults are the real ones."""
 
+import argparse
 import os
 import subprocess
 import sys
@@ -39,6 +39,20 @@ def test_each_default_appears_once_in_help():
         for paragraph in text.split("\n  -"):
             assert paragraph.count("(default:") <= 1, (name, paragraph)
     assert "(default: 20)" in commands["optimize"].format_help()  # --n-trials still shows its default
+
+
+def test_help_lists_each_flag_under_what_it_sets():
+    from skipsearch.cli import build_parser
+
+    commands = build_parser()._subparsers._group_actions[0].choices
+
+    def group_of(command: str, flag: str) -> str:
+        return next(group.title for group in commands[command]._action_groups
+                    if any(flag in action.option_strings for action in group._group_actions))
+
+    assert {name: group_of(name, "--compile") for name in ("optimize", "bench", "generate", "profile")} == dict.fromkeys(
+        ("optimize", "bench", "generate", "profile"), "model")
+    assert group_of("optimize", "--per-category") == "prompts"
 
 
 def test_every_dtype_objective_and_sampler_the_flags_offer_is_handled():

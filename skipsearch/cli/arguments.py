@@ -117,7 +117,8 @@ def utf8_text(text: str) -> str:
     return text
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
+def add_model_flags(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The model's flags, in a group that a command's --compile joins."""
     group = parser.add_argument_group("model")
     group.add_argument(
         "--model", default=None,
@@ -128,6 +129,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--dtype", default=None, choices=DTYPE_NAMES, help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)"
     )
+    return group
 
 
 def add_draft_flags(parser: argparse.ArgumentParser) -> None:
@@ -194,7 +196,7 @@ class _OneDataset(argparse.Action):
 
 
 def add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_tokens: int,
-                      several_datasets: bool = False) -> None:
+                      several_datasets: bool = False) -> argparse._ArgumentGroup:
     data = parser.add_argument_group("prompts")
     kinds = "'builtin' (32 prompts shipped), a local .json/.jsonl file, or a Hub dataset name"
     if several_datasets:
@@ -216,13 +218,14 @@ def add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_
     data.add_argument("--too-long", choices=("refuse", "skip"), default="refuse",
                       help="a prompt whose answers do not fit the model's context (checked before any decoding): "
                            "refuse the run, or skip that prompt with a line saying so")
+    return data
 
 
-def add_compile_flag(parser: argparse.ArgumentParser,
+def add_compile_flag(group: argparse._ActionsContainer,
                       on_cpu: str = "frozen weights and autotuned GEMMs on a CPU, about 100 s per step to compile",
                       when: str = "the first call compiles") -> None:
-    parser.add_argument("--compile", action="store_true",
-                        help=f"torch.compile the draft and verify steps (CUDA graphs on CUDA; {on_cpu}); {when}")
+    group.add_argument("--compile", action="store_true",
+                       help=f"torch.compile the draft and verify steps (CUDA graphs on CUDA; {on_cpu}); {when}")
 
 
 def add_projection_flag(group: argparse._ActionsContainer, whose: str, stored: str = "") -> None:

@@ -46,5 +46,4 @@ def add_bench_flags(bench: argparse.ArgumentParser) -> None:
     add_studies_dir(bench)
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_prompt_flags(bench, num_prompts=4, max_new_tokens=48)
-    add_model_flags(bench)
-    add_compile_flag(bench)
+    add_compile_flag(add_model_flags(bench))

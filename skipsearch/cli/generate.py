@@ -81,5 +81,4 @@ def add_generate_flags(gen: argparse.ArgumentParser) -> None:
                      help="what the guard learned in earlier runs (plain speed, when each skip set drafts again), "
                           "kept in FILE: read where it exists, written after; without it each run learns afresh")
     add_draft_flags(gen)
-    add_model_flags(gen)
-    add_compile_flag(gen)
+    add_compile_flag(add_model_flags(gen))

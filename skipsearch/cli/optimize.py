@@ -33,22 +33,22 @@ def cmd_optimize(args: argparse.Namespace) -> int:
 
 
 def add_optimize_flags(opt: argparse.ArgumentParser) -> None:
-    add_prompt_flags(opt, num_prompts=4, max_new_tokens=32, several_datasets=True)
+    prompts = add_prompt_flags(opt, num_prompts=4, max_new_tokens=32, several_datasets=True)
+    prompts.add_argument("--per-category", action="store_true",
+                         help="one study per category of the dataset (named <study-name>-<category>, --num-prompts "
+                              "prompts of each), their confirmed sets exported together in <study-name>/best.json, "
+                              "labelled by category, among which decoding chooses per prompt")
     add_search_flags(opt.add_argument_group("search"))
-    opt.add_argument("--per-category", action="store_true",
-                     help="one study per category of the dataset (named <study-name>-<category>, --num-prompts "
-                          "prompts of each), their confirmed sets exported together in <study-name>/best.json, "
-                          "labelled by category, among which decoding chooses per prompt")
     add_worker_flags(opt.add_argument_group("workers and crash recovery (SQLite / PostgreSQL storages)"))
     out = opt.add_argument_group("output")
     out.add_argument("--no-plots", action="store_true", help="do not write plots")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_study_flags(opt)
     add_draft_flags(opt)
-    add_model_flags(opt)
-    opt.add_argument("--compile", action="store_true",
-                     help="compiled draft and verify steps on a CPU too (always on CUDA, as CUDA graphs): each layer "
-                          "kind compiles once for the whole study, a new skip set compiles nothing")
+    add_model_flags(opt).add_argument(
+        "--compile", action="store_true",
+        help="compiled draft and verify steps on a CPU too (always on CUDA, as CUDA graphs): each layer kind compiles "
+             "once for the whole study, a new skip set compiles nothing")
 
 
 def add_search_flags(search: argparse._ArgumentGroup) -> None:

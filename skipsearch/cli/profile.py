@@ -40,7 +40,6 @@ def add_profile_flags(prof: argparse.ArgumentParser) -> None:
                            "on the weights' values")
     prof.add_argument("--repeats", type=positive_int, default=20, help="timed runs per measurement (median)")
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
-    prof.add_argument("--compile", action="store_true",
-                      help="time the compiled steps studies run (regional) on a CPU too; on CUDA they are always timed, "
-                           "as CUDA graphs")
-    add_model_flags(prof)
+    add_model_flags(prof).add_argument(
+        "--compile", action="store_true",
+        help="time the compiled steps studies run (regional) on a CPU too; on CUDA they are always timed, as CUDA graphs")
