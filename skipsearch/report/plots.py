@@ -327,7 +327,7 @@ def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     others = "parameters" if any(name == HEAD_PARAM for name, _ in rest) else "sublayers"
     rest_text = f"; the other {len(rest)} {others} share {sum(s for _, s in rest):.0%}" if rest else ""
     if alike:
-        rest_text += f"; {alike} decided alike in every trial, left out"
+        rest_text += f"; {alike} others, kept (or skipped) in every trial, left out"
     rough = (f"\nonly {_trials(decoded)}: a rough ranking (it compares the best {_PED_ANOVA_TOP:.0%} of the trials "
              f"with all of them, and wants {IMPORTANCE_MIN_TRIALS} or more)" if decoded < IMPORTANCE_MIN_TRIALS else "")
     ax.set_title(f"{study.study_name}: the {len(shown)} sublayers whose skipping matters most{rest_text}{rough}",
