@@ -325,3 +325,26 @@ def test_generate_command_chooses_among_configs(capsys, tmp_path, tiny_model_dir
     assert "chosen among 2 sets and plain decoding by their agreement with the full model over the prompt's last" \
            in summary and "code.jsonl " in summary and "chat.jsonl " in summary
     # bench measures such a config as generate decodes it: the prefill chooses per prompt (test_spec_bench.py)
+
+
+def test_generate_command_with_one_drafting_config_among_plain_ones_names_that_set(capsys, tmp_path, tiny_model_dir):
+    """A config that skips nothing is no candidate: beside one that drafts, the call decodes with that one, making
+    no choice, and must name it (it answered with the tuple of sets and crashed printing it)."""
+    from transformers import AutoModelForCausalLM
+
+    from skipsearch.cli import main
+    from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    code, _, _ = configs_of(model, tmp_path)
+    save_skip_config(SkipConfig(ModelInfo.of(model, "two-kinds"), SkipSet(), DraftPolicy(max_draft_tokens=4)),
+                     tmp_path / "plain.json")
+    common = ["generate", "--model", str(tiny_model_dir), "--prompt", "hello there", "--max-new-tokens", "8",
+              "--dtype", "float64", "--config", str(tmp_path / "plain.json")]
+    assert main([*common, "--config", str(code), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["skip"] == FITS_CODE.as_dict() and out["stats"]["choices"] == []
+    assert main([*common, "--config", str(code)]) == 0
+    assert f"skip {FITS_CODE}]" in capsys.readouterr().err
+    assert main([*common, "--config", str(tmp_path / "plain.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["skip"] is None

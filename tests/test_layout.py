@@ -162,3 +162,13 @@ def test_each_pytest_xdist_worker_and_its_processes_take_a_share_of_the_cores():
     started = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
                              capture_output=True, text=True, check=True)
     assert int(started.stdout) == threads
+
+
+def test_the_readmes_layout_table_names_every_module():
+    """A reader finds a module's job in README's Layout table; the command line's are named by their commands."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    table = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    named = {name for name, path in modules().items() if path.name != "__init__.py" and "." in name
+             and not name.startswith("cli.")}
+    assert named, "no module found"
+    assert {name for name in named if f"`{name.rsplit('.', 1)[1]}.py`" not in table} == set()

@@ -14,7 +14,7 @@ from ..decode.config import combine_skip_configs, load_skip_config
 from ..decode.controller import DraftMemory, check_learned_by
 from ..decode.cost_profile import CostProfile
 from ..decode.loop import generate
-from ..decode.policy import DraftPolicy
+from ..decode.policy import DraftPolicy, drafting_sets
 from ..decode.sampling import Sampling
 from ..decode.skipset import SkipSet
 from ..decode.stats import GenerationOutput
@@ -83,8 +83,11 @@ def generate_text(settings: GenerateSettings) -> Generation:
     if s.memory is not None:  # writable, and with room, as checked before decoding
         memory.save(s.memory, learned_by)
     choice = output.stats.choices[0] if output.stats.choices else None
+    # Sets that do not draft are no candidates: of several configs, one drafting set is decoded without a choice.
+    drafting = drafting_sets(skip, policy)
+    used = choice.skip if choice else drafting[0] if drafting else None
     text = loaded.tokenizer.decode(output.tokens, skip_special_tokens=True)
-    return Generation(text, output, choice.skip if choice else skip, _choice_text(choice, labels))
+    return Generation(text, output, used, _choice_text(choice, labels))
 
 
 def _stored_memory(path: Path | None) -> tuple[DraftMemory, str] | None:
