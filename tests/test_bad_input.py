@@ -125,7 +125,11 @@ CASES = [
     (["generate", "--model", "{model}", "--prompt", "  "], "--prompt is empty"),
     (["generate", "--model", "{dir}/no-such-model", "--prompt", "hi"], "cannot load model"),
     (["generate", "--model", "{dir}/not-a-model", "--prompt", "hi"], "has no config.json"),
+    (["generate", "--model", "{dir}/prompts.jsonl", "--prompt", "hi"], "is a file, not a model folder or a .gguf file"),
     (["generate", "--prompt", "hi", "--config", "{dir}/malformed.json"], "malformed.json.: not valid JSON"),
+    # a broken config is refused before the model loads (this one would fail to)
+    (["generate", "--model", "{dir}/no-such-model", "--prompt", "hi", "--config", "{dir}/malformed.json"],
+     "malformed.json.: not valid JSON"),
     (["generate", "--prompt", "hi", "--config", "{dir}/format.json"], "not a skipsearch skip config"),
     (["generate", "--prompt", "hi", "--config", "{dir}/version.json"], "unsupported version 7"),
     (["generate", "--prompt", "hi", "--config", "{dir}/other-model.json"], "num_hidden_layers=30"),
@@ -155,9 +159,10 @@ CASES = [
     (["profile", "--output", "{dir}/studies"], "is a folder: name a file"),
     (["profile", "--output", "{dir}/good.json/profile.json"], "is a file, not a folder"),
     (["bench", "--output-dir", "{dir}/prompts.jsonl"], "is a file: name a folder"),
-    (["bench", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl/bench. cannot be written"),
-    (["profile", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl/cost-profile.json. cannot"),
-    (["optimize", "--studies-dir", "{dir}/prompts.jsonl"], "prompts.jsonl. is a file"),
+    # the folder as given, not the one made in it (prompts.jsonl/bench), named where it is a file
+    (["bench", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
+    (["profile", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
+    (["optimize", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
     # 2. rejected input writes nothing: no database, no Optuna tables added to someone else's
     (["optimize", "--seed", "-1"], r"--seed: expected an integer in \[0, 4294967295\]"),
     (["optimize", "--sampler", "cmaes", "--objective", "pareto"], "cmaes sampler handles one objective"),

@@ -144,7 +144,7 @@ def test_bench_passes_its_profiled_mode_to_the_profile(monkeypatch):
     for device in (torch.device("cuda", 0), torch.device("cpu")):  # the model stays on the CPU: only this is read
         loaded = types.SimpleNamespace(model=model, device=device)
         for compile in (True, False):
-            bench._profile(bench.BenchSettings(compile=compile), loaded, config, [[1, 2, 3]])
+            bench._profile(bench.BenchSettings(compile=compile), loaded, config, [[1, 2, 3]], lambda line: None)
     assert taken == ["regional", None, None, None]
 
 
@@ -158,3 +158,23 @@ def test_bench_checks_each_prompts_room_for_its_longest_draft():
     assert draft_room(BenchSettings(), long_drafts) == 40
     assert draft_room(BenchSettings(prompt_lookup_tokens=24), None) == 24
     assert draft_room(BenchSettings(), SkipConfig(model=model, skip=SkipSet())) == 16
+
+
+def test_bench_says_before_profiling_this_device_how_to_reuse_a_profile(monkeypatch):
+    """Profiling took most of a small bench's minutes with nothing saying why, or that --cost-profile avoids it."""
+    from types import SimpleNamespace
+
+    from skipsearch.api import bench as api_bench
+    from skipsearch.api.bench import BenchSettings
+
+    monkeypatch.setattr(api_bench, "profile_costs", lambda model, **kwargs: "this device's profile")
+    monkeypatch.setattr(api_bench, "contexts_for", lambda model, encoded, tokens: [8])
+    said = []
+    config = SkipConfig(ModelInfo("tiny", "LlamaForCausalLM", 4, 32), SkipSet.of([1]))
+    loaded = SimpleNamespace(model=None, device=torch.device("cpu"))
+    assert api_bench._profile(BenchSettings(), loaded, config, [[1]], said.append) == "this device's profile"
+    assert said == ["profiling this device first, to price the config's predicted speedup (--cost-profile reuses a "
+                    "profile, e.g. one that `profile` wrote)"]
+    said.clear()
+    assert api_bench._profile(BenchSettings(), loaded, SkipConfig(config.model, SkipSet()), [[1]], said.append) is None
+    assert said == []  # plain decoding has nothing to price

@@ -195,7 +195,8 @@ def test_profile_then_bench_with_a_config(capsys, tmp_path, tiny_model_dir, virt
     code, out, _ = run(capsys, "bench", "--model", tiny_model_dir, "--dtype", "float64", "--config", tmp_path / "c.json",
                        "--cost-profile", tmp_path / "p.json", "--num-prompts", 2, "--max-new-tokens", 6, "--repeats", 1,
                        "--output-dir", tmp_path / "bench", "--no-progress")
-    assert code == 0 and out.splitlines()[0].startswith("method")
+    assert code == 0 and out.splitlines()[0].startswith(f"the predicted speedup is priced by {tmp_path / 'p.json'} [cpu")
+    assert out.splitlines()[1].startswith("method")
     assert "skipsearch attn=[1] mlp=[2]" in out and "NO" not in out
     rows = json.loads((tmp_path / "bench" / "bench.json").read_text())["rows"]
     assert rows[-1]["predicted_speedup"] > 0 and (tmp_path / "bench" / "bench.png").is_file()

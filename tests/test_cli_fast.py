@@ -92,3 +92,13 @@ def test_package_names_resolve_lazily():
         assert getattr(skipsearch, name) is not None
     with pytest.raises(AttributeError):
         skipsearch.no_such_name
+
+
+@pytest.mark.parametrize("command", ["optimize", "bench", "profile", "export"])
+def test_an_unknown_flag_is_refused_in_the_commands_name(command, capsys):
+    from skipsearch.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--bogus", "1"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"python -m skipsearch {command}: error: unrecognized arguments: --bogus 1\n"

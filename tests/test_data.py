@@ -48,6 +48,9 @@ def test_bad_datasets_are_clear_errors(tmp_path, content, kwargs, message):
 def test_other_fields_of_mixed_types_do_not_matter(tmp_path):
     (tmp_path / "d.jsonl").write_text('{"prompt": "a", "n": 1}\n{"prompt": "b", "n": "x"}\n{"n": 2}\n')
     assert sorted(load_prompts(str(tmp_path / "d.jsonl"), num_prompts=None)) == ["a", "b"]
+    # A row without the text is left out; where that leaves too few, the refusal says why there are fewer.
+    with pytest.raises(ValueError, match=r"has 2 \(1 of its 3 rows have no text in field 'prompt'\)$"):
+        load_prompts(str(tmp_path / "d.jsonl"), num_prompts=3)
 
 
 def test_missing_file_is_a_clear_error(tmp_path):

@@ -59,7 +59,7 @@ def test_importances_shows_the_top_sublayers_by_name():
     assert len(labels) == 15 and all(label.startswith("layer ") for label in labels)
     assert "the other 41 sublayers share" in ax.get_title() and "%" in ax.get_xlabel()
     assert all(text.get_text().endswith("%") for text in ax.texts)  # every bar carries its number
-    assert "attention (all:" in ax.get_legend().get_texts()[0].get_text()
+    assert "attention (all:" in fig.legends[0].get_texts()[0].get_text()
     assert_labelled(fig)
     plt.close(fig)
 
@@ -256,6 +256,10 @@ def test_bench_bars_carry_their_numbers(tmp_path, monkeypatch):
                                          "compile": True})
     assert figures[-1].axes[0].get_title().endswith(", skipsearch compiled")  # a chart says which steps it timed
     plt.close(figures[-1])
+    with_intervals = [BenchRow("hf greedy", 20.0, 1.0, True, 1.0, 1.0), BenchRow("skipsearch", 25.0, 1.25, True, 1.1, 1.4)]
+    bench.write_outputs(with_intervals, tmp_path, {"model": "m", "device": "cpu"})
+    assert sorted(t.xy[0] for t in figures[-1].axes[0].texts) == [1.0, 1.4]  # past the whisker, not into it
+    plt.close(figures[-1])
     for repeats, said in ((1, "x 1 repeat"), (3, "x 3 repeats")):
         bench.write_outputs(rows, tmp_path, {"model": "m", "device": "cpu", "num_prompts": 2, "max_new_tokens": 8,
                                              "repeats": repeats})
@@ -390,6 +394,9 @@ def test_category_bars_stand_in_the_legends_order_beside_a_labelled_baseline(tmp
     for category in range(2):  # within each category, the legend's first method stands highest
         tops = [heights[method][category] for method in methods]
         assert tops == sorted(tops, reverse=True)
+    # Every bar carries its number, right of its whisker's end (1.3) rather than into the whisker.
+    assert sorted(t.get_text() for t in ax.texts) == ["1.00x", "1.00x", "1.10x", "1.10x", "1.20x", "1.20x"]
+    assert {t.xy[0] for t in ax.texts} == {1.3} and ax.get_xlim()[1] > 1.3
     plt.close(drawn[0])
 
 
@@ -415,4 +422,52 @@ def test_importances_leave_out_sublayers_that_every_trial_decided_alike():
                for i in ids if not all(i in (s.attn if kind == "attn" else s.mlp) for s in warm)}
     assert len(labels) == min(15, len(decided))
     assert f"{len(space.sublayers()) - len(decided)} others, kept (or skipped) in every trial, left out" in ax.get_title()
+    plt.close(fig)
+
+
+def test_importances_of_few_choices_keep_the_legend_off_the_bars_and_name_what_they_show():
+    """One sublayer decided differently: one bar, whose legend sits below the axes rather than over it."""
+    space = SearchSpace(num_layers=LAYERS, skip_prior=0.3)
+    study = optuna.create_study(study_name="few", directions=["maximize"])
+    study.set_user_attr(STUDY_ATTR, {"model": {"name_or_path": "synthetic", "architecture": "LlamaForCausalLM",
+                                               "num_hidden_layers": LAYERS, "hidden_size": 576},
+                                     "objective": "speed_x_acceptance"})
+    for number in range(12):
+        skip = SkipSet.of([5] if number % 2 else [], [7], LAYERS)
+        params = space.params_for(skip)
+        study.add_trial(optuna.trial.create_trial(
+            params=params, distributions={name: FloatDistribution(0, 1) for name in params},
+            values=[1.0 + 0.1 * (number % 2) + 0.001 * number],
+            user_attrs={"skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp), "skipped": skip.size}))
+    fig = plots.importances(study)
+    [ax] = fig.axes
+    fig.canvas.draw()
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["layer 5 attention"]
+    assert ax.get_title().startswith("few: what matters most: the 1 sublayer;") and "left out" in ax.get_title()
+    assert fig.legends[0].get_window_extent().y1 <= ax.get_window_extent().y0
+    plt.close(fig)
+    head = plots._importance_title("s", [(plots.HEAD_PARAM, 0.7), ("attn_03", 0.3)], [("mlp_04", 0.0)], 0, 60)
+    assert head == "s: what matters most: the 1 sublayer and the draft head size; the other 1 sublayer shares 0%"
+
+
+@pytest.mark.parametrize("objective", ["speed_x_acceptance", "pareto"])
+def test_history_marks_the_confirmed_figure_of_the_set_the_other_plots_show(objective):
+    """The search's best value is one measurement; the confirmation may not bear it out. The history draws the
+    shown set's confirmed figure at its trial, in the objective's units, and names it as the other plots do."""
+    from skipsearch.search.records import Confirmation, ConfirmedCandidate, Figures, Ratio, write_confirmation
+
+    study = synthetic_study(objective, n=6)
+    confirmed = ConfirmedCandidate(3, SkipSet.of([21]), 0.62, 1, 1 / 56,
+                                   Figures(speedup=Ratio(0.69, 0.57, 0.84), paired_runs=8, acceptance_rate=0.9,
+                                           prompts=4))
+    write_confirmation(study, Confirmation((confirmed,), top=1, repeats=2))
+    fig = plots.history(study)
+    ax = fig.axes[0]
+    [star] = [c for c in ax.collections if c.get_label().startswith("best confirmed skip set")]
+    assert star.get_offsets().tolist() == [[3, 0.69 if objective == "pareto" else 0.62]]
+    assert plots._highlight(study)[1].replace(" ", "") == star.get_label().replace("\n", "").replace(" ", "")
+    assert star.get_label() in [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(fig)
+    fig = plots.history(synthetic_study(objective, n=6))  # nothing confirmed: no star
+    assert not [c for c in fig.axes[0].collections if "confirmed" in c.get_label()]
     plt.close(fig)

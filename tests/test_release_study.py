@@ -11,7 +11,7 @@ import pytest
 from skipsearch.cli import main
 from skipsearch.report.export import export_trial, verdict, write_dv
 from skipsearch.search.storage import load_study
-from skipsearch.search.study import study_summary
+from skipsearch.search.records import study_summary
 
 FIXTURES = Path(__file__).parent / "fixtures"
 EXPECTED = json.loads((FIXTURES / "release_studies.expected.json").read_text())

@@ -11,8 +11,8 @@ from skipsearch.decode.skipset import DraftHead, SkipSet
 from skipsearch.search.vocabulary import VocabularyRanking
 from skipsearch.report.export import decide, export_trial
 from skipsearch.report.plots import write_plots
-from skipsearch.search.study import (Evaluator, SearchSpace, StudySettings, distinct_trials, make_sampler, run_study,
-                                     study_summary)
+from skipsearch.search.records import study_summary
+from skipsearch.search.study import Evaluator, SearchSpace, StudySettings, distinct_trials, make_sampler, run_study
 
 PROMPTS = [[5, 9, 14, 3], [7, 2, 30, 31, 8]]
 
@@ -337,3 +337,28 @@ def test_the_pre_screen_first_decodes_the_reference_with_the_full_model():
     evaluator = make_evaluator(model)
     assert 0.0 <= evaluator.match_rate(SkipSet.of([1, 2], [1], 4)) <= 1.0
     assert evaluator.reference_tokens() == expected
+
+
+def test_the_summary_says_when_warm_starts_left_the_sampler_no_trial():
+    from optuna.distributions import FloatDistribution
+
+    from skipsearch.search.records import STUDY_ATTR
+
+    space = SearchSpace(num_layers=4)
+    study = optuna.create_study(study_name="warm")
+    study.set_user_attr(STUDY_ATTR, {"model": {"name_or_path": "tiny", "architecture": "LlamaForCausalLM",
+                                               "num_hidden_layers": 4, "hidden_size": 32},
+                                     "objective": "speed_x_acceptance"})
+
+    def add(skip, **attrs):
+        params = space.params_for(skip)
+        study.add_trial(optuna.trial.create_trial(
+            params=params, distributions={name: FloatDistribution(0, 1) for name in params}, values=[1.0],
+            user_attrs={"skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp), "skipped": skip.size, **attrs}))
+
+    add(SkipSet.of([1], [], 4), warm_start=True)
+    add(SkipSet.of([2], [], 4), warm_start=True)
+    assert study_summary(study).endswith("; every trial was a warm start, so the sampler has searched nothing yet: "
+                                         "--n-trials above 2 lets it")
+    add(SkipSet.of([1], [2], 4))  # the sampler's
+    assert "every trial was a warm start" not in study_summary(study)

@@ -59,6 +59,18 @@ def test_turns_and_categories_are_read_as_they_are(tmp_path):
     assert [r.category for r in load_rows(str(renamed), "turns", num_prompts=None)] == [None, None]
 
 
+@pytest.mark.parametrize("categories, read", [
+    (["math", "writing"], ["math", "writing"]),  # MT-bench's names, but none of Spec-Bench's own tasks
+    (["math", "qa", "poetry"], ["math", "qa", "poetry"]),  # a category Spec-Bench does not have
+    (["math", "qa"], [MT_BENCH, "qa"]),
+])
+def test_only_spec_bench_rows_have_mt_benchs_subcategories_read_as_one(tmp_path, categories, read):
+    path = tmp_path / "own.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "category": c}) + "\n" for i, c in enumerate(categories)))
+    rows = sorted(load_rows(str(path), num_prompts=None), key=lambda row: row.turns)
+    assert [row.category for row in rows] == read
+
+
 def test_the_draw_is_stratified_and_seeded():
     rows = [PromptRow((f"{c}{i}",), c) for c in "abc" for i in range(5)]
     six = draw(rows, 6, seed=1)
@@ -200,6 +212,19 @@ def test_the_combined_config_counts_every_categorys_prompts():
 
     assert category_config({"a": config([1], 4), "b": config([2], 3), "c": config([], 2)}, "s").search.num_prompts == 9
     assert category_config({"a": config([1], 4), "b": config([2], None)}, "s").search.num_prompts is None
+
+
+def test_plain_decoding_exported_for_every_category_rests_on_their_confirmations():
+    """As a study's plain export does where its confirmation found no set faster (`confirmed` true)."""
+    info = ModelInfo("tiny", "LlamaForCausalLM", 4, 32)
+
+    def plain(confirmed):
+        return SkipConfig(info, SkipSet(), metrics=ConfigMetrics(speedup=1.0, confirmed=confirmed, verdict="lost"),
+                          search=ConfigSearch(study_name="s"))
+
+    assert category_config({"a": plain(True), "b": plain(True)}, "s").metrics.confirmed is True
+    assert category_config({"a": plain(True), "b": plain(False)}, "s").metrics.confirmed is False
+    assert category_config({"a": plain(True), "b": plain(None)}, "s").metrics.confirmed is False
 
 
 def test_the_line_of_the_combined_export_names_the_categories_that_confirmed_a_set():

@@ -19,7 +19,8 @@ from skipsearch.decode.config import ModelInfo
 from skipsearch.decode.policy import DraftPolicy
 from skipsearch.decode.skipset import SkipSet
 from skipsearch.report.export import decide, export_trial
-from skipsearch.search.study import Evaluator, SearchSpace, StudySettings, run_study, study_summary
+from skipsearch.search.records import study_summary
+from skipsearch.search.study import Evaluator, SearchSpace, StudySettings, run_study
 
 PROMPTS = [[5, 9, 14, 3], [7, 2, 30, 31, 8], [11, 4, 19]]
 POLICY = DraftPolicy(max_draft_tokens=4, adaptive=False)

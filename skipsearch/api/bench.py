@@ -67,12 +67,15 @@ class Benchmark:
 
 def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Benchmark:
     """Decode the prompts with every method as `python -m skipsearch bench` does, and write bench.json / .png (and,
-    when the prompts have categories, bench_categories.png); `say` gets each prompt skipped as too long."""
+    when the prompts have categories, bench_categories.png); `say` gets each prompt skipped as too long and what
+    prices the predicted speedup."""
     s = settings
     if s.too_long not in TOO_LONG:
         raise ValueError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {s.too_long!r}")
     rows_in = load_rows(s.dataset, s.field, s.split, s.num_prompts, s.seed, s.category_field)
     output_dir = s.output_dir or s.studies_dir / "bench"
+    if not s.output_dir:
+        check_output_folder(s.studies_dir, "--studies-dir")  # named as given where it is a file
     check_output_folder(output_dir, "--output-dir" if s.output_dir else "--studies-dir")
     if s.config:  # a broken file is reported before the model loads
         load_skip_config(s.config)
@@ -89,7 +92,7 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
     prompts = encode_rows(loaded, rows_in, s.raw, s.max_new_tokens, draft_room(s, config), s.too_long, say,
                           not s.no_progress)
     encoded = prompts.ids
-    profile = _profile(s, loaded, config, encoded)
+    profile = _profile(s, loaded, config, encoded, say)
     measured = measure_methods(loaded.model, encoded, s.max_new_tokens, loaded.model.generation_config.eos_token_id,
                                config=config, early_exit_layer=s.early_exit_layer,
                                prompt_lookup_tokens=s.prompt_lookup_tokens, repeats=s.repeats,
@@ -124,8 +127,8 @@ def draft_room(settings: BenchSettings, config: SkipConfig | None) -> int:
     return max(16, settings.prompt_lookup_tokens, config.draft.max_draft_tokens if config is not None else 0)
 
 
-def _profile(s: BenchSettings, loaded: LoadedModel, config: SkipConfig | None, encoded: list[list[int]]
-             ) -> CostProfile | None:
+def _profile(s: BenchSettings, loaded: LoadedModel, config: SkipConfig | None, encoded: list[list[int]],
+             say: Callable[[str], None]) -> CostProfile | None:
     """The cost profile that prices the config's predicted speedup: --cost-profile's, else this device's (none for
     a config of several sets, which the cost model does not price)."""
     if config is None or not config.skip.drafts or config.others:
@@ -133,7 +136,10 @@ def _profile(s: BenchSettings, loaded: LoadedModel, config: SkipConfig | None, e
     if s.cost_profile:
         profile = CostProfile.load(s.cost_profile)
         profile.check_model(loaded.model)
+        say(f"the predicted speedup is priced by {s.cost_profile} [{profile.label()}]")
         return profile
+    say("profiling this device first, to price the config's predicted speedup (--cost-profile reuses a profile, "
+        "e.g. one that `profile` wrote)")
     return profile_costs(loaded.model, contexts=contexts_for(loaded.model, encoded, s.max_new_tokens),
                          show_progress=not s.no_progress, compile_mode=profiled_mode(s.compile, loaded.device))
 

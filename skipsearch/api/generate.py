@@ -64,6 +64,8 @@ def generate_text(settings: GenerateSettings) -> Generation:
                          "or decode plainly with --autoregressive")
     profile = CostProfile.load(s.cost_profile) if s.cost_profile is not None else None
     stored = _stored_memory(s.memory)  # before the model loads, which can take minutes
+    for path in s.config or ():  # a broken file too; whether it fits the model is checked once that is loaded
+        load_skip_config(path)
     sampling = Sampling(do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
     loaded = s.load()
     learned_by = f"{_model_name(s.model, loaded)} on {loaded.device} ({loaded.model.dtype})"

@@ -22,11 +22,11 @@ from ..report.plots import write_plots
 from ..report.projections import decode_stats, load_projections, projection_lines
 from ..search.published import matching_skip_sets
 from ..search.ranking import ranked
-from ..search.records import made_by_skipsearch
+from ..search.records import made_by_skipsearch, study_summary
 from ..search.settings import StudySettings, check_measurable
 from ..search.space import SearchSpace
 from ..search.storage import Heartbeat, existing_study, make_storage, redact_url
-from ..search.study import make_sampler, run_study, study_summary
+from ..search.study import make_sampler, run_study
 from ..search.warmstart import NamedSkipSet, outside_space, read_warm_starts
 from ..search.worker import StopRequest
 from .options import DraftOptions, ModelOptions, StudyOptions, not_made_by_skipsearch, special_token_ids
@@ -194,6 +194,7 @@ def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
     if s.cost_profile is not None and s.objective != "modeled":
         raise ValueError("--cost-profile is for --objective modeled")
     profile = CostProfile.load(s.cost_profile) if s.cost_profile is not None else None
+    check_output_folder(s.studies_dir, "--studies-dir")  # named as given where it is a file
     check_output_folder(s.folder, "--studies-dir")
     loaded = s.load()
     # Refuses decoders the draft path cannot run; names the tokenizer a trimmed head's ids belong to.

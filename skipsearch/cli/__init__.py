@@ -18,8 +18,19 @@ from .profile import cmd_profile
 from .study import cmd_export, cmd_plot
 
 
+class _Commands(Parser):
+    """The top parser, whose error for an unknown flag names the command it was given to, as every other error does
+    (argparse's own names no command: the subcommand's parser leaves unknown flags to the top one)."""
+
+    def parse_args(self, args=None, namespace=None):
+        known, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.commands[known.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        return known
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="python -m skipsearch", description=__doc__)
+    parser = _Commands(prog="python -m skipsearch", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     # The commands are looked up here, when the parser is built, so that tests can stand in for one.
     for name, help_text, description, add_flags, command in (
@@ -36,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_flags(sub)
         # The tool's own errors start like argparse's ("python -m skipsearch plot: error: ..."): one form for both.
         sub.set_defaults(run=command, prog=sub.prog)
+    parser.commands = commands.choices  # each command's parser, by name
     return parser
 
 

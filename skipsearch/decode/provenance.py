@@ -65,7 +65,9 @@ class ConfigMetrics:
     predicted_speedup: float | None = None
     predicted_speedup_low: float | None = None
     predicted_speedup_high: float | None = None
-    confirmed: bool | None = None  # measured again, with more paired runs, after the search
+    # Whether the export rests on the confirmation (the sets measured again, with more paired runs, after the
+    # search): the set it exports passed it, or plain decoding is exported because the sets confirmed did not.
+    confirmed: bool | None = None
     verdict: str | None = None
     trial: int | None = None  # the trial that found the set, where a config carries several
     best_skipping: BestSkipping | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .files import read_json
@@ -59,7 +59,10 @@ def load_rows(dataset: str = BUILTIN, field: str = "prompt", split: str = "train
     if not rows:
         raise ValueError(f"dataset {dataset!r} has no non-empty text in field {field!r}")
     if num_prompts is not None and num_prompts > len(rows):
-        raise ValueError(f"asked for {num_prompts} prompts, but dataset {dataset!r} has {len(rows)}")
+        left_out = len(records) - len(rows)
+        raise ValueError(f"asked for {num_prompts} prompts, but dataset {dataset!r} has {len(rows)}"
+                         + (f" ({left_out} of its {len(records)} rows have no text in field {field!r})"
+                            if left_out else ""))
     return draw(rows, num_prompts, seed)
 
 
@@ -139,7 +142,17 @@ def _rows(records: list[tuple[str, dict]], name: str, field: str, category_field
         if turns:
             category = _category(record, category_field, f"dataset {name!r}, {where}") if category_field else None
             rows.append(PromptRow(turns, category, where))
-    return rows
+    return _as_spec_bench(rows)
+
+
+def _as_spec_bench(rows: list[PromptRow]) -> list[PromptRow]:
+    """Spec-Bench's rows with MT-bench's subcategories as one category, as Spec-Bench reports them. Only rows of
+    Spec-Bench's categories alone, one of its own tasks among them, are read so: another dataset's "math" or
+    "writing" is a category of its own."""
+    categories = {row.category for row in rows}
+    if not categories & set(SPEC_BENCH_ORDER[1:]) or not categories <= {*SPEC_BENCH_ORDER, *MT_BENCH_SUBCATEGORIES}:
+        return rows
+    return [replace(row, category=MT_BENCH) if row.category in MT_BENCH_SUBCATEGORIES else row for row in rows]
 
 
 def _kind(value: object) -> str:
@@ -164,13 +177,13 @@ def _turns(value: object, where: str) -> tuple[str, ...]:
 
 
 def _category(record: dict, field: str, where: str) -> str:
-    """The row's category; MT-bench's subcategories are one, as Spec-Bench reports them."""
+    """The row's category, as its field names it."""
     value = record.get(field)
     if not isinstance(value, str) or not value.strip():
         found = "no" if value is None else f"{_kind(value)} in its"
         raise ValueError(f"{where}: {found} {field!r} field (a category is read from each row; name another field "
                          "with --category-field)")
-    return MT_BENCH if value in MT_BENCH_SUBCATEGORIES else value
+    return value
 
 
 def _json_records(path: Path, name: str) -> list[tuple[str, dict]]:

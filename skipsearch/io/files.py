@@ -170,7 +170,6 @@ def unwritable_folder(folder: Path) -> str | None:
     return None
 
 
-
 _MIN_FREE_BYTES = 1 << 20
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.container import BarContainer
 from tqdm.auto import tqdm
 
 from ..decode.config import SkipConfig
@@ -297,6 +298,14 @@ def format_table(rows: list[BenchRow]) -> str:
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in [header, *lines])
 
 
+def label_bars(ax: plt.Axes, bars: BarContainer, ends: list[float], labels: list[str]) -> None:
+    """Each bar's label right of `ends`, its whisker's end (at the bar's end it ran into the whisker and its cap), on
+    white where the 1.0x line crosses it."""
+    for bar, end, label in zip(bars, ends, labels):
+        ax.annotate(label, (end, bar.get_y() + bar.get_height() / 2), xytext=(5, 0), textcoords="offset points",
+                    va="center", fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+
+
 def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: str | None = None,
                   categories: list[dict] | None = None) -> tuple[Path, Path]:
     """bench.json (with `categories`, one entry per category) and bench.png."""
@@ -316,11 +325,9 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: s
     bars = ax.barh(labels, [r.speedup for r in ordered], color="tab:blue", xerr=errors,
                    error_kw={"capsize": 3, "elinewidth": 1})
     # The number on each bar, and the token/s it comes from: readers compare bars by their values.
-    texts = ax.bar_label(bars, labels=[f"{r.speedup:.2f}x ({r.tokens_per_second:.1f} tok/s)"
-                                       + ("" if r.identical else ", output differs") for r in rows][::-1],
-                         padding=3, fontsize=8)
-    for text in texts:  # readable where the 1.0x line crosses it
-        text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 1})
+    label_bars(ax, bars, [(r.speedup_high or r.speedup) if errors else r.speedup for r in ordered],
+               [f"{r.speedup:.2f}x ({r.tokens_per_second:.1f} tok/s)" + ("" if r.identical else ", output differs")
+                for r in ordered])
     # Room right of the longest bar (or its whisker) for its label.
     ax.set_xlim(0, max(r.speedup_high or r.speedup for r in rows) * 1.6)
     ax.axvline(1.0, color="gray", linestyle="--", linewidth=1, label="HF greedy (1.0x)", zorder=0)

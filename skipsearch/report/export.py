@@ -233,7 +233,8 @@ def category_config(configs: dict[str, SkipConfig], study_name: str) -> SkipConf
                      created_at=datetime.now(timezone.utc).isoformat())
     verdicts = "; ".join(f"{c}: {config.metrics.verdict}" for c, config in configs.items())
     if not won:
-        metrics = ConfigMetrics(objective=first.metrics.objective, score=1.0, speedup=1.0, confirmed=False,
+        metrics = ConfigMetrics(objective=first.metrics.objective, score=1.0, speedup=1.0,
+                                confirmed=all(config.metrics.confirmed for config in configs.values()),
                                 verdict=f"no category's skip set was confirmed faster than plain decoding ({verdicts});"
                                         " plain decoding is exported")
         return SkipConfig(model=first.model, skip=SkipSet(), draft=first.draft, metrics=metrics, search=search)

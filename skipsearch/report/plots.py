@@ -132,8 +132,9 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     shown, title = _highlight(study)
     if shown is not None:
         at = {c.trial: x for c, x in zip(confirmed, xs)}.get(shown.trial, shown.skipped_fraction)  # on its point
-        ax.plot([at], [speedup(shown).estimate], marker="*", markersize=14, color="tab:red", linestyle="none",
-                label=title.split(",")[0])
+        # Hollow: a trial's marker at the same place shows through.
+        ax.plot([at], [speedup(shown).estimate], marker="*", markersize=16, markerfacecolor="none",
+                markeredgecolor="tab:red", markeredgewidth=1.5, linestyle="none", label=title.split(",")[0], zorder=4)
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="plain decoding")
     shares = {t.skipped_fraction for t in decoded} | {c.skipped_fraction for c in confirmed}
     if len(shares) == 1:  # one share (head-only sets: 0), spread apart: ticks at -0.002 would read as shares
@@ -225,6 +226,7 @@ def history(study: optuna.Study) -> plt.Figure:
             target_name="Speedup" if multi else "Score")
     # Above the style's grid (zorder 0.5), which has a line at 1.0 too, and below Optuna's points.
     ax.axhline(1.0, color="0.3", linestyle="--", linewidth=1, zorder=1.5, label="plain decoding (1.0)")
+    _confirmed_star(ax, study, multi)
     ax.legend(bbox_to_anchor=(1.05, 1.0), loc="upper left")  # Optuna's, drawn before the line: again to hold it
     low, high = ax.get_ylim()
     ax.set_ylim(min(low, 0.95), max(high, 1.05))  # the line off the frame's edge where every trial is below (above) it
@@ -236,6 +238,17 @@ def history(study: optuna.Study) -> plt.Figure:
                 ha="center", va="center", fontsize=9, bbox={"facecolor": "white", "edgecolor": "gray"})
     return _labelled(ax, f"{study.study_name}: {_target_label(study)} per decoded trial", "trial number",
                      _target_label(study, units=True))
+
+
+def _confirmed_star(ax: plt.Axes, study: optuna.Study, multi: bool) -> None:
+    """The exported (or best confirmed) set's confirmed figure at its trial: the search's best value is one
+    measurement of few runs, which the confirmation may not bear out."""
+    shown, label = _highlight(study)
+    if shown is None:
+        return
+    value = quoted_speedup(shown.figures, study_label(study).objective).estimate if multi else shown.score
+    ax.scatter([shown.trial], [value], marker="*", s=250, facecolors="none", edgecolors="tab:red", linewidths=1.5,
+               zorder=4, label="\n".join(textwrap.wrap(label, 40)))  # hollow: the trial's own point shows through
 
 
 def _sublayer_label(param: str) -> str:
@@ -275,32 +288,19 @@ def _deciding_params(study: optuna.Study, trials: list[TrialRecord]) -> tuple[li
 
 
 def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
-    """The `top` sublayers whose skip decision explains most of the objective (PED-ANOVA), the rest as one bar.
+    """The `top` sublayers (and the draft head size) whose choice explains most of the objective (PED-ANOVA), the
+    rest named in the title; a share of 0 is no bar.
 
     One bar per parameter would be 2 x layers bars (56 on a 30-layer model), whose labels overlap. On fewer than
     `IMPORTANCE_MIN_TRIALS` decoded trials the title says that the ranking is rough.
     """
-    multi = len(study.directions) > 1
     trials = decoded_trials(study)
-    decoded = len(trials)
-    # Only decoded values, each skip set once: a repeated proposal would count its set twice in the top group,
-    # and pre-screen estimates sit on another scale.
-    view = _only(study, trials)
-    values = {}
     deciding, alike = _deciding_params(study, trials)
-    if decoded >= 2 and deciding:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # on few trials Optuna warns that every importance is 0; the title says so
-            values = optuna.importance.get_param_importances(
-                view, params=deciding,
-                evaluator=optuna.importance.PedAnovaImportanceEvaluator(target_quantile=_PED_ANOVA_TOP),
-                # PED-ANOVA takes a given target's low values as the good ones: the speedup, negated.
-                target=(lambda t: -t.values[0]) if multi else None, normalize=False,  # all 0 is not equal shares
-            )
+    values = _ped_anova(study, trials, deciding) if len(trials) >= 2 and deciding else {}
     if not any(values.values()):
         fig, ax = plt.subplots(figsize=(7, 2.5), constrained_layout=True)
         ax.set_axis_off()
-        ax.text(0.5, 0.5, f"PED-ANOVA tells no sublayer apart from {_trials(decoded)}:\n"
+        ax.text(0.5, 0.5, f"PED-ANOVA tells no sublayer apart from {_trials(len(trials))}:\n"
                           f"too few to say whose skipping matters (it wants {IMPORTANCE_MIN_TRIALS} or more)",
                 ha="center", va="center", fontsize=10)
         ax.set_title(f"{study.study_name}: which sublayers' skipping matters: not known yet", fontsize=10)
@@ -308,31 +308,64 @@ def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     total = sum(values.values())
     shares = {name: value / total for name, value in values.items()}
     ranked = sorted(shares.items(), key=lambda item: item[1], reverse=True)
-    shown, rest = ranked[:top], ranked[top:]
-    by_kind = {kind: sum(v for k, v in shares.items() if k.startswith(kind)) for kind in ("attn", "mlp")}
+    shown = [(name, share) for name, share in ranked[:top] if share > 0]
+    fig, ax = plt.subplots(figsize=(7, max(3.0, 0.28 * len(shown) + 2.0)), constrained_layout=True)
+    _share_bars(ax, shown, shares)
+    ax.set_xlabel(f"share of the importance for the {_target_label(study)} (PED-ANOVA, %)")
+    ax.set_ylabel("what the trials chose")
+    ax.set_title(_importance_title(study.study_name, shown, ranked[len(shown):], alike, len(trials)), fontsize=10)
+    return fig
+
+
+def _ped_anova(study: optuna.Study, trials: list[TrialRecord], params: list[str]) -> dict[str, float]:
+    """Each of `params`' importance over `trials` alone, unnormalized (all 0 is not equal shares)."""
+    multi = len(study.directions) > 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # on few trials Optuna warns that every importance is 0; the title says so
+        # Only decoded values, each skip set once: a repeated proposal would count its set twice in the top group,
+        # and pre-screen estimates sit on another scale.
+        return optuna.importance.get_param_importances(
+            _only(study, trials), params=params,
+            evaluator=optuna.importance.PedAnovaImportanceEvaluator(target_quantile=_PED_ANOVA_TOP),
+            # PED-ANOVA takes a given target's low values as the good ones: the speedup, negated.
+            target=(lambda t: -t.values[0]) if multi else None, normalize=False)
+
+
+def _share_bars(ax: plt.Axes, shown: list[tuple[str, float]], shares: dict[str, float]) -> None:
+    """One labelled bar per shown parameter, largest on top, coloured by kind; the kinds' totals in a legend below."""
     color = {"attn": "tab:blue", "mlp": "tab:orange", "head": "tab:green"}
-    fig, ax = plt.subplots(figsize=(7, 0.28 * len(shown) + 1.8), constrained_layout=True)
     bars = ax.barh([_sublayer_label(name) for name, _ in shown][::-1], [100 * share for _, share in shown][::-1],
                    color=[color[name.split("_")[0]] for name, _ in shown][::-1])
     ax.bar_label(bars, fmt="%.1f%%", padding=2, fontsize=8)
-    ax.set_xlim(0, 100 * max((share for _, share in shown), default=0) * 1.2 + 0.5)
+    ax.set_xlim(0, 100 * max(share for _, share in shown) * 1.2 + 0.5)
     ax.tick_params(axis="y", labelsize=8)
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=color[kind]) for kind in ("attn", "mlp", "head")
-                       if kind != "head" or HEAD_PARAM in shares],
-              labels=[f"attention (all: {by_kind['attn']:.1%})", f"MLP (all: {by_kind['mlp']:.1%})"]
-              + ([f"draft head size: {shares[HEAD_PARAM]:.1%}"] if HEAD_PARAM in shares else []),
-              loc="lower right", fontsize=8)
-    ax.set_xlabel(f"share of the importance for the {_target_label(study)} (PED-ANOVA, %)")
-    ax.set_ylabel("sublayer (skipped or kept)")
-    others = "parameters" if any(name == HEAD_PARAM for name, _ in rest) else "sublayers"
-    rest_text = f"; the other {len(rest)} {others} share {sum(s for _, s in rest):.0%}" if rest else ""
+    by_kind = {kind: sum(v for k, v in shares.items() if k.startswith(kind)) for kind in ("attn", "mlp")}
+    # Below the axes: inside, it covered the bars where there are few of them.
+    ax.figure.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=color[kind]) for kind in ("attn", "mlp", "head")
+                              if kind != "head" or HEAD_PARAM in shares],
+                     labels=[f"attention (all: {by_kind['attn']:.1%})", f"MLP (all: {by_kind['mlp']:.1%})"]
+                     + ([f"draft head size: {shares[HEAD_PARAM]:.1%}"] if HEAD_PARAM in shares else []),
+                     loc="outside lower center", ncols=3, fontsize=8)
+
+
+def _importance_title(name: str, shown: list[tuple[str, float]], rest: list[tuple[str, float]], alike: int,
+                      decoded: int) -> str:
+    sublayers = sum(param != HEAD_PARAM for param, _ in shown)
+    what = " and ".join(part for part in (
+        f"the {sublayers} sublayer{'' if sublayers == 1 else 's'}" if sublayers else "",
+        "the draft head size" if len(shown) > sublayers else "") if part)
+    others = "parameter" if any(param == HEAD_PARAM for param, _ in rest) else "sublayer"
+    text = f"{name}: what matters most: {what}"
+    if rest:
+        one = len(rest) == 1
+        text += (f"; the other {len(rest)} {others}{'' if one else 's'} share{'s' if one else ''} "
+                 f"{sum(share for _, share in rest):.0%}")
     if alike:
-        rest_text += f"; {alike} others, kept (or skipped) in every trial, left out"
-    rough = (f"\nonly {_trials(decoded)}: a rough ranking (it compares the best {_PED_ANOVA_TOP:.0%} of the trials "
-             f"with all of them, and wants {IMPORTANCE_MIN_TRIALS} or more)" if decoded < IMPORTANCE_MIN_TRIALS else "")
-    ax.set_title(f"{study.study_name}: the {len(shown)} sublayers whose skipping matters most{rest_text}{rough}",
-                 fontsize=10)
-    return fig
+        text += f"; {alike} others, kept (or skipped) in every trial, left out"
+    if decoded < IMPORTANCE_MIN_TRIALS:
+        text += (f"\nonly {_trials(decoded)}: a rough ranking (it compares the best {_PED_ANOVA_TOP:.0%} of the "
+                 f"trials with all of them, and wants {IMPORTANCE_MIN_TRIALS} or more)")
+    return text
 
 
 def write_plots(study: optuna.Study, folder: Path) -> list[Path]:

@@ -389,3 +389,27 @@ def write_vocabulary(study: optuna.Study, ranking: VocabularyRanking) -> None:
 def write_confirmation(study: optuna.Study, confirmation: Confirmation) -> None:
     study.set_user_attr(CONFIRM_ATTR, confirmation.attrs())
 
+
+def study_summary(study: optuna.Study) -> str:
+    """What the study evaluated, in the units `--n-trials` counts."""
+    distinct = distinct_trials(study)
+    warm = [t.number for t in distinct if t.warm_start]
+    plain = [t.number for t in distinct if t.plain_decoding is not None]
+    screened = sum(t.screened_out is not None for t in distinct)
+    early = sum(t.stopped_early is not None for t in distinct)
+    repeats = sum(t.repeat_of is not None for t in finished_trials(study))
+    failed = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
+    queued = sum("warm_start" in t.user_attrs for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+    parts = [f"{len(distinct)} distinct skip sets evaluated",
+             f"warm starts: trials {', '.join(map(str, warm))}" if warm else
+             f"{queued} warm start{'' if queued == 1 else 's'} queued, none evaluated yet" if queued else
+             "no warm starts",
+             *[f"trial {n}, the empty set, is plain decoding: scored 1 by definition, not decoded" for n in plain],
+             f"{screened} stopped by the pre-screen", f"{early} stopped early by the pruner",
+             f"{repeats} repeated proposals answered from earlier trials without decoding"]
+    if failed:
+        parts.append(f"{failed} failed")
+    if distinct and len(warm) == len(distinct):
+        parts.append(f"every trial was a warm start, so the sampler has searched nothing yet: --n-trials above "
+                     f"{len(warm) + queued} lets it")
+    return "; ".join(parts)

@@ -29,7 +29,7 @@ from . import records
 from .evaluation import Evaluation, Evaluator
 from .heads import ranked_space
 from .ranking import best_candidates, score, screened_score
-from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord, distinct_trials, finished_trials,
+from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord, distinct_trials,
                       read_confirmation, read_label)
 from .settings import StudySettings, check_measurable
 from .space import SearchSpace
@@ -289,7 +289,8 @@ def run_study(
     stop = stop if stop is not None else StopRequest()
     space = ranked_space(study, space, evaluator, special_token_ids, ranking_prompts, stop)
     if stop.interrupts:
-        stop.outcome = "before the first trial, while ranking the vocabulary: plain decoding, or the last confirmed set"
+        stop.outcome = ("before the first trial, while ranking the vocabulary: the export keeps the last confirmation, "
+                        "if any, else plain decoding")
         return study
     _search(study, storage, evaluator, settings, space, stop)
     return study
@@ -424,25 +425,3 @@ def _confirm(trial: TrialRecord, evaluator: Evaluator, objective: str, repeats: 
     return ConfirmedCandidate(trial=trial.number, skip=trial.skip, score=score(figures, objective),
                               skipped=trial.skip.size, skipped_fraction=evaluation.skipped_fraction, figures=figures,
                               datasets=evaluation.dataset_figures())
-
-
-def study_summary(study: optuna.Study) -> str:
-    """What the study evaluated, in the units `--n-trials` counts."""
-    distinct = distinct_trials(study)
-    warm = [t.number for t in distinct if t.warm_start]
-    plain = [t.number for t in distinct if t.plain_decoding is not None]
-    screened = sum(t.screened_out is not None for t in distinct)
-    early = sum(t.stopped_early is not None for t in distinct)
-    repeats = sum(t.repeat_of is not None for t in finished_trials(study))
-    failed = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
-    queued = sum("warm_start" in t.user_attrs for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
-    parts = [f"{len(distinct)} distinct skip sets evaluated",
-             f"warm starts: trials {', '.join(map(str, warm))}" if warm else
-             f"{queued} warm start{'' if queued == 1 else 's'} queued, none evaluated yet" if queued else
-             "no warm starts",
-             *[f"trial {n}, the empty set, is plain decoding: scored 1 by definition, not decoded" for n in plain],
-             f"{screened} stopped by the pre-screen", f"{early} stopped early by the pruner",
-             f"{repeats} repeated proposals answered from earlier trials without decoding"]
-    if failed:
-        parts.append(f"{failed} failed")
-    return "; ".join(parts)
