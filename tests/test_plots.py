@@ -260,6 +260,12 @@ def test_bench_bars_carry_their_numbers(tmp_path, monkeypatch):
     bench.write_outputs(with_intervals, tmp_path, {"model": "m", "device": "cpu"})
     assert sorted(t.xy[0] for t in figures[-1].axes[0].texts) == [1.0, 1.4]  # past the whisker, not into it
     plt.close(figures[-1])
+    wide = [*with_intervals, BenchRow("skipsearch attn=[1]", 40.0, 2.0, False, 1.5, 2.6)]  # "..., output differs"
+    bench.write_outputs(wide, tmp_path, {"model": "m", "device": "cpu"})
+    ax = figures[-1].axes[0]
+    figures[-1].canvas.draw()
+    assert all(t.get_window_extent().x1 <= ax.get_window_extent().x1 for t in ax.texts)  # inside the frame
+    plt.close(figures[-1])
     for repeats, said in ((1, "x 1 repeat"), (3, "x 3 repeats")):
         bench.write_outputs(rows, tmp_path, {"model": "m", "device": "cpu", "num_prompts": 2, "max_new_tokens": 8,
                                              "repeats": repeats})
@@ -421,7 +427,8 @@ def test_importances_leave_out_sublayers_that_every_trial_decided_alike():
     decided = {space.param_name(kind, i) for skip in warm for kind, ids in (("attn", skip.attn), ("mlp", skip.mlp))
                for i in ids if not all(i in (s.attn if kind == "attn" else s.mlp) for s in warm)}
     assert len(labels) == min(15, len(decided))
-    assert f"{len(space.sublayers()) - len(decided)} others, kept (or skipped) in every trial, left out" in ax.get_title()
+    assert f"{len(space.sublayers()) - len(decided)} other sublayers, kept (or skipped) in every trial, left out" \
+        in ax.get_title()
     plt.close(fig)
 
 
@@ -446,8 +453,11 @@ def test_importances_of_few_choices_keep_the_legend_off_the_bars_and_name_what_t
     assert ax.get_title().startswith("few: what matters most: the 1 sublayer;") and "left out" in ax.get_title()
     assert fig.legends[0].get_window_extent().y1 <= ax.get_window_extent().y0
     plt.close(fig)
-    head = plots._importance_title("s", [(plots.HEAD_PARAM, 0.7), ("attn_03", 0.3)], [("mlp_04", 0.0)], 0, 60)
+    head = plots._importance_title("s", [(plots.HEAD_PARAM, 0.7), ("attn_03", 0.3)], [("mlp_04", 0.0)], [], 60)
     assert head == "s: what matters most: the 1 sublayer and the draft head size; the other 1 sublayer shares 0%"
+    alike = plots._importance_title("s", [("attn_03", 1.0)], [], ["mlp_04", plots.HEAD_PARAM], 60)
+    assert alike == ("s: what matters most: the 1 sublayer; 1 other sublayer, kept (or skipped) in every trial, left "
+                     "out; the draft head size, the same in every trial, left out")
 
 
 @pytest.mark.parametrize("objective", ["speed_x_acceptance", "pareto"])

@@ -358,7 +358,10 @@ def test_the_summary_says_when_warm_starts_left_the_sampler_no_trial():
 
     add(SkipSet.of([1], [], 4), warm_start=True)
     add(SkipSet.of([2], [], 4), warm_start=True)
-    assert study_summary(study).endswith("; every trial was a warm start, so the sampler has searched nothing yet: "
-                                         "--n-trials above 2 lets it")
+    assert study_summary(study).endswith("; every trial was a warm start: the sampler has proposed no set yet")
+    assert study_summary(study, n_trials=2).endswith("; every trial was a warm start: the sampler has proposed no set "
+                                                     "yet (--n-trials 2 leaves it none: give more than 2)")
+    # Given room, it was stopped (a timeout, a signal) before the sampler's turn: no advice to raise --n-trials.
+    assert study_summary(study, n_trials=20).endswith("the sampler has proposed no set yet")
     add(SkipSet.of([1], [2], 4))  # the sampler's
     assert "every trial was a warm start" not in study_summary(study)

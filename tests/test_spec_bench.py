@@ -232,7 +232,9 @@ def test_the_line_of_the_combined_export_names_the_categories_that_confirmed_a_s
 
     info = ModelInfo("tiny", "LlamaForCausalLM", 4, 32)
     won, plain = SkipConfig(info, SkipSet.of([1])), SkipConfig(info, SkipSet())
-    assert categories_confirmed({"a": won, "b": plain, "c": won}) == "a skip set confirmed for a, c, none for b"
+    assert categories_confirmed({"a": won, "b": plain, "c": won}) == "a skip set confirmed for a and c; none for b"
+    assert categories_confirmed({"a": won, "b": won, "c": won, "d": plain}) == \
+        "a skip set confirmed for a, b and c; none for d"
     assert categories_confirmed({"a": won}) == "a skip set confirmed for a"
     assert categories_confirmed({"a": plain, "b": plain}) == "a skip set confirmed for no category"
 

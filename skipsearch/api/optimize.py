@@ -16,7 +16,7 @@ from ..decode.policy import DraftPolicy
 from ..decode.skipset import SkipSet
 from ..io import models
 from ..io.data import BUILTIN, PromptRow, draw_per_category, load_rows
-from ..io.files import check_output_folder
+from ..io.files import check_output_folder, check_studies_dir
 from ..report.export import categories_confirmed, category_config, dataset_verdicts, export_trial, exported_text, verdict
 from ..report.plots import write_plots
 from ..report.projections import decode_stats, load_projections, projection_lines
@@ -132,7 +132,7 @@ def _optimize(s: OptimizeSettings, run: _Prepared, say: Callable[[str], None]) -
                       ranking_prompts=run.ranking_prompts)
     config = export_trial(study, s.folder / "best.json")
     result = Optimization(study, config, f"exported {s.folder / 'best.json'}: {exported_text(config)}")
-    say(f"study {s.study_name} in {redact_url(s.storage_url(must_exist=False))}: {study_summary(study)}")
+    say(f"study {s.study_name} in {redact_url(s.storage_url(must_exist=False))}: {study_summary(study, s.n_trials)}")
     say("\n".join([verdict(study)[1], *dataset_verdicts(study)]))
     say(result.exported)
     if stop.signal_name:
@@ -194,7 +194,7 @@ def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
     if s.cost_profile is not None and s.objective != "modeled":
         raise ValueError("--cost-profile is for --objective modeled")
     profile = CostProfile.load(s.cost_profile) if s.cost_profile is not None else None
-    check_output_folder(s.studies_dir, "--studies-dir")  # named as given where it is a file
+    check_studies_dir(s.studies_dir)
     check_output_folder(s.folder, "--studies-dir")
     loaded = s.load()
     # Refuses decoders the draft path cannot run; names the tokenizer a trimmed head's ids belong to.

@@ -10,7 +10,7 @@ from ..constants import DEFAULT_MODEL
 from ..costs.profiler import profile_costs, study_compile_mode
 from ..decode.cost_profile import CostProfile
 from ..io import models
-from ..io.files import check_output_file, check_output_folder
+from ..io.files import check_output_file, check_studies_dir
 from .options import ModelOptions
 
 
@@ -30,7 +30,7 @@ def profile_device(settings: ProfileSettings) -> tuple[CostProfile, Path]:
     s = settings
     output = s.output or s.studies_dir / "cost-profile.json"
     if not s.output:
-        check_output_folder(s.studies_dir, "--studies-dir")  # named as given where it is a file
+        check_studies_dir(s.studies_dir)
     check_output_file(output, "--output" if s.output else "--studies-dir")
     if s.config_only:
         model = models.model_from_config(s.model, device=s.device, dtype=s.dtype)

@@ -19,13 +19,14 @@ from .study import cmd_export, cmd_plot
 
 
 class _Commands(Parser):
-    """The top parser, whose error for an unknown flag names the command it was given to, as every other error does
-    (argparse's own names no command: the subcommand's parser leaves unknown flags to the top one)."""
+    """The top parser, whose error for an unknown flag names the command, as every other error does (argparse's own
+    names none: a command's parser leaves unknown flags to the top one)."""
 
-    def parse_args(self, args=None, namespace=None):
+    def parse_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+                   ) -> argparse.Namespace:
         known, unknown = self.parse_known_args(args, namespace)
-        if unknown:
-            self.commands[known.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        if unknown:  # `prog`: the command's, which each command's parser sets as a default
+            self.exit(2, f"{known.prog}: error: unrecognized arguments: {' '.join(unknown)}\n")
         return known
 
 
@@ -47,7 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
         add_flags(sub)
         # The tool's own errors start like argparse's ("python -m skipsearch plot: error: ..."): one form for both.
         sub.set_defaults(run=command, prog=sub.prog)
-    parser.commands = commands.choices  # each command's parser, by name
     return parser
 
 

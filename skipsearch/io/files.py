@@ -188,6 +188,12 @@ def check_output_file(path: Path, flag: str) -> None:
         raise ValueError(f"{flag} {str(path)!r} cannot be written: {problem}")
 
 
+def check_studies_dir(path: Path) -> None:
+    """Before any work: --studies-dir, named as given where it is a file (the check of a folder or file made inside
+    it names that one)."""
+    check_output_folder(path, "--studies-dir")
+
+
 def check_output_folder(path: Path, flag: str) -> None:
     """Before any work: files can be written in folder `path` (made if missing)."""
     if path.exists() and not path.is_dir():

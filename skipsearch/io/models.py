@@ -320,10 +320,9 @@ def _load_tokenizer(folder: str, given: str | None) -> PreTrainedTokenizerBase:
 
 
 def _check_local_folder(folder: Path) -> None:
-    """Refuse, in one line, a local folder that is no model, or one with a file cut short or garbled."""
+    """Refuse, in one line, a local path that is no model folder, or a folder with a file cut short or garbled."""
     if not folder.is_dir():
-        raise ValueError(f"model {str(folder)!r} is a file, not a model folder or a .gguf file: name a Hugging Face "
-                         "model folder, a .gguf file or a Hub name")
+        raise ValueError(f"model {str(folder)!r} is a file, not a model folder or a .gguf file")
     if not (folder / "config.json").is_file():
         raise ValueError(f"model folder {str(folder)!r} has no config.json: is it a Hugging Face model folder?")
     damage = damaged_model_files(folder)

@@ -298,12 +298,25 @@ def format_table(rows: list[BenchRow]) -> str:
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in [header, *lines])
 
 
-def label_bars(ax: plt.Axes, bars: BarContainer, ends: list[float], labels: list[str]) -> None:
+def label_bars(ax: plt.Axes, bars: BarContainer, ends: list[float], labels: list[str]) -> list[plt.Annotation]:
     """Each bar's label right of `ends`, its whisker's end (at the bar's end it ran into the whisker and its cap), on
-    white where the 1.0x line crosses it."""
-    for bar, end, label in zip(bars, ends, labels):
-        ax.annotate(label, (end, bar.get_y() + bar.get_height() / 2), xytext=(5, 0), textcoords="offset points",
-                    va="center", fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+    white where the 1.0x line crosses it; `fit_labels` then widens the axis to hold them."""
+    return [ax.annotate(label, (end, bar.get_y() + bar.get_height() / 2), xytext=(5, 0), textcoords="offset points",
+                        va="center", fontsize=8, bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+            for bar, end, label in zip(bars, ends, labels)]
+
+
+def fit_labels(ax: plt.Axes, labels: list[plt.Annotation]) -> None:
+    """Widen the x axis until every label ends inside it. A label's width is in pixels, whatever the axis' scale, so
+    it is measured once the figure is laid out (twice: the wider axis may change the layout's tick labels)."""
+    for _ in range(2):
+        ax.figure.canvas.draw()
+        width, (low, high) = ax.get_window_extent().width, ax.get_xlim()
+        for label in labels:
+            room = 1 - (label.get_window_extent().width + 10) / width  # the axis' share left to the data
+            if room > 0.2:
+                high = max(high, low + (label.xy[0] - low) / room)
+        ax.set_xlim(low, high)
 
 
 def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: str | None = None,
@@ -321,15 +334,14 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: s
         errors = [[r.speedup - r.speedup_low for r in ordered],
                   [(r.speedup_high or r.speedup) - r.speedup for r in ordered]]
     # Long method names (a skip set's sublayers) wrapped: unwrapped, they squeeze the bars into a strip.
-    labels = [textwrap.fill(r.method, 28) for r in ordered]
-    bars = ax.barh(labels, [r.speedup for r in ordered], color="tab:blue", xerr=errors,
+    names = [textwrap.fill(r.method, 28) for r in ordered]
+    bars = ax.barh(names, [r.speedup for r in ordered], color="tab:blue", xerr=errors,
                    error_kw={"capsize": 3, "elinewidth": 1})
     # The number on each bar, and the token/s it comes from: readers compare bars by their values.
-    label_bars(ax, bars, [(r.speedup_high or r.speedup) if errors else r.speedup for r in ordered],
-               [f"{r.speedup:.2f}x ({r.tokens_per_second:.1f} tok/s)" + ("" if r.identical else ", output differs")
-                for r in ordered])
-    # Room right of the longest bar (or its whisker) for its label.
-    ax.set_xlim(0, max(r.speedup_high or r.speedup for r in rows) * 1.6)
+    numbers = label_bars(ax, bars, [(r.speedup_high or r.speedup) if errors else r.speedup for r in ordered],
+                        [f"{r.speedup:.2f}x ({r.tokens_per_second:.1f} tok/s)"
+                         + ("" if r.identical else ", output differs") for r in ordered])
+    ax.set_xlim(0, max(r.speedup_high or r.speedup for r in rows) * 1.1)  # then widened for the labels
     ax.axvline(1.0, color="gray", linestyle="--", linewidth=1, label="HF greedy (1.0x)", zorder=0)
     ax.set_xlabel("speedup over HF greedy (x; geometric mean of paired runs, bars: 95% interval)")
     ax.set_ylabel("decoding method")
@@ -340,5 +352,6 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: s
                  f" x {repeats} repeat{'' if repeats == 1 else 's'}"
                  f"{', skipsearch compiled' if settings.get('compile') else ''}",
                  fontsize=9)
+    fit_labels(ax, numbers)
     save_figure(fig, png_path)
     return json_path, png_path

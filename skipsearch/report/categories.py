@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..decode.config import SkipConfig
-from .bench import BASELINE, BenchRow, Measured, bench_rows, fmt, label_bars, span, times
+from .bench import BASELINE, BenchRow, Measured, bench_rows, fit_labels, fmt, label_bars, span, times
 from .plots import save_figure
 
 OVERALL = "overall"
@@ -64,6 +64,7 @@ def plot_categories(groups: list[CategoryRows], path: Path, title: str) -> Path:
     height = 0.8 / len(methods)
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(groups) * len(methods) ** 0.5 + 2), constrained_layout=True)
     positions = np.arange(len(groups))
+    numbers = []
     for k, method in enumerate(methods):
         rows = [next(r for r in g.rows if r.method == method) for g in groups][::-1]
         errors = [[r.speedup - r.speedup_low for r in rows],
@@ -71,14 +72,14 @@ def plot_categories(groups: list[CategoryRows], path: Path, title: str) -> Path:
         # The first method on top in each category, as the legend lists it.
         bars = ax.barh(positions + ((len(methods) - 1) / 2 - k) * height, [r.speedup for r in rows], height=height,
                        xerr=errors, error_kw={"capsize": 2, "elinewidth": 1}, label=textwrap.fill(method, 40))
-        label_bars(ax, bars, [r.speedup_high or r.speedup for r in rows], [f"{r.speedup:.2f}x" for r in rows])
-    # Room right of the longest whisker for its label.
-    ax.set_xlim(0, max(r.speedup_high or r.speedup for g in groups for r in g.rows) * 1.25)
+        numbers += label_bars(ax, bars, [r.speedup_high or r.speedup for r in rows], [f"{r.speedup:.2f}x" for r in rows])
+    ax.set_xlim(0, max(r.speedup_high or r.speedup for g in groups for r in g.rows) * 1.1)  # then widened for labels
     ax.set_yticks(positions, labels)
     ax.axvline(1.0, color="gray", linestyle="--", linewidth=1, zorder=0, label="HF greedy (1.0x)")
     ax.set_xlabel("speedup over HF greedy (x; geometric mean of paired runs, whiskers: 95% interval)")
     ax.set_ylabel("category (prompts)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_title(title, fontsize=9)
+    fit_labels(ax, numbers)
     save_figure(fig, path)
     return path

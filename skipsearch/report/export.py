@@ -213,8 +213,13 @@ def categories_confirmed(configs: dict[str, SkipConfig]) -> str:
     """Which categories' studies confirmed a skip set, and which did not, for the line that names the combined file."""
     won = [category for category, config in configs.items() if _confirmed_a_set(config)]
     lost = [category for category in configs if category not in won]
-    return f"a skip set confirmed for {', '.join(won) or 'no category'}" + (f", none for {', '.join(lost)}"
-                                                                            if won and lost else "")
+    return f"a skip set confirmed for {_listed(won) or 'no category'}" + (f"; none for {_listed(lost)}"
+                                                                         if won and lost else "")
+
+
+def _listed(names: list[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), *names[-1:]]))
 
 
 def category_config(configs: dict[str, SkipConfig], study_name: str) -> SkipConfig:

@@ -277,19 +277,18 @@ def _decision(trial: TrialRecord, param: str) -> int | bool:
     return int(layer) in (trial.skip.attn if kind == "attn" else trial.skip.mlp)
 
 
-def _deciding_params(study: optuna.Study, trials: list[TrialRecord]) -> tuple[list[str], int]:
-    """The parameters whose decision differs between `trials`, and how many others there are. One the trials all
-    decide alike (a sublayer kept in every warm start) cannot explain their values, yet PED-ANOVA would give it a
-    share."""
+def _deciding_params(study: optuna.Study, trials: list[TrialRecord]) -> tuple[list[str], list[str]]:
+    """The parameters whose decision differs between `trials`, and the others. One the trials all decide alike (a
+    sublayer kept in every warm start) cannot explain their values, yet PED-ANOVA would give it a share."""
     numbers = {t.number for t in trials}
     names = {name for t in study.get_trials(deepcopy=False) if t.number in numbers for name in t.params}
     deciding = sorted(name for name in names if len({_decision(t, name) for t in trials}) > 1)
-    return deciding, len(names) - len(deciding)
+    return deciding, sorted(names - set(deciding))
 
 
 def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     """The `top` sublayers (and the draft head size) whose choice explains most of the objective (PED-ANOVA), the
-    rest named in the title; a share of 0 is no bar.
+    rest counted in the title; a share of 0 is no bar.
 
     One bar per parameter would be 2 x layers bars (56 on a 30-layer model), whose labels overlap. On fewer than
     `IMPORTANCE_MIN_TRIALS` decoded trials the title says that the ranking is rough.
@@ -300,8 +299,9 @@ def importances(study: optuna.Study, top: int = 15) -> plt.Figure:
     if not any(values.values()):
         fig, ax = plt.subplots(figsize=(7, 2.5), constrained_layout=True)
         ax.set_axis_off()
-        ax.text(0.5, 0.5, f"PED-ANOVA tells no sublayer apart from {_trials(len(trials))}:\n"
-                          f"too few to say whose skipping matters (it wants {IMPORTANCE_MIN_TRIALS} or more)",
+        why = (f"too few to say whose skipping matters (it wants {IMPORTANCE_MIN_TRIALS} or more)"
+               if len(trials) < IMPORTANCE_MIN_TRIALS else "no choice scored apart from the others")
+        ax.text(0.5, 0.5, f"PED-ANOVA tells no sublayer apart from {_trials(len(trials))}:\n{why}",
                 ha="center", va="center", fontsize=10)
         ax.set_title(f"{study.study_name}: which sublayers' skipping matters: not known yet", fontsize=10)
         return fig
@@ -348,8 +348,9 @@ def _share_bars(ax: plt.Axes, shown: list[tuple[str, float]], shares: dict[str, 
                      loc="outside lower center", ncols=3, fontsize=8)
 
 
-def _importance_title(name: str, shown: list[tuple[str, float]], rest: list[tuple[str, float]], alike: int,
+def _importance_title(name: str, shown: list[tuple[str, float]], rest: list[tuple[str, float]], alike: list[str],
                       decoded: int) -> str:
+    """What the bars show, what the others share, what was left out, and whether so few trials make it rough."""
     sublayers = sum(param != HEAD_PARAM for param, _ in shown)
     what = " and ".join(part for part in (
         f"the {sublayers} sublayer{'' if sublayers == 1 else 's'}" if sublayers else "",
@@ -360,8 +361,11 @@ def _importance_title(name: str, shown: list[tuple[str, float]], rest: list[tupl
         one = len(rest) == 1
         text += (f"; the other {len(rest)} {others}{'' if one else 's'} share{'s' if one else ''} "
                  f"{sum(share for _, share in rest):.0%}")
-    if alike:
-        text += f"; {alike} others, kept (or skipped) in every trial, left out"
+    kept = sum(param != HEAD_PARAM for param in alike)
+    if kept:
+        text += f"; {kept} other sublayer{'' if kept == 1 else 's'}, kept (or skipped) in every trial, left out"
+    if HEAD_PARAM in alike:
+        text += "; the draft head size, the same in every trial, left out"
     if decoded < IMPORTANCE_MIN_TRIALS:
         text += (f"\nonly {_trials(decoded)}: a rough ranking (it compares the best {_PED_ANOVA_TOP:.0%} of the "
                  f"trials with all of them, and wants {IMPORTANCE_MIN_TRIALS} or more)")

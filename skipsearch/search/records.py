@@ -390,8 +390,8 @@ def write_confirmation(study: optuna.Study, confirmation: Confirmation) -> None:
     study.set_user_attr(CONFIRM_ATTR, confirmation.attrs())
 
 
-def study_summary(study: optuna.Study) -> str:
-    """What the study evaluated, in the units `--n-trials` counts."""
+def study_summary(study: optuna.Study, n_trials: int | None = None) -> str:
+    """What the study evaluated, in the units `--n-trials` counts (`n_trials`: the run's, where known)."""
     distinct = distinct_trials(study)
     warm = [t.number for t in distinct if t.warm_start]
     plain = [t.number for t in distinct if t.plain_decoding is not None]
@@ -410,6 +410,8 @@ def study_summary(study: optuna.Study) -> str:
     if failed:
         parts.append(f"{failed} failed")
     if distinct and len(warm) == len(distinct):
-        parts.append(f"every trial was a warm start, so the sampler has searched nothing yet: --n-trials above "
-                     f"{len(warm) + queued} lets it")
+        warm_starts = len(warm) + queued
+        parts.append("every trial was a warm start: the sampler has proposed no set yet" + (
+            f" (--n-trials {n_trials} leaves it none: give more than {warm_starts})"
+            if n_trials is not None and n_trials <= warm_starts else ""))
     return "; ".join(parts)
