@@ -406,19 +406,25 @@ def test_category_bars_stand_in_the_legends_order_beside_a_labelled_baseline(tmp
     plt.close(drawn[0])
 
 
-def test_importances_leave_out_sublayers_that_every_trial_decided_alike():
-    """A study of warm starts alone keeps most sublayers in every trial: PED-ANOVA gave each a share all the same."""
-    space = SearchSpace(num_layers=LAYERS, skip_prior=0.3)
-    study = optuna.create_study(study_name="warm", directions=["maximize"])
+def study_of(name: str, space: SearchSpace, scored: list[tuple[SkipSet, float]]) -> optuna.Study:
+    """A finished study of `scored`'s skip sets, each with its value, drawn by `space`'s parameters."""
+    study = optuna.create_study(study_name=name, directions=["maximize"])
     study.set_user_attr(STUDY_ATTR, {"model": {"name_or_path": "synthetic", "architecture": "LlamaForCausalLM",
                                                "num_hidden_layers": LAYERS, "hidden_size": 576},
                                      "objective": "speed_x_acceptance"})
-    warm = [space.from_params(params) for params in space.warm_start_params()][1:]  # the first skips nothing
-    for value, skip in enumerate(warm):
+    for skip, value in scored:
         params = space.params_for(skip)
         study.add_trial(optuna.trial.create_trial(
-            params=params, distributions={name: FloatDistribution(0, 1) for name in params}, values=[1.0 + value],
+            params=params, distributions={name: FloatDistribution(0, 1) for name in params}, values=[value],
             user_attrs={"skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp), "skipped": skip.size}))
+    return study
+
+
+def test_importances_leave_out_sublayers_that_every_trial_decided_alike():
+    """A study of warm starts alone keeps most sublayers in every trial: PED-ANOVA gave each a share all the same."""
+    space = SearchSpace(num_layers=LAYERS, skip_prior=0.3)
+    warm = [space.from_params(params) for params in space.warm_start_params()][1:]  # the first skips nothing
+    study = study_of("warm", space, [(skip, 1.0 + value) for value, skip in enumerate(warm)])
     varied = {f"layer {i} attention" for i in range(15, 30)} | {f"layer {i} MLP" for i in range(15, 30)}
     fig = plots.importances(study)
     ax = fig.axes[0]
@@ -434,18 +440,9 @@ def test_importances_leave_out_sublayers_that_every_trial_decided_alike():
 
 def test_importances_of_few_choices_keep_the_legend_off_the_bars_and_name_what_they_show():
     """One sublayer decided differently: one bar, whose legend sits below the axes rather than over it."""
-    space = SearchSpace(num_layers=LAYERS, skip_prior=0.3)
-    study = optuna.create_study(study_name="few", directions=["maximize"])
-    study.set_user_attr(STUDY_ATTR, {"model": {"name_or_path": "synthetic", "architecture": "LlamaForCausalLM",
-                                               "num_hidden_layers": LAYERS, "hidden_size": 576},
-                                     "objective": "speed_x_acceptance"})
-    for number in range(12):
-        skip = SkipSet.of([5] if number % 2 else [], [7], LAYERS)
-        params = space.params_for(skip)
-        study.add_trial(optuna.trial.create_trial(
-            params=params, distributions={name: FloatDistribution(0, 1) for name in params},
-            values=[1.0 + 0.1 * (number % 2) + 0.001 * number],
-            user_attrs={"skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp), "skipped": skip.size}))
+    study = study_of("few", SearchSpace(num_layers=LAYERS, skip_prior=0.3),
+                     [(SkipSet.of([5] if number % 2 else [], [7], LAYERS), 1.0 + 0.1 * (number % 2) + 0.001 * number)
+                      for number in range(12)])
     fig = plots.importances(study)
     [ax] = fig.axes
     fig.canvas.draw()
