@@ -12,7 +12,7 @@ from ..costs.profiler import contexts_for, device_name, profile_costs, study_com
 from ..decode.config import SkipConfig, load_skip_config
 from ..decode.cost_profile import CostProfile
 from ..io.data import BUILTIN, categories_of, load_rows
-from ..io.files import check_output_folder, check_studies_dir
+from ..io.files import check_output_folder
 from ..io.models import LoadedModel
 from ..report.bench import (BenchRow, Measured, bench_rows, bench_verdict, format_table, measure_methods,
                             write_outputs)
@@ -74,9 +74,8 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
         raise ValueError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {s.too_long!r}")
     rows_in = load_rows(s.dataset, s.field, s.split, s.num_prompts, s.seed, s.category_field)
     output_dir = s.output_dir or s.studies_dir / "bench"
-    if not s.output_dir:
-        check_studies_dir(s.studies_dir)
-    check_output_folder(output_dir, "--output-dir" if s.output_dir else "--studies-dir")
+    check_output_folder(output_dir, "--output-dir" if s.output_dir else "--studies-dir",
+                        inside=None if s.output_dir else s.studies_dir)
     if s.config:  # a broken file is reported before the model loads
         load_skip_config(s.config)
     if s.cost_profile:

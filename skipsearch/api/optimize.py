@@ -16,7 +16,7 @@ from ..decode.policy import DraftPolicy
 from ..decode.skipset import SkipSet
 from ..io import models
 from ..io.data import BUILTIN, PromptRow, draw_per_category, load_rows
-from ..io.files import check_output_folder, check_studies_dir
+from ..io.files import check_output_folder
 from ..report.export import categories_confirmed, category_config, dataset_verdicts, export_trial, exported_text, verdict
 from ..report.plots import write_plots
 from ..report.projections import decode_stats, load_projections, projection_lines
@@ -194,8 +194,7 @@ def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
     if s.cost_profile is not None and s.objective != "modeled":
         raise ValueError("--cost-profile is for --objective modeled")
     profile = CostProfile.load(s.cost_profile) if s.cost_profile is not None else None
-    check_studies_dir(s.studies_dir)
-    check_output_folder(s.folder, "--studies-dir")
+    check_output_folder(s.folder, "--studies-dir", inside=s.studies_dir)
     loaded = s.load()
     # Refuses decoders the draft path cannot run; names the tokenizer a trimmed head's ids belong to.
     model_info = ModelInfo.of(loaded.model, loaded.name_or_path, loaded.tokenizer)

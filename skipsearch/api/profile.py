@@ -10,7 +10,7 @@ from ..constants import DEFAULT_MODEL
 from ..costs.profiler import profile_costs, study_compile_mode
 from ..decode.cost_profile import CostProfile
 from ..io import models
-from ..io.files import check_output_file, check_studies_dir
+from ..io.files import check_output_file
 from .options import ModelOptions
 
 
@@ -29,9 +29,7 @@ def profile_device(settings: ProfileSettings) -> tuple[CostProfile, Path]:
     """Profile the model as `python -m skipsearch profile` does; returns the profile and the file it was saved to."""
     s = settings
     output = s.output or s.studies_dir / "cost-profile.json"
-    if not s.output:
-        check_studies_dir(s.studies_dir)
-    check_output_file(output, "--output" if s.output else "--studies-dir")
+    check_output_file(output, "--output" if s.output else "--studies-dir", inside=None if s.output else s.studies_dir)
     if s.config_only:
         model = models.model_from_config(s.model, device=s.device, dtype=s.dtype)
     else:

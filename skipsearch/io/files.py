@@ -173,10 +173,11 @@ def unwritable_folder(folder: Path) -> str | None:
 _MIN_FREE_BYTES = 1 << 20
 
 
-def check_output_file(path: Path, flag: str) -> None:
+def check_output_file(path: Path, flag: str, inside: Path | None = None) -> None:
     """Before any work: `path` can be written as a file (it is not a folder; its folder can be made and written), or
     it is a stream this process may write (`output_target`: a character device or a FIFO). `flag` names the option
-    that gave it, in the one-line ValueError."""
+    that gave it, in the one-line ValueError; `inside`: the folder it gave, which `path` is made in."""
+    _check_given_folder(inside, flag)
     if path.is_dir():
         raise ValueError(f"{flag} {str(path)!r} is a folder: name a file")
     try:
@@ -188,14 +189,17 @@ def check_output_file(path: Path, flag: str) -> None:
         raise ValueError(f"{flag} {str(path)!r} cannot be written: {problem}")
 
 
-def check_studies_dir(path: Path) -> None:
-    """Before any work: --studies-dir, named as given where it is a file (the check of a folder or file made inside
-    it names that one)."""
-    check_output_folder(path, "--studies-dir")
+def _check_given_folder(folder: Path | None, flag: str) -> None:
+    """The folder a flag gave, which an output is made in, refused by the name it was given where it is a file (the
+    path made in it would be named otherwise: '<file>/bench', which nobody typed)."""
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise ValueError(f"{flag} {str(folder)!r} is a file: name a folder")
 
 
-def check_output_folder(path: Path, flag: str) -> None:
-    """Before any work: files can be written in folder `path` (made if missing)."""
+def check_output_folder(path: Path, flag: str, inside: Path | None = None) -> None:
+    """Before any work: files can be written in folder `path` (made if missing); `inside`: the folder `flag` gave,
+    which `path` is made in."""
+    _check_given_folder(inside, flag)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag} {str(path)!r} is a file: name a folder")
     problem = unwritable_folder(path)
