@@ -85,7 +85,7 @@ def tiny_model(dtype: torch.dtype, device: str):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).to(device).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False).to(device).eval()
 
 
 def measure(model, prompt, skip, policy, compile_mode, new_tokens: int, repeats: int) -> dict[str, float]:

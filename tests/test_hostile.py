@@ -608,6 +608,11 @@ HOSTILE_FOLDERS = {  # name: (how to spoil a copy of the tiny model, what the on
     "remote-config": (lambda f: _edit_json(f / "config.json", model_type="evil", auto_map={
         "AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}),
         "config.json' names remote code \\(model_type 'evil', from evil.EvilConfig, evil.EvilModel\\)"),
+    # A type transformers knows, but not as a causal LM: only the folder's own class would build one.
+    "remote-model-class": (lambda f: (_edit_json(f / "config.json", model_type="t5", auto_map={
+        "AutoModelForCausalLM": "evil.EvilModel"}), (f / "evil.py").write_text(
+            f"open({str(f.parent / 'PAYLOAD-RAN')!r}, 'w').close()\nclass EvilModel: pass\n")),
+        "config.json' names remote code \\(model_type 't5', from evil.EvilModel\\)"),
     "remote-tokenizer": (lambda f: _edit_json(f / "tokenizer_config.json", tokenizer_class="EvilTokenizer",
                                               auto_map={"AutoTokenizer": ["evil.EvilTokenizer", None]}),
                          "tokenizer_config.json' names remote code"),
@@ -625,7 +630,7 @@ HOSTILE_FOLDERS = {  # name: (how to spoil a copy of the tiny model, what the on
 # commands that encode prompts the chat template.
 _READERS = {"config": ("generate", "optimize", "bench", "profile", "check-family"),
             "weights": ("generate", "optimize", "bench", "profile"), "template": ("generate", "optimize", "bench")}
-_READS = {"remote-config": "config", "unsafe-template": "template", "broken-template": "template"}
+_READS = {"remote-config": "config", "remote-model-class": "config", "unsafe-template": "template", "broken-template": "template"}
 LOADING_CASES = [(name, command) for name in HOSTILE_FOLDERS for command in _READERS[_READS.get(name, "weights")]]
 
 
@@ -651,6 +656,7 @@ def _command_argv(command, model, tmp_path):
 @pytest.mark.parametrize("name, command", LOADING_CASES, ids=[f"{n}-{c}" for n, c in LOADING_CASES])
 def test_someone_elses_model_files_end_in_one_line(name, command, hostile_models, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("builtins.input", lambda *_: "y")  # were transformers to ask whether to run the folder's code
     folder = hostile_models / name
     before = snapshot(hostile_models)
     returned = main([str(a) for a in _command_argv(command, str(folder), tmp_path)])
@@ -743,8 +749,32 @@ def test_remote_code_is_named_only_where_transformers_would_need_it(tmp_path, ti
     assert remote_code(folder) is None
     _edit_json(folder / "config.json", auto_map={"AutoModelForCausalLM": "own.Model"})  # llama: transformers' own
     assert remote_code(folder) is None
+    _edit_json(folder / "config.json", model_type="t5")  # known, but as no causal LM: only own.Model builds one
+    assert "config.json' names remote code (model_type 't5', from own.Model)" in remote_code(folder)
+    _edit_json(folder / "config.json", auto_map={"AutoModel": "own.Model"})  # no causal LM class of its own
+    assert remote_code(folder) is None
     _edit_json(folder / "config.json", model_type="evil")
     assert "config.json' names remote code (model_type 'evil', from own.Model)" in remote_code(folder)
+
+
+def test_a_config_built_with_random_weights_never_runs_the_folders_code(tmp_path, tiny_model_dir, monkeypatch):
+    """`profile --config-only` and check-family build from the config alone: a known type that is no causal LM, with
+    a class of the folder's own, is refused even past remote_code's check, and transformers never gets to ask."""
+    from transformers import AutoConfig
+
+    from skipsearch.decode.families import tiny_model
+    from skipsearch.io.models import model_from_config
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    HOSTILE_FOLDERS["remote-model-class"][0](folder)
+    monkeypatch.setattr("builtins.input", lambda *_: "y")
+    with pytest.raises(ValueError, match="names remote code"):
+        model_from_config(str(folder))
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    with pytest.raises(ValueError, match="cannot build a causal LM") as refused:
+        tiny_model(config)
+    assert len(str(refused.value).splitlines()) == 1 and not (tmp_path / "PAYLOAD-RAN").exists()
 
 
 def test_checkpoint_format_and_template_source(tmp_path, default_model):

@@ -73,7 +73,7 @@ def tiny_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = tor
     drafts and acceptance are not trivial and greedy ties practically impossible."""
     torch.manual_seed(seed)
     try:
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False).eval()
     except ValueError as error:  # a config of a model that is not a causal LM
         raise ValueError(f"cannot build a causal LM of {adapter.family(config)}: {first_line(error)}") from None
     with torch.no_grad():

@@ -379,9 +379,9 @@ def model_from_config(source: str | None = None, device: str | None = None,
     torch_dtype = resolve_dtype(dtype, torch_device)
     try:
         with torch_device:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=False)
     except ValueError as error:  # e.g. a config of a model that is not a causal LM
-        raise ValueError(f"cannot build a causal LM from {source or DEFAULT_MODEL!r}: {error}") from None
+        raise ValueError(f"cannot build a causal LM from {source or DEFAULT_MODEL!r}: {first_line(error)}") from None
     return model.eval()
 
 

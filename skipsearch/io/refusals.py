@@ -34,19 +34,25 @@ def load_error(error: Exception, message: str) -> Exception:
 
 def remote_code(folder: Path) -> str | None:
     """Why `folder` cannot load without running code it ships, or None: a config.json whose model type transformers
-    does not have, or a tokenizer_config.json whose tokenizer class it does not have, mapped to classes of the
-    folder's own (`auto_map`). A known type with an `auto_map` beside it loads with transformers' own class."""
+    does not have, or has as no causal LM while the folder maps a causal LM class of its own, or a
+    tokenizer_config.json whose tokenizer class transformers does not have, mapped to classes of the folder's own
+    (`auto_map`). A known type with an `auto_map` beside it loads with transformers' own class."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 
-    for name, key, known in (("config.json", "model_type", lambda v: v in CONFIG_MAPPING),
-                             ("tokenizer_config.json", "tokenizer_class", tokenizer_class_from_name)):
+    def known_model(value: str, auto_map: Any) -> bool:
+        own_causal_lm = isinstance(auto_map, dict) and "AutoModelForCausalLM" in auto_map
+        return value in CONFIG_MAPPING and (value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or not own_causal_lm)
+
+    for name, key, known in (("config.json", "model_type", known_model),
+                             ("tokenizer_config.json", "tokenizer_class", lambda v, _: tokenizer_class_from_name(v))):
         path = folder / name
         data = read_json(path, "model file") if path.is_file() else None
         if not isinstance(data, dict) or not data.get("auto_map"):
             continue
         value = data.get(key)
-        if value is None or (isinstance(value, str) and known(value)):
+        if value is None or (isinstance(value, str) and known(value, data["auto_map"])):
             continue
         return (f"{str(path)!r} names remote code ({key} {value!r}, from {', '.join(_classes(data['auto_map']))}), "
                 "which skipsearch never runs: use a model whose architecture transformers has")
