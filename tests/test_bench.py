@@ -178,3 +178,19 @@ def test_bench_says_before_profiling_this_device_how_to_reuse_a_profile(monkeypa
     said.clear()
     assert api_bench._profile(BenchSettings(), loaded, SkipConfig(config.model, SkipSet()), [[1]], said.append) is None
     assert said == []  # plain decoding has nothing to price
+
+
+def test_hf_greedy_is_plain_greedy_whatever_the_models_generation_defaults():
+    """A model's generation_config may set a repetition penalty or ban repeated n-grams; generate applies them to
+    options it is not given. The baseline leaves them out (its output equals our greedy loop's) and leaves the
+    model's config as it was."""
+    from skipsearch.decode.loop import generate
+    from skipsearch.report.bench import hf_decoder
+
+    model = tiny_model(dtype=torch.float64)
+    own = model.generation_config
+    own.repetition_penalty, own.no_repeat_ngram_size, own.suppress_tokens = 50.0, 1, [5, 9]
+    greedy = generate(model, PROMPTS[0], max_new_tokens=12).tokens
+    assert 5 in greedy or 9 in greedy or len(set(greedy)) < len(greedy)  # the defaults would change this output
+    assert hf_decoder(model, 12, eos=None)(PROMPTS[0])[0] == greedy
+    assert model.generation_config is own and own.repetition_penalty == 50.0

@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt
 import torch
 from matplotlib.container import BarContainer
 from tqdm.auto import tqdm
+from transformers import GenerationConfig
 
 from ..decode.config import SkipConfig
 from ..decode.controller import DraftMemory
@@ -59,14 +60,29 @@ class BenchRow:
 
 
 def hf_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None, **extra) -> Decoder:
+    plain = plain_generation_config(model)
+
     def decode(prompt: list[int]) -> tuple[list[int], None]:
         ids = torch.tensor([prompt], device=model.device)
-        # An explicit mask: HF would otherwise infer one from pad tokens, which chat prompts may contain.
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                             eos_token_id=eos, pad_token_id=eos if isinstance(eos, int) else None, **extra)
+        own, model.generation_config = model.generation_config, plain
+        try:  # An explicit mask: HF would otherwise infer one from pad tokens, which chat prompts may contain.
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                 pad_token_id=eos if isinstance(eos, int) else None, **extra)
+        finally:
+            model.generation_config = own
         return out[0, len(prompt):].tolist(), None
 
     return decode
+
+
+def plain_generation_config(model: torch.nn.Module) -> GenerationConfig:
+    """The model's special tokens alone. generate fills every option it is not given from the model's own
+    generation_config, where a model's author may set a repetition penalty, banned n-grams or suppressed tokens:
+    the baseline is plain greedy decoding, as every other row decodes."""
+    own = model.generation_config
+    return GenerationConfig(bos_token_id=own.bos_token_id, eos_token_id=own.eos_token_id,
+                            pad_token_id=own.pad_token_id)
 
 
 def skipsearch_decoder(model: torch.nn.Module, max_new_tokens: int, eos: int | list[int] | None,
