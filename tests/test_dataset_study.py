@@ -90,6 +90,24 @@ def test_the_export_carries_each_datasets_confirmed_set(tmp_path):
         write_dv(config, tmp_path / "dv.json")
 
 
+def test_verdict_and_plots_say_what_best_json_holds_where_each_dataset_pays_and_all_prompts_do_not(tmp_path):
+    """No set pays over all prompts, each dataset's own does: best.json holds both, and the verdict line and the
+    plots' highlight say so instead of "plain decoding is exported"."""
+    from skipsearch.report.export import verdict
+    from skipsearch.report.plots import _highlight
+
+    study = fake_study(tmp_path, [([1], 1.05, {}), ([2], 1.0, {})], confirmed=[
+        confirmed(1, [1], (1.05, 0.95), {"code.jsonl": (1.5, 1.3), "chat.jsonl": (0.7, 0.6)}),
+        confirmed(2, [2], (1.0, 0.9), {"code.jsonl": (0.8, 0.7), "chat.jsonl": (1.4, 1.2)})])
+    assert not decide(study).pays and len(decided_config(study).entries) == 2
+    pays, text = verdict(study)
+    assert pays and "plain decoding is exported" not in text
+    assert "trial 1 (attn=[1] mlp=[]) for code.jsonl; trial 2 (attn=[2] mlp=[]) for chat.jsonl" in text, text
+    shown, label = _highlight(study)
+    assert shown.trial == 1 and "exported skip set for code.jsonl (1 of 2, one per dataset)" in label, label
+    assert "trial 1: 1.50x" in label and "not exported" not in label  # its figure on code.jsonl's prompts
+
+
 @pytest.mark.parametrize("chat, expected", [((1.2, 1.1), ([1], None)), ((0.9, 0.8), ([1], None))],
                          ids=["one set best on both", "nothing pays on chat"])
 def test_one_confirmed_set_is_exported_as_a_study_of_one_dataset_would(tmp_path, chat, expected):

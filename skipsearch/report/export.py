@@ -125,9 +125,31 @@ def dataset_verdicts(study: optuna.Study) -> list[str]:
 
 
 def verdict(study: optuna.Study) -> tuple[bool, str]:
-    """(whether a confirmed skip set beats plain decoding, the sentence that says so with its interval)."""
-    decision = decide(study)
-    return decision.pays, decision.text
+    """(whether best.json drafts, the sentence that says what it holds: the decision over all prompts with its
+    interval, or in a study of several datasets whose confirmed sets differ, which set each dataset gets)."""
+    choices = dataset_choices(study)
+    if not choices:
+        decision = decide(study)
+        return decision.pays, decision.text
+    sets = "; ".join(f"trial {d.chosen.trial} ({d.chosen.skip}) for {datasets}" for datasets, d in choices)
+    return True, (f"one skip set per dataset is exported, chosen per prompt at decoding: {sets}, each confirmed "
+                  "faster than plain decoding on its dataset's prompts (each dataset's verdict follows)")
+
+
+def dataset_choices(study: optuna.Study) -> list[tuple[str, Decision]]:
+    """In a study of several datasets whose confirmed sets differ: each distinct set's decision (of the first dataset
+    it won) with the datasets it won, joined by ", "; a dataset on which no set pays is left to plain decoding,
+    which decoding always weighs. Empty when best.json holds the decision over all prompts."""
+    datasets = study_label(study).datasets
+    won: dict[SkipSet, list[tuple[str, Decision]]] = {}
+    for dataset in datasets if len(datasets) > 1 else ():
+        decision = decide(study, dataset)
+        if decision.chosen is not None:
+            won.setdefault(decision.chosen.skip, []).append((dataset, decision))
+    if len(won) < 2:
+        return []
+    return [(", ".join(d for d, _ in wins), replace(wins[0][1], text="; ".join(f"{d}: {w.text}" for d, w in wins)))
+            for wins in won.values()]
 
 
 def config_from_trial(study: optuna.Study, trial: TrialRecord) -> SkipConfig:
@@ -166,10 +188,13 @@ def _config(study: optuna.Study, label: StudyLabel, skip: SkipSet, metrics: Conf
 
 def decided_config(study: optuna.Study) -> SkipConfig:
     """The config the study's decision exports: the confirmed skip set, or plain decoding; in a study of several
-    datasets whose confirmed sets differ, each of them (`_dataset_entries`)."""
+    datasets whose confirmed sets differ, each of them (`dataset_choices`)."""
     label = study_label(study)
-    entries = _dataset_entries(study, label)
-    if len(entries) > 1:
+    choices = dataset_choices(study)
+    if choices:
+        entries = [SkipEntry(d.chosen.skip, datasets, _metrics(label.objective, d.chosen.score, d.chosen.figures,
+                                                               confirmed=True, trial=d.chosen.trial, verdict=d.text))
+                   for datasets, d in choices]
         return SkipConfig.of_entries(label.model, entries, label.draft, _search_settings(study, label, None))
     decision = decide(study)
     if decision.chosen is not None:
@@ -184,24 +209,6 @@ def decided_config(study: optuna.Study) -> SkipConfig:
                                 best.trial, best.skip.attn, best.skip.mlp, best.skip.head_rows,
                                 _metrics(None, None, best.figures)))
     return _config(study, label, SkipSet(), metrics, None)
-
-
-def _dataset_entries(study: optuna.Study, label: StudyLabel) -> list[SkipEntry]:
-    """Each dataset's confirmed set, once per distinct set, labelled with the datasets it was confirmed on (joined
-    by ", ") and carrying the figures of the first; a dataset on which no set pays is left to plain decoding, which
-    decoding always weighs. None in a study of one dataset."""
-    won: dict = {}
-    for dataset in label.datasets if len(label.datasets) > 1 else ():
-        decision = decide(study, dataset)
-        if decision.chosen is not None:
-            won.setdefault(decision.chosen.skip, []).append((dataset, decision))
-    entries = []
-    for skip, wins in won.items():
-        chosen = wins[0][1].chosen
-        metrics = _metrics(label.objective, chosen.score, chosen.figures, confirmed=True, trial=chosen.trial,
-                           verdict="; ".join(f"{d}: {w.text}" for d, w in wins))
-        entries.append(SkipEntry(skip, ", ".join(d for d, _ in wins), metrics))
-    return entries
 
 
 def _confirmed_a_set(config: SkipConfig) -> bool:

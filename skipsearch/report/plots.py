@@ -20,7 +20,7 @@ from ..search.ranking import quoted_speedup, ranked
 from ..search.records import (ConfirmedCandidate, Ratio, TrialRecord, decoded_trials, read_confirmation,
                               study_label)
 from ..search.space import HEAD_PARAM
-from .export import decide
+from .export import dataset_choices, decide
 
 
 def save_figure(fig: plt.Figure, path: Path) -> None:
@@ -32,8 +32,10 @@ def save_figure(fig: plt.Figure, path: Path) -> None:
 
 
 def _highlight(study: optuna.Study) -> tuple[ConfirmedCandidate | None, str]:
-    """The skip set every surface shows: the exported one, else the best confirmed one, with its figure."""
-    decision = decide(study)
+    """The skip set every surface shows: the exported one (of several, one per dataset: the first, with its figure
+    on that dataset's prompts), else the best confirmed one, with its figure."""
+    choices = dataset_choices(study)
+    decision = choices[0][1] if choices else decide(study)
     shown = decision.chosen or decision.best
     if shown is None:
         return None, "plain decoding exported: no skip set was confirmed"
@@ -42,6 +44,9 @@ def _highlight(study: optuna.Study) -> tuple[ConfirmedCandidate | None, str]:
         figure = f"{speedup.estimate:.2f}x ({speedup.low:.2f}-{speedup.high:.2f})"
     else:
         figure = f"{speedup.estimate:.2f}x (one paired run: no interval)"
+    if choices:
+        return shown, (f"exported skip set for {choices[0][0]} (1 of {len(choices)}, one per dataset), trial "
+                       f"{shown.trial}: {figure} as fast as plain decoding there")
     if decision.pays:
         return shown, f"exported skip set, trial {shown.trial}: {figure} as fast as plain decoding"
     return shown, f"best confirmed skip set, trial {shown.trial} (not exported, plain decoding is): {figure}"
