@@ -273,9 +273,35 @@ def test_optimize_runs_one_study_per_category(capsys, tmp_path, tiny_model_dir):
     assert f"exported {tmp_path / 'studies' / 'sb' / 'best.json'}: {exported_text(config)}; " \
            f"{categories_confirmed(studied)}\n" in out
     assert category_study_name("sb", "math reasoning/x") == "sb-math-reasoning-x"
+    _a_stop_keeps_the_categories_an_earlier_run_studied(capsys, tmp_path, tiny_model_dir, path, studied)
     for command in ("export", "plot"):  # the name given to optimize names no study of its own: say which are
         code, _, err = run(capsys, command, "--study-name", "sb", "--studies-dir", tmp_path / "studies")
         assert code == 2 and "one study per category, sb-mt_bench, sb-qa: give one of them to --study-name" in err
+
+
+def _a_stop_keeps_the_categories_an_earlier_run_studied(capsys, tmp_path, model, path, studied):
+    """A re-run stopped during its first category: best.json still holds what qa's study of the first run decided."""
+    import skipsearch.api.optimize as api
+
+    real = api._optimize
+
+    def stopped_at_once(*args):
+        result = real(*args)
+        result.stopped_by, result.outcome = "SIGINT", "after its trials"
+        return result
+
+    api._optimize = stopped_at_once
+    try:
+        code, out, err = run(capsys, "optimize", "--model", model, "--dataset", path, "--field",
+                             "turns", "--per-category", "--num-prompts", 1, "--n-trials", 3, "--max-new-tokens", 4,
+                             "--confirm-top", 1, "--no-plots", "--no-progress", "--no-warm-starts", "--min-match", 0,
+                             "--studies-dir", tmp_path / "studies", "--study-name", "sb")
+    finally:
+        api._optimize = real
+    config = load_skip_config(tmp_path / "studies" / "sb" / "best.json")
+    assert config.search.categories == [MT_BENCH, "qa"] and "category qa:" not in out, out
+    assert f"(the categories studied before the stop: {MT_BENCH}; as an earlier run left them: qa)" in out, out
+    assert load_skip_config(tmp_path / "studies" / "sb-qa" / "best.json") == studied["qa"]
 
 
 @pytest.mark.parametrize("extra, message", [

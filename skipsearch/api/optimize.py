@@ -17,7 +17,8 @@ from ..decode.skipset import SkipSet
 from ..io import models
 from ..io.data import BUILTIN, PromptRow, draw_per_category, load_rows
 from ..io.files import check_output_folder
-from ..report.export import categories_confirmed, category_config, dataset_verdicts, export_trial, exported_text, verdict
+from ..report.export import (categories_confirmed, category_config, dataset_verdicts, decided_config, export_trial,
+                              exported_text, verdict)
 from ..report.plots import write_plots
 from ..report.projections import decode_stats, load_projections, projection_lines
 from ..search.published import matching_skip_sets
@@ -161,16 +162,33 @@ def _per_category(s: OptimizeSettings, run: _Prepared, say: Callable[[str], None
                                                             categories=[category] * len(mine)), say)
         if result.stopped_by:
             break
-    config = category_config({c: r.config for c, r in results.items()}, s.study_name)
-    save_skip_config(config, s.folder / "best.json")
     last = results[category]
+    earlier = _earlier_decisions(s, [c for c in dict.fromkeys(run.categories) if c not in results])
+    configs = {c: results[c].config if c in results else earlier[c] for c in dict.fromkeys(run.categories)
+               if c in results or c in earlier}
+    config = category_config(configs, s.study_name)
+    save_skip_config(config, s.folder / "best.json")
     combined = Optimization(last.study, config, f"exported {s.folder / 'best.json'}: {exported_text(config)}",
                             last.stopped_by, last.outcome, by_category=results)
-    combined.exported += f"; {categories_confirmed({c: r.config for c, r in results.items()})}"
+    combined.exported += f"; {categories_confirmed(configs)}"
     if last.stopped_by:
-        combined.exported += f" (the categories studied before the stop: {', '.join(results)})"
+        combined.exported += (f" (the categories studied before the stop: {', '.join(results)}"
+                              + (f"; as an earlier run left them: {', '.join(earlier)})" if earlier else ")"))
     say(combined.exported)
     return combined
+
+
+def _earlier_decisions(s: OptimizeSettings, categories: list[str]) -> dict[str, SkipConfig]:
+    """The decisions of the categories a stop kept this run from, where an earlier run studied them: the combined
+    config keeps what those studies confirmed instead of dropping them."""
+    found = {}
+    for category in categories:
+        try:
+            study = replace(s, study_name=category_study_name(s.study_name, category)).load_study()
+        except ValueError:  # never studied
+            continue
+        found[category] = decided_config(study)
+    return found
 
 
 def category_study_name(study_name: str, category: str) -> str:
