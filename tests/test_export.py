@@ -127,4 +127,4 @@ def test_a_study_that_never_skipped_anything_says_so(tmp_path):
     assert "no trial skipped anything" in verdict(only_plain)[1]
     (tmp_path / "p").mkdir()
     pruned = fake_study(tmp_path / "p", [1.0, 0.5], confirmed=[])
-    assert "no skip set got past the pre-screen and the pruner" in verdict(pruned)[1]
+    assert "no skip set that drafts was decoded to be confirmed (the pre-screen" in verdict(pruned)[1]

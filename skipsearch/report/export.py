@@ -91,8 +91,8 @@ def _decide_by(confirmation: Confirmation, study: optuna.Study, dataset: str | N
         if not any(t.skip is not None and t.skip.drafts for t in read_trials(study)):
             return Decision(None, None, "no trial skipped anything (the search space allows no skipping, e.g. "
                                         "--max-skip-fraction 0, or it stopped first): plain decoding is exported")
-        return Decision(None, None, "no skip set got past the pre-screen and the pruner to be confirmed: "
-                                    "plain decoding is exported")
+        return Decision(None, None, "no skip set that drafts was decoded to be confirmed (the pre-screen stopped "
+                                    "each, or its trial failed): plain decoding is exported")
     best = fastest_confirmed(candidates, objective)
     passing = [c for c in candidates if speedup(c).low > 1.0]
     if passing:
