@@ -289,7 +289,7 @@ def test_touchpoint_custom_generate_call(model):
 
     def decode(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                streamer=None, **model_kwargs):
-        seen["inputs"], seen["streamer"] = set(model_kwargs), adapter.streamer_of_generate(depth=1)
+        seen["inputs"], seen["streamer"] = set(model_kwargs), adapter.generate_argument("streamer", depth=1)
         seen["cache"] = adapter.generate_cache_input(model_kwargs)
         return input_ids
 

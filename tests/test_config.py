@@ -206,6 +206,27 @@ def test_configs_combine_into_one_of_several_sets():
     assert combine_skip_configs([first]).label is None  # no sources: no labels made up
 
 
+def test_combined_configs_keep_every_configs_vocabulary_and_tokenizer_checks():
+    """A config from before trimmed heads knows neither (None); combined first with one that does, the checks of the
+    second still apply to the whole."""
+    from skipsearch.decode.skipset import DraftHead
+
+    model = tiny_model()
+    old = make_config(model)
+    old = replace(old, model=replace(old.model, vocab_size=None, tokenizer=None))
+    headed = make_config(model, skip=SkipSet.of([1], [], 4, DraftHead(tuple(range(8)))))
+    headed = replace(headed, model=replace(headed.model, tokenizer="a" * 64))
+    combined = combine_skip_configs([old, headed])
+    assert (combined.model.vocab_size, combined.model.tokenizer) == (96, "a" * 64)
+    other = type("Tokenizer", (), {"get_vocab": lambda self: {"x": 0}})()
+    with pytest.raises(ValueError, match="made for another tokenizer"):
+        combined.check_tokenizer(other)
+    with pytest.raises(ValueError, match="are for different models \\(tokenizer="):
+        combine_skip_configs([headed, replace(headed, model=replace(headed.model, tokenizer="b" * 64))])
+    with pytest.raises(ValueError, match="are for different models \\(vocab_size=96 and 128\\)"):
+        combine_skip_configs([headed, replace(headed, model=replace(headed.model, vocab_size=128))])
+
+
 def test_metrics_and_search_round_trip_typed_and_read_older_files():
     """Every figure and setting survives a save and a load; an older file's nulls read as unknown, and a field this
     release does not know is ignored."""

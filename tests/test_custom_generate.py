@@ -157,6 +157,47 @@ def test_unsupported_options_are_clear_errors(inputs, options, message):
         MODELS["llama"].generate(inputs, max_new_tokens=4, pad_token_id=0, custom_generate=speculative, **options)
 
 
+def test_a_refused_call_still_ends_the_streamer_and_an_assistant_model_is_refused():
+    """A consumer thread of TextIteratorStreamer waits for end(): a refusal must end the stream too. transformers
+    hands a callable no assistant_model: drafting with the model itself must not quietly stand in for it."""
+    speculative = self_speculative(SkipSet.of([1], [], NUM_LAYERS))
+    for options, message in (({"output_scores": True, "return_dict_in_generate": True}, "output_scores"),
+                             ({"stop_strings": ["."]}, "tokenizer"),
+                             ({"assistant_model": MODELS["qwen2"]}, "do not give generate an assistant_model")):
+        streamer = Recorder()
+        with pytest.raises(ValueError, match=message):
+            MODELS["llama"].generate(PROMPT, max_new_tokens=4, pad_token_id=0, custom_generate=speculative,
+                                     streamer=streamer, **options)
+        assert streamer.ends == 1, options
+
+
+def test_configs_of_other_draft_policies_decode_with_the_policy_given():
+    model = MODELS["llama"]
+    configs = [SkipConfig(ModelInfo.of(model, "tiny"), SkipSet.of([i], [], NUM_LAYERS), DraftPolicy(max_draft_tokens=n))
+               for i, n in ((1, 3), (2, 5))]
+    with pytest.raises(ValueError, match="draft differently"):
+        self_speculative(configs)
+    speculative = self_speculative(configs, DraftPolicy(max_draft_tokens=4))
+    assert speculative.policy.max_draft_tokens == 4
+    out = model.generate(PROMPT, max_new_tokens=8, do_sample=False, eos_token_id=None, custom_generate=speculative)
+    assert out.tolist() == model.generate(PROMPT, max_new_tokens=8, do_sample=False, eos_token_id=None).tolist()
+
+
+def test_sampling_through_a_trimmed_head_whose_every_token_the_processors_ban():
+    """Constrained sampling (a grammar's allowed tokens) may ban every token the trimmed head names; a temperature
+    below 1 then takes the draft's whole row to -inf. The draft samples uniformly there, and the output keeps to the
+    allowed tokens, as the full model samples them (fp32, the dtype where the head's floor is finite until the
+    temperature divides it)."""
+    model = tiny_model("llama", seed=10)
+    skip = SkipSet.of([1], [], NUM_LAYERS, DraftHead(tuple(range(0, 96, 2))))  # even ids only
+    speculative = self_speculative(skip, DraftPolicy(max_draft_tokens=3, adaptive=False))
+    torch.manual_seed(0)
+    out = model.generate(PROMPT, max_new_tokens=12, do_sample=True, temperature=0.5, eos_token_id=None, pad_token_id=0,
+                         prefix_allowed_tokens_fn=lambda batch, ids: list(range(1, 96, 2)), custom_generate=speculative)
+    assert out.shape[1] == PROMPT.shape[1] + 12 and all(t % 2 == 1 for t in out[0, PROMPT.shape[1]:].tolist())
+    assert speculative.stats.drafted > 0
+
+
 def test_bad_config_type():
     with pytest.raises(TypeError, match="SkipConfig"):
         self_speculative({"attn": [1]})

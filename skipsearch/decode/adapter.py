@@ -409,15 +409,17 @@ def generate_cache_input(model_kwargs: dict[str, Any]) -> Any:
     return model_kwargs.get("cache", model_kwargs.get("past_key_values"))
 
 
-def streamer_of_generate(depth: int) -> Any:
-    """The streamer given to `generate`, read from its frame `depth` frames up.
+def generate_argument(name: str, depth: int) -> Any:
+    """The argument `name` given to `generate` (None where it was not, or the caller is not generate), read from its
+    frame `depth` frames up.
 
     transformers (5.x) passes a callable `custom_generate` only the parameters that its own
     `_sample` lacks, so the streamer never arrives as an argument (generate still puts the prompt
-    into it); without this, the new tokens would never be streamed and `end()` never called.
+    into it; without this, the new tokens would never be streamed and `end()` never called), nor
+    an `assistant_model` (which the callable must refuse rather than ignore).
     """
     caller = sys._getframe(depth + 1)
-    return caller.f_locals.get("streamer") if caller.f_code is _GENERATE_CODE else None
+    return caller.f_locals.get(name) if caller.f_code is _GENERATE_CODE else None
 
 
 def stop_string_criteria(tokenizer: Any, stop_strings: str | list[str]) -> Any:

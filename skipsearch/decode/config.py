@@ -172,25 +172,32 @@ def load_skip_config(path: str | Path, model: nn.Module | None = None, tokenizer
     return config
 
 
-def combine_skip_configs(configs: Sequence[SkipConfig], sources: Sequence[str] | None = None) -> SkipConfig:
-    """One config carrying the skip sets of all `configs` (made for one model shape, drafting alike), for decoding
-    to choose among per prompt; a set given twice is kept once. A set without a label is labelled with its config's
-    source (its file, say) when `sources` are given."""
+def combine_skip_configs(configs: Sequence[SkipConfig], sources: Sequence[str] | None = None,
+                         same_draft: bool = True) -> SkipConfig:
+    """One config carrying the skip sets of all `configs` (made for one model shape and vocabulary, drafting alike
+    unless not `same_draft`: the caller gives the policy decoding uses), for decoding to choose among per prompt; a
+    set given twice is kept once. A set without a label is labelled with its config's source (its file, say) when
+    `sources` are given. The combined config knows the vocabulary and tokenizer any of them knows, so that its
+    checks are every config's."""
     names = list(sources) if sources is not None else [f"config {i + 1}" for i in range(len(configs))]
     first = configs[0]
     for config, name in zip(configs[1:], names[1:]):
-        for key in MODEL_SHAPE:
-            if getattr(config.model, key) != getattr(first.model, key):
+        for key in (*MODEL_SHAPE, "vocab_size", "tokenizer"):  # the last two: None where unknown, which fits any
+            mine, theirs = getattr(first.model, key), getattr(config.model, key)
+            if mine != theirs and (key in MODEL_SHAPE or None not in (mine, theirs)):
+                shown = (mine, theirs) if key != "tokenizer" else ("a tokenizer", "another (its vocabulary's hash)")
                 raise ValueError(f"skip configs {names[0]} and {name} are for different models ({key}="
-                                 f"{getattr(first.model, key)!r} and {getattr(config.model, key)!r})")
-        if config.draft != first.draft:
+                                 f"{shown[0]!r} and {shown[1]!r})")
+        if same_draft and config.draft != first.draft:
             raise ValueError(f"skip configs {names[0]} and {name} draft differently ({first.draft} and "
-                             f"{config.draft}): decoding drafts with one policy")
+                             f"{config.draft}): decoding drafts with one policy (give it as policy=...)")
+    known = {key: next((getattr(c.model, key) for c in configs if getattr(c.model, key) is not None), None)
+             for key in ("vocab_size", "tokenizer")}
     entries: dict[SkipSet, SkipEntry] = {}
     for config, name in zip(configs, names if sources is not None else [None] * len(configs)):
         for entry in config.entries:
             entries.setdefault(entry.skip, replace(entry, label=entry.label or name))
-    return SkipConfig.of_entries(first.model, list(entries.values()), first.draft, first.search)
+    return SkipConfig.of_entries(replace(first.model, **known), list(entries.values()), first.draft, first.search)
 
 
 def _need(mapping: Any, key: str, kind: Any, where: str, source: str) -> Any:

@@ -69,21 +69,16 @@ class SelfSpeculative:
         stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig, synced_gpus: bool = False,
         streamer: Any = None, stop_strings: str | list[str] | None = None, **model_kwargs: Any,
     ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
-        _check_supported(model, input_ids, generation_config, synced_gpus, model_kwargs)
-        if self.config is not None:
-            self.config.check_model(model)
-            if self.tokenizer is not None:
-                self.config.check_tokenizer(self.tokenizer)
-        if stop_strings is not None:
-            if self.tokenizer is None:
-                raise ValueError("stop_strings need the tokenizer: pass it as self_speculative(config, tokenizer=...) "
-                                 "(transformers does not hand a custom_generate callable the one given to generate)")
-            stop = adapter.stop_string_criteria(self.tokenizer, stop_strings)
-            stopping_criteria = StoppingCriteriaList([*stopping_criteria, stop])
         # The caller of this call is generate (depth 1), which hands a callable no streamer of its own.
-        streamer = streamer if streamer is not None else adapter.streamer_of_generate(depth=1)
+        streamer = streamer if streamer is not None else adapter.generate_argument("streamer", depth=1)
+        assistant = adapter.generate_argument("assistant_model", depth=1)
         prompt_length = input_ids.shape[1]
-        try:
+        try:  # every refusal inside: a consumer thread of TextIteratorStreamer waits for `end()` either way
+            if assistant is not None:
+                raise ValueError("self_speculative drafts with the model itself: do not give generate an "
+                                 "assistant_model")
+            stopping_criteria = self._checked(model, input_ids, generation_config, synced_gpus, model_kwargs,
+                                              stopping_criteria, stop_strings)
             output = generate(
                 model, input_ids, skip=self.skip, policy=self.policy,
                 max_new_tokens=max(1, generation_config.max_length - prompt_length),
@@ -96,13 +91,30 @@ class SelfSpeculative:
             )
         finally:
             if streamer is not None:
-                streamer.end()  # also on errors: a consumer thread of TextIteratorStreamer would wait forever
+                streamer.end()
         self._count(output.stats)
         sequences = torch.cat([input_ids, torch.tensor([output.tokens], dtype=input_ids.dtype,
                                                        device=input_ids.device)], dim=1)
         if generation_config.return_dict_in_generate:
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences
+
+    def _checked(self, model: torch.nn.Module, input_ids: torch.Tensor, generation_config: GenerationConfig,
+                 synced_gpus: bool, model_kwargs: dict[str, Any], stopping_criteria: StoppingCriteriaList,
+                 stop_strings: str | list[str] | None) -> StoppingCriteriaList:
+        """Refuse what this call cannot decode as plain generate would (ValueError); the stopping criteria, with
+        `stop_strings`' own."""
+        _check_supported(model, input_ids, generation_config, synced_gpus, model_kwargs)
+        if self.config is not None:
+            self.config.check_model(model)
+            if self.tokenizer is not None:
+                self.config.check_tokenizer(self.tokenizer)
+        if stop_strings is None:
+            return stopping_criteria
+        if self.tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer: pass it as self_speculative(config, tokenizer=...) "
+                             "(transformers does not hand a custom_generate callable the one given to generate)")
+        return StoppingCriteriaList([*stopping_criteria, adapter.stop_string_criteria(self.tokenizer, stop_strings)])
 
     def _count(self, stats: DecodeStats) -> None:
         with _COUNTING:  # `add` reads and writes each field: threads sharing this callable would lose a call's
@@ -128,7 +140,7 @@ def self_speculative(
     does: the first call per skip set compiles.
     """
     skips, configs = _skip_sets(config)
-    combined = combine_skip_configs(configs) if configs else None
+    combined = combine_skip_configs(configs, same_draft=policy is None) if configs else None
     if combined is not None:
         for skip in skips:
             skip.check_fits(combined.model.num_hidden_layers)

@@ -61,7 +61,7 @@ def draft_round(
     for _ in range(budget):
         logits = _draft_logits(step, tokens, hooks, history)
         if sampling.do_sample:
-            probs.append(sampling.probabilities(logits)[0])
+            probs.append(_proper(sampling.probabilities(logits)[0]))
             tokens.append(torch.multinomial(probs[-1], 1, generator=generator))
         else:
             tokens.append(logits.argmax(-1))
@@ -75,6 +75,13 @@ def draft_round(
     timed = cut is not None
     return Draft(torch.cat(tokens).view(1, -1), len(tokens) - 1, torch.stack(probs) if probs else None,
                  confidences if timed else None, clock() - start if timed else None)
+
+
+def _proper(probs: torch.Tensor) -> torch.Tensor:
+    """A draft distribution that sums to one: a row with no mass left (NaN where the logits processors banned every
+    token a trimmed head names, and a temperature below 1 took its floor to -inf) drafts uniformly instead, on the
+    device. Rejection sampling is exact for any draft distribution: only the acceptance suffers."""
+    return torch.where(probs.sum() > 0, probs, torch.full_like(probs, 1.0 / probs.shape[-1]))
 
 
 def _draft_logits(step: Step, tokens: list[torch.Tensor], hooks: DecodeHooks | None, history: torch.Tensor | None
