@@ -75,3 +75,14 @@ def test_offline_hub_dataset_fails_fast(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
         load_prompts("someone/some-dataset")
+
+
+def test_jsonl_rows_keep_unicode_line_separators_inside_strings(tmp_path):
+    # json.dumps(ensure_ascii=False) leaves U+2028, U+2029 and U+0085 raw inside strings: a row ends at "\n" alone.
+    texts = ["a\u2028b", "c\x85d", "e\u2029f"]
+    path = tmp_path / "u.jsonl"
+    path.write_bytes("\r\n".join(json.dumps({"prompt": t}, ensure_ascii=False) for t in texts).encode() + b"\n\n{")
+    with pytest.raises(ValueError, match="line 5: not valid JSON"):  # the line numbers count "\n" alone
+        load_prompts(str(path), num_prompts=None)
+    path.write_bytes("\n".join(json.dumps({"prompt": t}, ensure_ascii=False) for t in texts).encode() + b"\r\n")
+    assert sorted(load_prompts(str(path), num_prompts=None)) == texts

@@ -122,8 +122,11 @@ def read_json(path: str | Path, what: str, lines: bool = False) -> Any:
         raise ValueError(f"cannot read {what} {name}: {error.strerror or error}") from None
     if not lines:
         return _parse_json(text, f"{what} {name}")
+    # JSON Lines ends a line at "\n" alone: splitlines() would also split at U+2028, U+0085 and others, which
+    # json.dumps(ensure_ascii=False) leaves as they are inside strings, and cut a valid row in two.
     return [(number, _parse_json(line, f"{what} {name}, line {number}"))
-            for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+            for number, line in enumerate((line.removesuffix("\r") for line in text.split("\n")), start=1)
+            if line.strip()]
 
 
 def _parse_json(text: str, where: str) -> Any:
