@@ -69,12 +69,36 @@ def test_json_columns_and_non_utf8(tmp_path):
         load_prompts(str(tmp_path / "latin.jsonl"))
 
 
-def test_offline_hub_dataset_fails_fast(monkeypatch):
+def _offline(monkeypatch, datasets_cache):
+    """HF_HUB_OFFLINE=1 as huggingface_hub and datasets read it once imported, with datasets' cache in a folder."""
+    import datasets
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", datasets_cache)
+
+
+def test_offline_hub_dataset_not_cached_says_why(monkeypatch, tmp_path):
+    _offline(monkeypatch, tmp_path / "datasets")
+    with pytest.raises(ValueError, match=r"not in the datasets cache, and the Hub cannot be asked \(HF_HUB_OFFLINE"):
         load_prompts("someone/some-dataset")
+
+
+def test_offline_hub_dataset_is_read_from_the_datasets_cache(monkeypatch, tmp_path):
+    """A Hub dataset loaded once before is read from datasets' cache while the Hub cannot be asked. The cache is made
+    without the Hub: the json builder prepares the rows under the name and layout a Hub load would have given them."""
+    from datasets.packaged_modules.json.json import Json
+
+    _offline(monkeypatch, tmp_path / "datasets")
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"prompt": f"cached {i}"}) for i in range(3)))
+    builder = Json(dataset_name="tiny", data_files={"train": str(tmp_path / "rows.jsonl")}, hash="0" * 16,
+                   cache_dir=str(tmp_path / "datasets"))
+    builder.download_and_prepare()
+    prepared = next((tmp_path / "datasets" / "tiny").glob("default-*"))
+    (tmp_path / "datasets" / "someone___tiny").mkdir()
+    prepared.rename(tmp_path / "datasets" / "someone___tiny" / "default")
+    assert sorted(load_prompts("someone/tiny", num_prompts=None)) == [f"cached {i}" for i in range(3)]
 
 
 def test_jsonl_rows_keep_unicode_line_separators_inside_strings(tmp_path):

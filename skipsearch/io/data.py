@@ -112,13 +112,13 @@ def _hub_records(dataset: str, split: str) -> list[tuple[str, dict]]:
     from .models import hub_unreachable  # here: models imports torch, which reading the builtin prompts does without
 
     datasets.disable_progress_bars()
-    reason = hub_unreachable()
-    if reason:
-        raise ValueError(f"cannot read dataset {dataset!r}: no such local file, and the Hub cannot be asked ({reason})")
-    try:
+    try:  # asked even when the Hub cannot be: datasets reads a dataset it has cached without the Hub
         rows = datasets.load_dataset(dataset, split=split)
     except Exception as error:  # datasets raises many kinds; the user needs one line
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        unreachable = hub_unreachable()
+        if unreachable:
+            reason = f"no such local file, not in the datasets cache, and the Hub cannot be asked ({unreachable})"
         raise ValueError(f"cannot read dataset {dataset!r}: {reason}") from None
     return [(f"row {number}", record) for number, record in enumerate(rows.to_list(), start=1)]
 
