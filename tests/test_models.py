@@ -171,3 +171,73 @@ def test_the_real_gemma_loads_by_name_and_decodes():
     out = generate(loaded.model, prompt, skip=SkipSet.of([layers // 2], [layers // 3], layers), max_new_tokens=8,
                    eos_token_id=None)
     assert out.tokens == plain[0, len(prompt):].tolist() and out.stats.drafted > 0
+
+
+# A GGUF file's conversion, cached: keyed by name and size, and holding the identity of the file it came from.
+
+def _gguf_of(path, fill):
+    """A tiny GGUF file that gguf's reader accepts; `fill` tells two files of the same size apart."""
+    import numpy
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", numpy.full((4, 8), fill, dtype=numpy.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _fake_conversion(monkeypatch):
+    """Convert a GGUF file without transformers (which needs a whole model): the saved weights are its bytes' sha256,
+    so a test can tell which file a cached folder came from. Returns the list of files converted."""
+    import hashlib
+    import types
+
+    from safetensors.torch import save_file
+
+    converted = []
+
+    def load(folder, gguf_file, **_):
+        converted.append(gguf_file)
+        return hashlib.sha256((folder / gguf_file).read_bytes()).digest()
+
+    def save(digest, _tokenizer, folder):
+        (folder / "config.json").write_text("{}")
+        save_file({"sha256": torch.tensor(list(digest), dtype=torch.uint8)}, folder / "model.safetensors")
+
+    monkeypatch.setattr(models, "AutoModelForCausalLM", types.SimpleNamespace(from_pretrained=load))
+    monkeypatch.setattr(models, "AutoTokenizer", types.SimpleNamespace(from_pretrained=lambda *a, **k: None))
+    monkeypatch.setattr(models, "_save_plain", save)
+    return converted
+
+
+def _cached_sha256(folder):
+    from safetensors.torch import load_file
+
+    return bytes(load_file(folder / "model.safetensors")["sha256"].tolist()).hex()
+
+
+def test_a_gguf_file_of_the_same_name_and_size_but_other_content_is_converted_again(tmp_path, monkeypatch):
+    import hashlib
+    import os
+
+    monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path / "cache"))
+    converted = _fake_conversion(monkeypatch)
+    gguf = tmp_path / "fine-tune.gguf"
+    _gguf_of(gguf, 1.0)
+    first = models.converted_gguf(gguf)
+    assert _cached_sha256(first) == hashlib.sha256(gguf.read_bytes()).hexdigest() and len(converted) == 1
+    size = gguf.stat().st_size
+    _gguf_of(gguf, 2.0)  # re-quantized to the same path: same name, same size, other weights
+    assert gguf.stat().st_size == size
+    second = models.converted_gguf(gguf)
+    assert second == first and len(converted) == 2
+    assert _cached_sha256(second) == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [first.name]  # nothing left beside it
+    hashed, real_sha256 = [], models._sha256
+    monkeypatch.setattr(models, "_sha256", lambda path: (hashed.append(path), real_sha256(path))[1])
+    assert models.converted_gguf(gguf) == first and len(converted) == 2 and not hashed  # unchanged: no hashing
+    os.utime(gguf, ns=(0, 0))  # touched (copied back, say): hashed once, found the same, not converted
+    assert models.converted_gguf(gguf) == first and len(converted) == 2 and len(hashed) == 1
+    assert models.converted_gguf(gguf) == first and len(hashed) == 1  # the record now has the new mtime

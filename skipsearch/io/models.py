@@ -8,6 +8,8 @@ beside a plain config and tokenizer. What skipsearch refuses in someone else's f
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -24,7 +26,7 @@ from transformers import (
 
 from ..constants import DEFAULT_MODEL  # the CLI reads it without importing torch
 from .errors import first_line
-from .files import follow_umask, home_folder, read_json, unwritable_folder
+from .files import follow_umask, home_folder, read_json, unwritable_folder, write_atomic
 from .named import NAMED_MODELS, part_paths, reassembled
 from .refusals import (
     checkpoint_refusal, load_error, remote_code, template_refusal, tokenizer_refusal, unreadable_checkpoint,
@@ -124,13 +126,15 @@ def _converted_folder(name: str, size: int) -> Path:
 
 
 def converted_gguf(gguf: Path, name: str | None = None, fix: str = "download it again") -> Path:
-    """A plain Hugging Face folder converted from a GGUF file once and cached (keyed by name and size).
+    """A plain Hugging Face folder converted from a GGUF file once and cached (keyed by name and size, and holding
+    the identity of the file it came from: `SOURCE_RECORD`).
 
-    A cached folder found damaged (a file cut short or garbled) is converted again; `fix` says what to do
-    about a damaged GGUF file."""
+    A cached folder found damaged (a file cut short or garbled), or converted from other content than `gguf`'s (a
+    file of the same name and size written over it), is converted again; `fix` says what to do about a damaged GGUF
+    file."""
     target = _converted_folder(name or gguf.stem, gguf.stat().st_size)
     damage = damaged_model_files(target) if (target / "model.safetensors").is_file() else "missing"
-    if damage is None:
+    if damage is None and _converted_from(target, gguf):
         return target
     _check_gguf(gguf, fix)
     problem = unwritable_folder(target.parent)
@@ -148,12 +152,60 @@ def converted_gguf(gguf: Path, name: str | None = None, fix: str = "download it 
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
     try:
         _save_plain(model, tokenizer, staging)
+        _record_source(staging, gguf)
         for path in (staging, *staging.iterdir()):  # safetensors writes its file 0600, mkdtemp its folder 0700
             follow_umask(path)
         _move_into_place(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+# In a converted folder: the GGUF file it was converted from, as {"path", "size", "mtime_ns", "sha256"}.
+SOURCE_RECORD = "source.json"
+
+
+def _file_identity(path: Path) -> dict:
+    """What tells a file from another without reading it: where it is (resolved), its size and modification time."""
+    stats = path.stat()
+    return {"path": str(path.resolve()), "size": stats.st_size, "mtime_ns": stats.st_mtime_ns}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _record_source(folder: Path, gguf: Path) -> None:
+    (folder / SOURCE_RECORD).write_text(json.dumps({**_file_identity(gguf), "sha256": _sha256(gguf)}) + "\n",
+                                        encoding="utf-8")
+
+
+def _converted_from(target: Path, gguf: Path) -> bool:
+    """Whether the cached folder `target` was converted from `gguf`'s content. The file it records is trusted
+    without reading it when path, size and mtime agree (every load of an unchanged file); otherwise `gguf` is hashed
+    once, and a match is recorded so that the next load need not hash it. A folder without a record (cached before
+    records were kept) is converted again: nothing says what it came from."""
+    try:
+        record = json.loads((target / SOURCE_RECORD).read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return False
+    identity = _file_identity(gguf)
+    if not isinstance(record, dict):
+        return False
+    if all(record.get(key) == value for key, value in identity.items()):
+        return True
+    sha256 = _sha256(gguf)
+    if record.get("sha256") != sha256:
+        return False
+    try:
+        write_atomic(target / SOURCE_RECORD, json.dumps({**identity, "sha256": sha256}) + "\n")
+    except OSError:  # a cache this process cannot write: the next load hashes again, and nothing is wrong
+        pass
+    return True
 
 
 def _move_into_place(staging: Path, target: Path) -> None:
