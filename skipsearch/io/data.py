@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .errors import first_line
 from .files import read_json
 
 BUILTIN = "builtin"
@@ -110,16 +111,17 @@ def _hub_records(dataset: str, split: str) -> list[tuple[str, dict]]:
     import datasets
 
     from .models import hub_unreachable  # here: models imports torch, which reading the builtin prompts does without
+    from .refusals import load_error
 
     datasets.disable_progress_bars()
     try:  # asked even when the Hub cannot be: datasets reads a dataset it has cached without the Hub
         rows = datasets.load_dataset(dataset, split=split)
-    except Exception as error:  # datasets raises many kinds; the user needs one line
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    except Exception as error:  # noqa: BLE001 - datasets raises many kinds; load_error keeps the machine's faults
+        reason = first_line(error)
         unreachable = hub_unreachable()
         if unreachable:
             reason = f"no such local file, not in the datasets cache, and the Hub cannot be asked ({unreachable})"
-        raise ValueError(f"cannot read dataset {dataset!r}: {reason}") from None
+        raise load_error(error, f"cannot read dataset {dataset!r}: {reason}") from None
     return [(f"row {number}", record) for number, record in enumerate(rows.to_list(), start=1)]
 
 

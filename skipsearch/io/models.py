@@ -243,7 +243,8 @@ def _check_gguf(gguf: Path, fix: str) -> None:
 
 def damaged_model_files(folder: Path) -> str | None:
     """Why a model folder's files cannot be read whole, or None: a JSON file (config, tokenizer) that does not
-    parse, a safetensors file whose header does not cover its length (cut short). Reads headers, not weights."""
+    parse, a safetensors file whose header does not cover its length (cut short). Reads headers, not weights. A file
+    the machine cannot read (permissions, an I/O error) is no damage: its OSError is raised as it is."""
     from safetensors import safe_open
 
     for path in sorted(folder.glob("*.json")):
@@ -252,6 +253,8 @@ def damaged_model_files(folder: Path) -> str | None:
         except ValueError as error:
             return str(error)
     for path in sorted(folder.glob("*.safetensors")):
+        with path.open("rb"):  # raises the machine's OSError with its errno; safetensors' own OSErrors carry none
+            pass
         try:
             with safe_open(path, "pt"):
                 pass
