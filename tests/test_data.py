@@ -34,7 +34,15 @@ def test_local_jsonl_and_json_with_a_field(tmp_path):
         ('[{"prompt": "a"}, {"prompt": [3]}]', dict(suffix=".json"), "record 2: 'prompt': turn 1 is a number"),
         ('[{"prompt": "a"}, {"prompt": {"b": 1}}]', dict(suffix=".json"), "record 2: 'prompt' is a dict"),
         ('[' * 5000 + ']' * 5000, {}, "line 1: nested too deeply to read"),
-        ('[' * 5000 + ']' * 5000, dict(suffix=".json"), "line 1: nested too deeply to read"),
+        ('[' * 5000 + ']' * 5000, dict(suffix=".json"), "json': nested too deeply to read"),
+        # .json: the error of what the file looks like, a document or JSON Lines; a document with no rows says so
+        ('[\n  {\n    "prompt": "a"\n  },\n  {\n    "prompt": "b', dict(suffix=".json"),
+         r"json': not valid JSON \(Unterminated string at its end: cut short\?\)$"),
+        ('[\n  {"prompt": "a"},\n  {"prompt" "b"}\n]', dict(suffix=".json"),
+         r"json': not valid JSON \(Expecting ':' delimiter at line 3 column 13\)$"),
+        ('{"prompt": "a"}\n{"prompt": "b"\n', dict(suffix=".json"), "line 2: not valid JSON"),
+        ("[]", dict(suffix=".json"), "json' has no rows$"),
+        ('{"prompt": []}', dict(suffix=".json"), "json' has no rows$"),
         ("\n\n", {}, "is empty"),
     ],
 )
@@ -110,3 +118,12 @@ def test_jsonl_rows_keep_unicode_line_separators_inside_strings(tmp_path):
         load_prompts(str(path), num_prompts=None)
     path.write_bytes("\n".join(json.dumps({"prompt": t}, ensure_ascii=False) for t in texts).encode() + b"\r\n")
     assert sorted(load_prompts(str(path), num_prompts=None)) == texts
+
+
+def test_one_json_lines_row_saved_as_json_is_one_record(tmp_path):
+    (tmp_path / "one.json").write_text('{"prompt": "x", "category": "qa"}')
+    assert load_prompts(str(tmp_path / "one.json"), num_prompts=None) == ["x"]
+    (tmp_path / "turns.json").write_text('{"turns": ["hi", "and then?"], "id": 3}')
+    assert load_prompts(str(tmp_path / "turns.json"), field="turns", num_prompts=None) == ["hi"]
+    (tmp_path / "columns.json").write_text('{"prompt": ["a", "b"], "n": [1, 2]}')  # all lists: still columns
+    assert sorted(load_prompts(str(tmp_path / "columns.json"), num_prompts=None)) == ["a", "b"]
