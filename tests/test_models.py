@@ -218,7 +218,8 @@ def _cached_sha256(folder):
     return bytes(load_file(folder / "model.safetensors")["sha256"].tolist()).hex()
 
 
-def test_a_gguf_file_of_the_same_name_and_size_but_other_content_is_converted_again(tmp_path, monkeypatch):
+def test_a_gguf_file_of_the_same_name_and_size_but_other_content_is_converted_again(tmp_path, monkeypatch,
+                                                                                    capsys):
     import hashlib
     import os
 
@@ -231,8 +232,11 @@ def test_a_gguf_file_of_the_same_name_and_size_but_other_content_is_converted_ag
     size = gguf.stat().st_size
     _gguf_of(gguf, 2.0)  # re-quantized to the same path: same name, same size, other weights
     assert gguf.stat().st_size == size
+    capsys.readouterr()
     second = models.converted_gguf(gguf)
     assert second == first and len(converted) == 2
+    assert capsys.readouterr().err == (f"the cached model in {first} was converted from another file of that name "
+                                       "and size, or records no source: converting it again from fine-tune.gguf\n")
     assert _cached_sha256(second) == hashlib.sha256(gguf.read_bytes()).hexdigest()
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [first.name]  # nothing left beside it
     hashed, real_sha256 = [], models._sha256

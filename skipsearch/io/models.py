@@ -133,15 +133,15 @@ def converted_gguf(gguf: Path, name: str | None = None, fix: str = "download it 
     file of the same name and size written over it), is converted again; `fix` says what to do about a damaged GGUF
     file."""
     target = _converted_folder(name or gguf.stem, gguf.stat().st_size)
-    damage = damaged_model_files(target) if (target / "model.safetensors").is_file() else "missing"
-    if damage is None and _converted_from(target, gguf):
+    unusable = _unusable_cache(target, gguf)
+    if unusable is None:
         return target
     _check_gguf(gguf, fix)
     problem = unwritable_folder(target.parent)
     if problem:  # before the conversion, which takes tens of seconds
         raise ValueError(f"cannot cache the converted model: {problem}; set SKIPSEARCH_CACHE to a writable folder")
-    if damage != "missing":
-        print(f"the cached model in {target} is damaged ({damage}): converting it again from {gguf.name}", file=sys.stderr)
+    if unusable != "missing":
+        print(f"the cached model in {target} {unusable}: converting it again from {gguf.name}", file=sys.stderr)
     try:  # a GGUF of an architecture or tokenizer transformers cannot convert raises what its converters raise
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                      trust_remote_code=False)  # its folder may hold anyone's files
@@ -182,6 +182,19 @@ def _sha256(path: Path) -> str:
 def _record_source(folder: Path, gguf: Path) -> None:
     (folder / SOURCE_RECORD).write_text(json.dumps({**_file_identity(gguf), "sha256": _sha256(gguf)}) + "\n",
                                         encoding="utf-8")
+
+
+def _unusable_cache(target: Path, gguf: Path) -> str | None:
+    """Why the cached folder `target` cannot stand for `gguf`'s conversion ("missing", damaged, converted from other
+    content), or None when it can."""
+    if not (target / "model.safetensors").is_file():
+        return "missing"
+    damage = damaged_model_files(target)
+    if damage is not None:
+        return f"is damaged ({damage})"
+    if not _converted_from(target, gguf):
+        return "was converted from another file of that name and size, or records no source"
+    return None
 
 
 def _converted_from(target: Path, gguf: Path) -> bool:
