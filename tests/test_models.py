@@ -245,3 +245,50 @@ def test_a_gguf_file_of_the_same_name_and_size_but_other_content_is_converted_ag
     os.utime(gguf, ns=(0, 0))  # touched (copied back, say): hashed once, found the same, not converted
     assert models.converted_gguf(gguf) == first and len(converted) == 2 and len(hashed) == 1
     assert models.converted_gguf(gguf) == first and len(hashed) == 1  # the record now has the new mtime
+
+
+def test_workers_converting_the_same_gguf_at_once_convert_it_once(tmp_path, monkeypatch):
+    """Workers started together on a fresh cache: one converts while the others wait for it, then use its folder;
+    none moves aside or deletes the folder another has just put in place."""
+    import threading
+    import time
+
+    monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path / "cache"))
+    converted = _fake_conversion(monkeypatch)
+    load = models.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: (time.sleep(0.5), load(*a, **k))[1])  # long enough for the others to start
+    gguf = tmp_path / "model.gguf"
+    _gguf_of(gguf, 1.0)
+    results, errors = [], []
+
+    def worker():
+        try:
+            folder = models.converted_gguf(gguf)
+            results.append((folder, models.damaged_model_files(folder)))
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(converted) == 1
+    assert results == [(models._converted_folder("model", gguf.stat().st_size), None)] * 3
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == ["model-" + str(gguf.stat().st_size)]
+
+
+def test_a_named_model_is_reassembled_into_a_file_of_this_process(tmp_path, monkeypatch):
+    """Another worker's reassembled file, which it may still be converting, is neither overwritten nor deleted."""
+    import os
+
+    fake = _fake_parts(tmp_path, monkeypatch)
+    (tmp_path / "cache" / "gguf").mkdir(parents=True)
+    others = tmp_path / "cache" / "gguf" / fake.gguf_name
+    others.write_bytes(b"another worker's")
+    converted = []
+    monkeypatch.setattr(models, "converted_gguf", lambda gguf, name, fix: converted.append(gguf.name))
+    models.converted_named(fake.name)
+    assert converted == [f"{os.getpid()}-{fake.gguf_name}"] and others.read_bytes() == b"another worker's"
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [fake.gguf_name]

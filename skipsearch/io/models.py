@@ -14,7 +14,8 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,7 +115,8 @@ def converted_named(name: str) -> Path:
     target = _converted_folder(name, size)
     if (target / "model.safetensors").is_file() and damaged_model_files(target) is None:
         return target
-    gguf = reassembled(named, parts, cache_dir() / "gguf")
+    # A file of this process's own: a worker converting at the same time reads its own, which this one never deletes.
+    gguf = reassembled(named, parts, cache_dir() / "gguf", f"{os.getpid()}-{named.gguf_name}")
     try:
         return converted_gguf(gguf, name=name, fix=fix)
     finally:
@@ -140,6 +142,33 @@ def converted_gguf(gguf: Path, name: str | None = None, fix: str = "download it 
     problem = unwritable_folder(target.parent)
     if problem:  # before the conversion, which takes tens of seconds
         raise ValueError(f"cannot cache the converted model: {problem}; set SKIPSEARCH_CACHE to a writable folder")
+    with _cache_lock(target):
+        unusable = _unusable_cache(target, gguf)  # again: another worker may have converted it while this one waited
+        if unusable is not None:
+            _convert_into(gguf, target, unusable, fix)
+    return target
+
+
+@contextmanager
+def _cache_lock(target: Path) -> Iterator[None]:
+    """Hold the cache entry `target` alone: workers started together on a fresh cache ("one worker per GPU, same
+    command") convert it once, and none replaces or deletes a folder another has just put in place or is checking.
+    An flock on a file of the cache's `locks` folder (left there: unlinking a lock file races with its next taker),
+    released by the kernel when a holder dies."""
+    import fcntl
+
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{target.name}.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _convert_into(gguf: Path, target: Path, unusable: str, fix: str) -> None:
+    """Convert `gguf` into the cache entry `target` (whose lock is held), which is `unusable` as it is."""
     if unusable != "missing":
         print(f"the cached model in {target} {unusable}: converting it again from {gguf.name}", file=sys.stderr)
     try:  # a GGUF of an architecture or tokenizer transformers cannot convert raises what its converters raise
@@ -158,7 +187,6 @@ def converted_gguf(gguf: Path, name: str | None = None, fix: str = "download it 
         _move_into_place(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 # In a converted folder: the GGUF file it was converted from, as {"path", "size", "mtime_ns", "sha256"}.
@@ -222,20 +250,15 @@ def _converted_from(target: Path, gguf: Path) -> bool:
 
 
 def _move_into_place(staging: Path, target: Path) -> None:
-    """Rename the converted folder to `target`, first moving a damaged one there aside (and then deleting it)."""
+    """Rename the converted folder to `target`, first moving an unusable one there aside (and then deleting it). The
+    caller holds `target`'s lock, so what is there is what it found unusable, not another worker's conversion."""
     if target.exists():
         trash = Path(tempfile.mkdtemp(dir=target.parent, prefix=".damaged-"))
         try:
             target.rename(trash / target.name)
-        except FileNotFoundError:  # another process moved it first
-            pass
         finally:
             shutil.rmtree(trash, ignore_errors=True)
-    try:
-        staging.rename(target)
-    except OSError:  # another process converted it first
-        if damaged_model_files(target) is not None:
-            raise
+    staging.rename(target)
 
 
 def _check_gguf(gguf: Path, fix: str) -> None:
@@ -266,8 +289,11 @@ def damaged_model_files(folder: Path) -> str | None:
         except ValueError as error:
             return str(error)
     for path in sorted(folder.glob("*.safetensors")):
-        with path.open("rb"):  # raises the machine's OSError with its errno; safetensors' own OSErrors carry none
-            pass
+        try:
+            with path.open("rb"):  # raises the machine's OSError with its errno; safetensors' own OSErrors carry none
+                pass
+        except FileNotFoundError:  # moved aside by a worker converting it again since the folder was listed
+            return f"weights file {str(path)!r} is missing"
         try:
             with safe_open(path, "pt"):
                 pass
