@@ -34,7 +34,15 @@ def test_local_jsonl_and_json_with_a_field(tmp_path):
         ('[{"prompt": "a"}, {"prompt": [3]}]', dict(suffix=".json"), "record 2: 'prompt': turn 1 is a number"),
         ('[{"prompt": "a"}, {"prompt": {"b": 1}}]', dict(suffix=".json"), "record 2: 'prompt' is a dict"),
         ('[' * 5000 + ']' * 5000, {}, "line 1: nested too deeply to read"),
-        ('[' * 5000 + ']' * 5000, dict(suffix=".json"), "line 1: nested too deeply to read"),
+        ('[' * 5000 + ']' * 5000, dict(suffix=".json"), "json': nested too deeply to read"),
+        # .json: the error of what the file looks like, a document or JSON Lines; a document with no rows says so
+        ('[\n  {\n    "prompt": "a"\n  },\n  {\n    "prompt": "b', dict(suffix=".json"),
+         r"json': not valid JSON \(Unterminated string at its end: cut short\?\)$"),
+        ('[\n  {"prompt": "a"},\n  {"prompt" "b"}\n]', dict(suffix=".json"),
+         r"json': not valid JSON \(Expecting ':' delimiter at line 3 column 13\)$"),
+        ('{"prompt": "a"}\n{"prompt": "b"\n', dict(suffix=".json"), "line 2: not valid JSON"),
+        ("[]", dict(suffix=".json"), "json' has no rows$"),
+        ('{"prompt": []}', dict(suffix=".json"), "json' has no rows$"),
         ("\n\n", {}, "is empty"),
     ],
 )
@@ -69,9 +77,53 @@ def test_json_columns_and_non_utf8(tmp_path):
         load_prompts(str(tmp_path / "latin.jsonl"))
 
 
-def test_offline_hub_dataset_fails_fast(monkeypatch):
+def _offline(monkeypatch, datasets_cache):
+    """HF_HUB_OFFLINE=1 as huggingface_hub and datasets read it once imported, with datasets' cache in a folder."""
+    import datasets
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", datasets_cache)
+
+
+def test_offline_hub_dataset_not_cached_says_why(monkeypatch, tmp_path):
+    _offline(monkeypatch, tmp_path / "datasets")
+    with pytest.raises(ValueError, match=r"not in the datasets cache, and the Hub cannot be asked \(HF_HUB_OFFLINE"):
         load_prompts("someone/some-dataset")
+
+
+def test_offline_hub_dataset_is_read_from_the_datasets_cache(monkeypatch, tmp_path):
+    """A Hub dataset loaded once before is read from datasets' cache while the Hub cannot be asked. The cache is made
+    without the Hub: the json builder prepares the rows under the name and layout a Hub load would have given them."""
+    from datasets.packaged_modules.json.json import Json
+
+    _offline(monkeypatch, tmp_path / "datasets")
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps({"prompt": f"cached {i}"}) for i in range(3)))
+    builder = Json(dataset_name="tiny", data_files={"train": str(tmp_path / "rows.jsonl")}, hash="0" * 16,
+                   cache_dir=str(tmp_path / "datasets"))
+    builder.download_and_prepare()
+    prepared = next((tmp_path / "datasets" / "tiny").glob("default-*"))
+    (tmp_path / "datasets" / "someone___tiny").mkdir()
+    prepared.rename(tmp_path / "datasets" / "someone___tiny" / "default")
+    assert sorted(load_prompts("someone/tiny", num_prompts=None)) == [f"cached {i}" for i in range(3)]
+
+
+def test_jsonl_rows_keep_unicode_line_separators_inside_strings(tmp_path):
+    # json.dumps(ensure_ascii=False) leaves U+2028, U+2029 and U+0085 raw inside strings: a row ends at "\n" alone.
+    texts = ["a\u2028b", "c\x85d", "e\u2029f"]
+    path = tmp_path / "u.jsonl"
+    path.write_bytes("\r\n".join(json.dumps({"prompt": t}, ensure_ascii=False) for t in texts).encode() + b"\n\n{")
+    with pytest.raises(ValueError, match="line 5: not valid JSON"):  # the line numbers count "\n" alone
+        load_prompts(str(path), num_prompts=None)
+    path.write_bytes("\n".join(json.dumps({"prompt": t}, ensure_ascii=False) for t in texts).encode() + b"\r\n")
+    assert sorted(load_prompts(str(path), num_prompts=None)) == texts
+
+
+def test_one_json_lines_row_saved_as_json_is_one_record(tmp_path):
+    (tmp_path / "one.json").write_text('{"prompt": "x", "category": "qa"}')
+    assert load_prompts(str(tmp_path / "one.json"), num_prompts=None) == ["x"]
+    (tmp_path / "turns.json").write_text('{"turns": ["hi", "and then?"], "id": 3}')
+    assert load_prompts(str(tmp_path / "turns.json"), field="turns", num_prompts=None) == ["hi"]
+    (tmp_path / "columns.json").write_text('{"prompt": ["a", "b"], "n": [1, 2]}')  # all lists: still columns
+    assert sorted(load_prompts(str(tmp_path / "columns.json"), num_prompts=None)) == ["a", "b"]

@@ -787,3 +787,81 @@ def test_checkpoint_format_and_template_source(tmp_path, default_model):
     assert unreadable_checkpoint(tmp_path) is None
     assert template_source(default_model.tokenizer).endswith("chat_template.jinja")
     assert template_source(type("T", (), {"name_or_path": str(tmp_path)})()) == str(tmp_path)
+
+
+def _unreadable(path, monkeypatch):
+    """Make `path` a file this process may not read: chmod 000, or, as root (whom chmod does not stop), an open()
+    that answers what the kernel would."""
+    if os.geteuid() != 0:
+        path.chmod(0)
+        return
+    real_open = Path.open
+
+    def denied(self, *args, **kwargs):
+        if Path(self) == path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", denied)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "model.safetensors"])
+def test_a_model_file_that_cannot_be_read_is_the_machines_fault_not_damage(name, tmp_path, monkeypatch):
+    """Permissions or an I/O error are no damaged download: the OSError is raised as it is (exit 1, naming the file),
+    not a one-line 'download or convert the model again' (exit 2)."""
+    from safetensors.torch import save_file
+
+    from skipsearch.io import models
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    save_file({"weight": torch.zeros(2)}, folder / "model.safetensors")
+    assert models.damaged_model_files(folder) is None
+    _unreadable(folder / name, monkeypatch)
+    with pytest.raises(PermissionError) as raised:
+        models.damaged_model_files(folder)
+    assert raised.value.errno == errno.EACCES and str(folder / name) in str(raised.value)
+
+
+def test_a_dataset_that_cannot_be_read_is_the_machines_fault(tmp_path, monkeypatch, capsys):
+    import argparse
+
+    from skipsearch.cli.process import report
+    from skipsearch.io.data import load_prompts
+    from skipsearch.io.files import read_json
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a"}\n')
+    _unreadable(path, monkeypatch)
+    with pytest.raises(PermissionError) as raised:
+        load_prompts(str(path), num_prompts=1)
+    args = argparse.Namespace(prog="skipsearch optimize", command="optimize")
+    assert report(args, raised.value) == 1
+    assert capsys.readouterr().err == f"skipsearch optimize: error: Permission denied: {path}\n"
+    with pytest.raises(ValueError, match="does not exist"):  # a path that names no file is still bad input
+        read_json(tmp_path / "nope.json", "dataset")
+    with pytest.raises(ValueError, match="cannot read dataset .*Not a directory"):
+        read_json(path / "under-a-file.json", "dataset")
+
+
+@pytest.mark.parametrize("fault, kept", [(OSError(errno.ENOSPC, "No space left on device"), OSError),
+                                         (MemoryError(), MemoryError),
+                                         (PermissionError(errno.EACCES, "Permission denied", "x"), PermissionError),
+                                         (RuntimeError("the dataset's own complaint"), ValueError)])
+def test_a_hub_dataset_download_keeps_the_machines_faults(fault, kept, monkeypatch):
+    """A full disk or memory running out while datasets downloads is exit 3, not 2; its own errors are one line."""
+    import datasets
+
+    from skipsearch.io.data import load_prompts
+
+    def load_dataset(*args, **kwargs):
+        raise fault
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr("skipsearch.io.models.hub_unreachable", lambda: None)
+    with pytest.raises(kept) as raised:
+        load_prompts("someone/some-dataset")
+    assert raised.value is fault or str(raised.value) == "cannot read dataset 'someone/some-dataset': the dataset's " \
+                                                          "own complaint"

@@ -171,3 +171,124 @@ def test_the_real_gemma_loads_by_name_and_decodes():
     out = generate(loaded.model, prompt, skip=SkipSet.of([layers // 2], [layers // 3], layers), max_new_tokens=8,
                    eos_token_id=None)
     assert out.tokens == plain[0, len(prompt):].tolist() and out.stats.drafted > 0
+
+
+# A GGUF file's conversion, cached: keyed by name and size, and holding the identity of the file it came from.
+
+def _gguf_of(path, fill):
+    """A tiny GGUF file that gguf's reader accepts; `fill` tells two files of the same size apart."""
+    import numpy
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", numpy.full((4, 8), fill, dtype=numpy.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _fake_conversion(monkeypatch):
+    """Convert a GGUF file without transformers (which needs a whole model): the saved weights are its bytes' sha256,
+    so a test can tell which file a cached folder came from. Returns the list of files converted."""
+    import hashlib
+    import types
+
+    from safetensors.torch import save_file
+
+    converted = []
+
+    def load(folder, gguf_file, **_):
+        converted.append(gguf_file)
+        return hashlib.sha256((folder / gguf_file).read_bytes()).digest()
+
+    def save(digest, _tokenizer, folder):
+        (folder / "config.json").write_text("{}")
+        save_file({"sha256": torch.tensor(list(digest), dtype=torch.uint8)}, folder / "model.safetensors")
+
+    monkeypatch.setattr(models, "AutoModelForCausalLM", types.SimpleNamespace(from_pretrained=load))
+    monkeypatch.setattr(models, "AutoTokenizer", types.SimpleNamespace(from_pretrained=lambda *a, **k: None))
+    monkeypatch.setattr(models, "_save_plain", save)
+    return converted
+
+
+def _cached_sha256(folder):
+    from safetensors.torch import load_file
+
+    return bytes(load_file(folder / "model.safetensors")["sha256"].tolist()).hex()
+
+
+def test_a_gguf_file_of_the_same_name_and_size_but_other_content_is_converted_again(tmp_path, monkeypatch,
+                                                                                    capsys):
+    import hashlib
+    import os
+
+    monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path / "cache"))
+    converted = _fake_conversion(monkeypatch)
+    gguf = tmp_path / "fine-tune.gguf"
+    _gguf_of(gguf, 1.0)
+    first = models.converted_gguf(gguf)
+    assert _cached_sha256(first) == hashlib.sha256(gguf.read_bytes()).hexdigest() and len(converted) == 1
+    size = gguf.stat().st_size
+    _gguf_of(gguf, 2.0)  # re-quantized to the same path: same name, same size, other weights
+    assert gguf.stat().st_size == size
+    capsys.readouterr()
+    second = models.converted_gguf(gguf)
+    assert second == first and len(converted) == 2
+    assert capsys.readouterr().err == (f"the cached model in {first} was converted from another file of that name "
+                                       "and size, or records no source: converting it again from fine-tune.gguf\n")
+    assert _cached_sha256(second) == hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [first.name]  # nothing left beside it
+    hashed, real_sha256 = [], models._sha256
+    monkeypatch.setattr(models, "_sha256", lambda path: (hashed.append(path), real_sha256(path))[1])
+    assert models.converted_gguf(gguf) == first and len(converted) == 2 and not hashed  # unchanged: no hashing
+    os.utime(gguf, ns=(0, 0))  # touched (copied back, say): hashed once, found the same, not converted
+    assert models.converted_gguf(gguf) == first and len(converted) == 2 and len(hashed) == 1
+    assert models.converted_gguf(gguf) == first and len(hashed) == 1  # the record now has the new mtime
+
+
+def test_workers_converting_the_same_gguf_at_once_convert_it_once(tmp_path, monkeypatch):
+    """Workers started together on a fresh cache: one converts while the others wait for it, then use its folder;
+    none moves aside or deletes the folder another has just put in place."""
+    import threading
+    import time
+
+    monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path / "cache"))
+    converted = _fake_conversion(monkeypatch)
+    load = models.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: (time.sleep(0.5), load(*a, **k))[1])  # long enough for the others to start
+    gguf = tmp_path / "model.gguf"
+    _gguf_of(gguf, 1.0)
+    results, errors = [], []
+
+    def worker():
+        try:
+            folder = models.converted_gguf(gguf)
+            results.append((folder, models.damaged_model_files(folder)))
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(converted) == 1
+    assert results == [(models._converted_folder("model", gguf.stat().st_size), None)] * 3
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == ["model-" + str(gguf.stat().st_size)]
+
+
+def test_a_named_model_is_reassembled_into_a_file_of_this_process(tmp_path, monkeypatch):
+    """Another worker's reassembled file, which it may still be converting, is neither overwritten nor deleted."""
+    import os
+
+    fake = _fake_parts(tmp_path, monkeypatch)
+    (tmp_path / "cache" / "gguf").mkdir(parents=True)
+    others = tmp_path / "cache" / "gguf" / fake.gguf_name
+    others.write_bytes(b"another worker's")
+    converted = []
+    monkeypatch.setattr(models, "converted_gguf", lambda gguf, name, fix: converted.append(gguf.name))
+    models.converted_named(fake.name)
+    assert converted == [f"{os.getpid()}-{fake.gguf_name}"] and others.read_bytes() == b"another worker's"
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [fake.gguf_name]

@@ -11,6 +11,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from .errors import first_line
 from .files import read_json
 
 BUILTIN = "builtin"
@@ -110,16 +111,17 @@ def _hub_records(dataset: str, split: str) -> list[tuple[str, dict]]:
     import datasets
 
     from .models import hub_unreachable  # here: models imports torch, which reading the builtin prompts does without
+    from .refusals import load_error
 
     datasets.disable_progress_bars()
-    reason = hub_unreachable()
-    if reason:
-        raise ValueError(f"cannot read dataset {dataset!r}: no such local file, and the Hub cannot be asked ({reason})")
-    try:
+    try:  # asked even when the Hub cannot be: datasets reads a dataset it has cached without the Hub
         rows = datasets.load_dataset(dataset, split=split)
-    except Exception as error:  # datasets raises many kinds; the user needs one line
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"cannot read dataset {dataset!r}: {reason}") from None
+    except Exception as error:  # noqa: BLE001 - datasets raises many kinds; load_error keeps the machine's faults
+        reason = first_line(error)
+        unreachable = hub_unreachable()
+        if unreachable:
+            reason = f"no such local file, not in the datasets cache, and the Hub cannot be asked ({unreachable})"
+        raise load_error(error, f"cannot read dataset {dataset!r}: {reason}") from None
     return [(f"row {number}", record) for number, record in enumerate(rows.to_list(), start=1)]
 
 
@@ -189,12 +191,34 @@ def _category(record: dict, field: str, where: str) -> str:
 def _json_records(path: Path, name: str) -> list[tuple[str, dict]]:
     """(where, record) pairs: "line N" in JSON Lines, "record N" in a JSON document."""
     if path.suffix == ".json":
+        return _json_file_records(path, name)
+    return _json_lines_records(path, name)
+
+
+def _json_file_records(path: Path, name: str) -> list[tuple[str, dict]]:
+    """A .json file's records: one JSON document, or JSON Lines, which datasets accepts in a .json file too. When
+    neither parses, the error is the one of what the file looks like: JSON Lines when its first line is an object
+    alone, else a document (whose JSON Lines error, "line 1: cut short", would mislead)."""
+    try:
+        document = read_json(path, "dataset")
+    except ValueError as whole:
         try:
-            document = read_json(path, "dataset")
-        except ValueError:
-            document = None  # maybe JSON lines in a .json file, which datasets accepts too
-        if document is not None:
-            return _document_records(document, name)
+            return _json_lines_records(path, name)
+        except ValueError as lines:
+            raise (lines if _first_line_is_an_object(path) else whole) from None
+    return _document_records(document, name)
+
+
+def _first_line_is_an_object(path: Path) -> bool:
+    text = path.read_text(encoding="utf-8-sig")
+    first = next((line for line in text.split("\n") if line.strip()), "")
+    try:
+        return isinstance(json.loads(first), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
+def _json_lines_records(path: Path, name: str) -> list[tuple[str, dict]]:
     records = []
     for number, row in read_json(path, "dataset", lines=True):
         if not isinstance(row, dict):
@@ -206,13 +230,21 @@ def _json_records(path: Path, name: str) -> list[tuple[str, dict]]:
 
 
 def _document_records(data: object, name: str) -> list[tuple[str, dict]]:
+    """A JSON document's records: a list of objects, an object of equal-length lists (columns), or one object whose
+    values are not all lists (a one-row JSON Lines file saved as .json)."""
     if isinstance(data, list):
         if not all(isinstance(row, dict) for row in data):
             raise ValueError(f"dataset {name!r}: expected a list of objects such as {{\"prompt\": \"...\"}}")
-        return [(f"record {index}", row) for index, row in enumerate(data, start=1)]
-    if isinstance(data, dict):  # columns: {"prompt": ["...", "..."]}
+        records = [(f"record {index}", row) for index, row in enumerate(data, start=1)]
+    elif isinstance(data, dict) and data and not all(isinstance(c, list) for c in data.values()):
+        records = [("record 1", data)]
+    elif isinstance(data, dict):  # columns: {"prompt": ["...", "..."]}
         columns = list(data.values())
-        if not columns or not all(isinstance(c, list) and len(c) == len(columns[0]) for c in columns):
+        if columns and not all(len(c) == len(columns[0]) for c in columns):
             raise ValueError(f"dataset {name!r}: expected a list of objects, or an object of equal-length lists")
-        return [(f"record {index}", dict(zip(data, row))) for index, row in enumerate(zip(*columns), start=1)]
-    raise ValueError(f"dataset {name!r}: expected a list of objects such as {{\"prompt\": \"...\"}}")
+        records = [(f"record {index}", dict(zip(data, row))) for index, row in enumerate(zip(*columns), start=1)]
+    else:
+        raise ValueError(f"dataset {name!r}: expected a list of objects such as {{\"prompt\": \"...\"}}")
+    if not records:
+        raise ValueError(f"dataset {name!r} has no rows")
+    return records

@@ -4,6 +4,7 @@ file is replaced atomically, a stream (a character device, a FIFO) written throu
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -104,10 +105,16 @@ def home_folder() -> Path:
     return Path(home)
 
 
+# errno of a path that names no file to read: the input's fault. Any other errno (permissions, an I/O error) is the
+# machine's, and stays an OSError: the CLI names it and its file, exit 1 (a resource that ran out, exit 3).
+_NO_FILE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG})
+
+
 def read_json(path: str | Path, what: str, lines: bool = False) -> Any:
     """A JSON file's content, or with `lines` a JSON Lines file's: a list of (line number, value), blank lines
-    left out. A missing, unreadable, malformed or hostile file (nested past Python's recursion limit) is a
-    ValueError of one line that names `what`, the file and, in JSON Lines, the line."""
+    left out. A missing, malformed or hostile file (nested past Python's recursion limit) is a ValueError of one line
+    that names `what`, the file and, in JSON Lines, the line; a file the machine cannot read (permissions, an I/O
+    error) an OSError, as it was raised."""
     name = repr(str(path))
     if Path(path).is_dir():
         raise ValueError(f"{what} {name} is a folder: give a file")
@@ -119,11 +126,16 @@ def read_json(path: str | Path, what: str, lines: bool = False) -> Any:
     except UnicodeDecodeError as error:
         raise ValueError(f"{what} {name} is not UTF-8 text (byte {error.start})") from None
     except OSError as error:
+        if error.errno is not None and error.errno not in _NO_FILE_ERRNOS:
+            raise
         raise ValueError(f"cannot read {what} {name}: {error.strerror or error}") from None
     if not lines:
         return _parse_json(text, f"{what} {name}")
+    # JSON Lines ends a line at "\n" alone: splitlines() would also split at U+2028, U+0085 and others, which
+    # json.dumps(ensure_ascii=False) leaves as they are inside strings, and cut a valid row in two.
     return [(number, _parse_json(line, f"{what} {name}, line {number}"))
-            for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+            for number, line in enumerate((line.removesuffix("\r") for line in text.split("\n")), start=1)
+            if line.strip()]
 
 
 def _parse_json(text: str, where: str) -> Any:

