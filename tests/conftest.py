@@ -59,6 +59,21 @@ def family_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     return tiny_family_model(family_config(family, **overrides), seed=seed, dtype=dtype)
 
 
+def tiny_gguf(path, architecture="llama", fill=0.0):
+    """A GGUF file of one 4x8 embedding that gguf's reader accepts and transformers cannot convert (no tokenizer,
+    missing metadata); `fill` tells two files of the same name and size apart."""
+    import numpy
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", numpy.full((4, 8), fill, dtype=numpy.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
 def tiny_model(arch: str = "llama", seed: int = 0, dtype=torch.float32, vocab_size: int = 96, num_layers: int = 4,
                **config_overrides):
     """A small random causal LM; float64 makes greedy ties practically impossible, so equality tests are exact."""

@@ -17,12 +17,12 @@ import sys
 import threading
 from pathlib import Path
 
-import numpy
 import optuna
 import pytest
 import torch
 from optuna.trial import TrialState
 
+from conftest import tiny_gguf
 from skipsearch.cli import main
 from skipsearch.io.errors import RESOURCE_EXIT, NonFiniteLogits, ResourceExhausted, exhausted_resource, resource_error
 from test_bad_input import snapshot
@@ -699,18 +699,6 @@ def test_a_payload_never_runs_even_where_the_loader_is_asked_twice(hostile_model
     assert asked and all(flag is True for flag in asked) and not (hostile_models / "PAYLOAD-RAN").exists()
 
 
-def _tiny_gguf(path, architecture):
-    from gguf import GGUFWriter
-
-    writer = GGUFWriter(str(path), architecture)
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", numpy.zeros((4, 8), dtype=numpy.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.mark.parametrize("architecture", ["evil", "llama"])
 def test_a_gguf_file_transformers_cannot_convert_is_one_line(architecture, tmp_path, capsys, monkeypatch):
     """An architecture transformers does not convert, and a llama file with no tokenizer and missing metadata: the
@@ -719,7 +707,7 @@ def test_a_gguf_file_transformers_cannot_convert_is_one_line(architecture, tmp_p
 
     monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / f"{architecture}.gguf"
-    _tiny_gguf(gguf, architecture)
+    tiny_gguf(gguf, architecture)
     returned = main(["generate", "--model", str(gguf), "--prompt", "hi"])
     err = capsys.readouterr().err  # besides the conversion's progress bar, which transformers draws itself
     errors = [line for line in err.splitlines() if "error:" in line]

@@ -3,6 +3,7 @@ import importlib.util
 import pytest
 import torch
 
+from conftest import tiny_gguf
 from skipsearch.io import models
 
 
@@ -175,19 +176,6 @@ def test_the_real_gemma_loads_by_name_and_decodes():
 
 # A GGUF file's conversion, cached: keyed by name and size, and holding the identity of the file it came from.
 
-def _gguf_of(path, fill):
-    """A tiny GGUF file that gguf's reader accepts; `fill` tells two files of the same size apart."""
-    import numpy
-    from gguf import GGUFWriter
-
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_tensor("token_embd.weight", numpy.full((4, 8), fill, dtype=numpy.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 def _fake_conversion(monkeypatch):
     """Convert a GGUF file without transformers (which needs a whole model): the saved weights are its bytes' sha256,
     so a test can tell which file a cached folder came from. Returns the list of files converted."""
@@ -226,11 +214,11 @@ def test_a_gguf_file_of_the_same_name_and_size_but_other_content_is_converted_ag
     monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path / "cache"))
     converted = _fake_conversion(monkeypatch)
     gguf = tmp_path / "fine-tune.gguf"
-    _gguf_of(gguf, 1.0)
+    tiny_gguf(gguf, fill=1.0)
     first = models.converted_gguf(gguf)
     assert _cached_sha256(first) == hashlib.sha256(gguf.read_bytes()).hexdigest() and len(converted) == 1
     size = gguf.stat().st_size
-    _gguf_of(gguf, 2.0)  # re-quantized to the same path: same name, same size, other weights
+    tiny_gguf(gguf, fill=2.0)  # re-quantized to the same path: same name, same size, other weights
     assert gguf.stat().st_size == size
     capsys.readouterr()
     second = models.converted_gguf(gguf)
@@ -259,7 +247,7 @@ def test_workers_converting_the_same_gguf_at_once_convert_it_once(tmp_path, monk
     monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: (time.sleep(0.5), load(*a, **k))[1])  # long enough for the others to start
     gguf = tmp_path / "model.gguf"
-    _gguf_of(gguf, 1.0)
+    tiny_gguf(gguf, fill=1.0)
     results, errors = [], []
 
     def worker():
