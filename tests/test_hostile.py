@@ -765,6 +765,42 @@ def test_a_config_built_with_random_weights_never_runs_the_folders_code(tmp_path
     assert len(str(refused.value).splitlines()) == 1 and not (tmp_path / "PAYLOAD-RAN").exists()
 
 
+def test_a_hub_models_refused_pickle_is_named_by_what_it_would_call():
+    """A Hub model's files are in the Hub's cache: the refusal comes from the error's chain (raised as it is or
+    wrapped), in skipsearch's words, not torch's first line, which advises loading the file unsafely."""
+    import pickle
+
+    from skipsearch.io.refusals import checkpoint_refusal
+
+    refusal = pickle.UnpicklingError("Weights only load failed. \x1b[1mDo it unsafely\x1b[0m\n"
+                                     "Unsupported global: GLOBAL posix.system was not an allowed global")
+    try:
+        try:
+            raise refusal
+        except pickle.UnpicklingError as error:
+            raise OSError("Unable to load weights from pytorch checkpoint file") from error
+    except OSError as wrapped:
+        for error in (refusal, wrapped):
+            why = checkpoint_refusal(Path("someone/model"), error)
+            assert why.startswith("its pickled checkpoint was refused: it is a pickle that would call posix.system")
+            assert "\x1b" not in why and "unsafely" not in why
+    assert checkpoint_refusal(Path("someone/model"), KeyError("x")) == "cannot load its weights ('x')"
+
+
+def test_only_checkpoint_files_are_unpickled_again_to_name_a_refusal(tmp_path, monkeypatch):
+    """A Trainer's output holds training_args.bin, a pickle of its settings that transformers never loads: the
+    diagnosis of a failed load must not blame it."""
+    from skipsearch.io.refusals import checkpoint_refusal
+
+    (tmp_path / "training_args.bin").write_bytes(b"not read")
+    asked = []
+    monkeypatch.setattr(torch, "load", lambda path, **_: asked.append(path.name))
+    assert checkpoint_refusal(tmp_path, ValueError("size mismatch")).endswith("(size mismatch)") and asked == []
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x")
+    checkpoint_refusal(tmp_path, ValueError("size mismatch"))
+    assert asked == ["pytorch_model.bin"]
+
+
 def test_checkpoint_format_and_template_source(tmp_path, default_model):
     from skipsearch.io.refusals import template_source, unreadable_checkpoint
 

@@ -399,9 +399,7 @@ def _load_weights(folder: str, given: str | None, dtype: torch.dtype) -> PreTrai
     try:
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, weights_only=True, trust_remote_code=False)
     except Exception as error:  # noqa: BLE001 - a refused pickle, an unknown architecture, an unreadable checkpoint
-        local = Path(folder)
-        why = checkpoint_refusal(local, error) if local.is_dir() else first_line(error)
-        raise load_error(error, f"cannot load model {given!r}: {why}") from None
+        raise load_error(error, f"cannot load model {given!r}: {checkpoint_refusal(Path(folder), error)}") from None
 
 
 def _load_tokenizer(folder: str, given: str | None) -> PreTrainedTokenizerBase:

@@ -78,20 +78,37 @@ def unreadable_checkpoint(folder: Path) -> str | None:
 
 
 def checkpoint_refusal(folder: Path, error: Exception) -> str:
-    """What failed when `folder`'s weights would not load: a pickled checkpoint (.bin) that torch refused to unpickle
-    as weights only, named with what it would have called, else the error's first line. The diagnosis unpickles each
-    .bin file again, weights only: nothing in it runs."""
+    """What failed when `folder`'s weights would not load (a local folder, or a Hub name whose files are not named
+    here): a pickled checkpoint (.bin) that torch refused to unpickle as weights only, named with what it would have
+    called, else the error's first line. In a local folder without safetensors, each checkpoint .bin is unpickled
+    again to name the file, weights only: nothing in it runs."""
     import torch
 
+    refused = _unpickling_error(error)
+    if not folder.is_dir():
+        return (f"its pickled checkpoint was refused: {_unpickling_reason(refused)}" if refused is not None
+                else f"cannot load its weights ({first_line(error)})")
     if not any(folder.glob("*.safetensors")):
-        for path in sorted(folder.glob("*.bin")):
+        for path in sorted({p for pattern in READABLE_CHECKPOINTS if pattern.endswith(".bin")
+                            for p in folder.glob(pattern)}):  # not training_args.bin and the like
             try:
                 torch.load(path, map_location="cpu", weights_only=True)
-            except pickle.UnpicklingError as refused:
-                return f"checkpoint {str(path)!r} was refused: {_unpickling_reason(refused)}"
+            except pickle.UnpicklingError as unpickled:
+                return f"checkpoint {str(path)!r} was refused: {_unpickling_reason(unpickled)}"
             except Exception as unreadable:  # noqa: BLE001 - torch's zip reader raises RuntimeError, and others
                 return f"checkpoint {str(path)!r} is not a PyTorch checkpoint torch can read ({first_line(unreadable)})"
     return f"cannot load the weights in {str(folder)!r} ({first_line(error)})"
+
+
+def _unpickling_error(error: BaseException | None) -> pickle.UnpicklingError | None:
+    """torch's weights-only refusal in `error`'s chain (raised as it is, or wrapped by transformers), or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, pickle.UnpicklingError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _unpickling_reason(error: pickle.UnpicklingError) -> str:
