@@ -109,6 +109,31 @@ def test_offline_hub_dataset_is_read_from_the_datasets_cache(monkeypatch, tmp_pa
     assert sorted(load_prompts("someone/tiny", num_prompts=None)) == [f"cached {i}" for i in range(3)]
 
 
+def test_a_hub_datasets_config_is_given_after_a_colon(monkeypatch, tmp_path):
+    """"name:config" reads that config (cached here as a Hub load of it would have cached it); a dataset of several
+    configs asked without one names them and the syntax."""
+    import datasets
+    from datasets.packaged_modules.json.json import Json
+
+    _offline(monkeypatch, tmp_path / "datasets")
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "of config main"}))
+    Json(dataset_name="tiny", config_name="main", data_files={"train": str(tmp_path / "rows.jsonl")},
+         hash="0" * 16, cache_dir=str(tmp_path / "datasets")).download_and_prepare()
+    (tmp_path / "datasets" / "someone___tiny").mkdir()
+    next((tmp_path / "datasets" / "tiny").glob("main*")).rename(tmp_path / "datasets" / "someone___tiny" / "main")
+    assert load_prompts("someone/tiny:main", num_prompts=None) == ["of config main"]
+
+    def several_configs(*_, **__):
+        raise ValueError("Config name is missing.\nPlease pick one among the available configs: ['main', 'socratic']"
+                         "\nExample of usage:\n\t`load_dataset('someone/gsm', 'main')`")
+
+    monkeypatch.setattr(datasets, "load_dataset", several_configs)
+    with pytest.raises(ValueError) as refused:
+        load_prompts("someone/gsm")
+    assert str(refused.value) == ("cannot read dataset 'someone/gsm': it has configs ['main', 'socratic']: give one "
+                                  "as --dataset someone/gsm:CONFIG")
+
+
 def test_jsonl_rows_keep_unicode_line_separators_inside_strings(tmp_path):
     # json.dumps(ensure_ascii=False) leaves U+2028, U+2029 and U+0085 raw inside strings: a row ends at "\n" alone.
     texts = ["a\u2028b", "c\x85d", "e\u2029f"]

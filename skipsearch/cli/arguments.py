@@ -198,7 +198,8 @@ class _OneDataset(argparse.Action):
 def add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_tokens: int,
                       several_datasets: bool = False) -> argparse._ArgumentGroup:
     data = parser.add_argument_group("prompts")
-    kinds = "'builtin' (32 prompts shipped), a local .json/.jsonl file, or a Hub dataset name"
+    kinds = ("'builtin' (32 prompts shipped), a local .json/.jsonl file, or a Hub dataset name (NAME:CONFIG for one "
+             "of its configs)")
     if several_datasets:
         data.add_argument("--dataset", action="append", default=None,
                           help=f"{kinds}; repeatable: --num-prompts of each are decoded, and sets are ranked per "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -108,19 +109,23 @@ def draw_per_category(rows: list[PromptRow], per_category: int, seed: int) -> di
 
 
 def _hub_records(dataset: str, split: str) -> list[tuple[str, dict]]:
+    """The rows of Hub dataset `dataset` ("name", or "name:config" for one of its configs: a Hub name holds no
+    colon) in `split`."""
     import datasets
 
     from .models import hub_unreachable  # here: models imports torch, which reading the builtin prompts does without
     from .refusals import load_error
 
     datasets.disable_progress_bars()
+    name, _, config = dataset.partition(":")
     try:  # asked even when the Hub cannot be: datasets reads a dataset it has cached without the Hub
-        rows = datasets.load_dataset(dataset, split=split)
+        rows = datasets.load_dataset(name, config or None, split=split)
     except Exception as error:  # noqa: BLE001 - datasets raises many kinds; load_error keeps the machine's faults
-        reason = first_line(error)
-        unreachable = hub_unreachable()
-        if unreachable:
-            reason = f"no such local file, not in the datasets cache, and the Hub cannot be asked ({unreachable})"
+        configs = re.search(r"available configs: (\[[^\]]*\])", str(error))  # on a line of its own
+        unreachable = None if configs else hub_unreachable()
+        reason = (f"it has configs {configs.group(1)}: give one as --dataset {name}:CONFIG" if configs else
+                  f"no such local file, not in the datasets cache, and the Hub cannot be asked ({unreachable})"
+                  if unreachable else first_line(error))
         raise load_error(error, f"cannot read dataset {dataset!r}: {reason}") from None
     return [(f"row {number}", record) for number, record in enumerate(rows.to_list(), start=1)]
 
