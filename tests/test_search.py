@@ -365,3 +365,57 @@ def test_the_summary_says_when_warm_starts_left_the_sampler_no_trial():
     assert study_summary(study, n_trials=20).endswith("the sampler has proposed no set yet")
     add(SkipSet.of([1], [2], 4))  # the sampler's
     assert "every trial was a warm start" not in study_summary(study)
+
+
+def labelled_study(name):
+    from skipsearch.search.records import STUDY_ATTR
+
+    study = optuna.create_study(study_name=name)
+    study.set_user_attr(STUDY_ATTR, {"model": {"name_or_path": "tiny", "architecture": "LlamaForCausalLM",
+                                               "num_hidden_layers": 4, "hidden_size": 32},
+                                     "objective": "speed_x_acceptance"})
+    return study
+
+
+def add_measured(study, skip, speedup):
+    from optuna.distributions import FloatDistribution
+
+    params = SearchSpace(num_layers=4).params_for(skip)
+    study.add_trial(optuna.trial.create_trial(
+        params=params, distributions={name: FloatDistribution(0, 1) for name in params}, values=[speedup],
+        user_attrs={"skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp), "skipped": skip.size,
+                    "speedup": speedup, "acceptance_rate": 1.0}))
+
+
+def test_a_set_two_workers_decoded_at_once_is_confirmed_once_as_its_first_trial():
+    from skipsearch.search.ranking import best_candidates
+
+    study = labelled_study("twice")
+    add_measured(study, SkipSet.of([1], [], 4), 1.1)
+    add_measured(study, SkipSet.of([2], [], 4), 1.2)
+    add_measured(study, SkipSet.of([1], [], 4), 1.3)  # the same set, decoded by a second worker at the same time
+    add_measured(study, SkipSet.of([1], [2], 4), 1.0)
+    candidates = best_candidates(study, 3)
+    assert [t.number for t in candidates] == [1, 0, 3]
+
+
+def test_workers_of_a_shared_study_seed_their_samplers_apart_and_one_process_by_seed_alone(tmp_path, monkeypatch):
+    from skipsearch.search import study as study_module
+
+    assert study_module.sampler_seed(7, f"sqlite:///{tmp_path}/s.db") == 7
+    assert study_module.sampler_seed(7, optuna.storages.InMemoryStorage()) == 7
+    journal = f"journal:{tmp_path}/s.log"
+    seeds = []
+    for tag in ("host:101", "host:102"):
+        monkeypatch.setattr(study_module, "worker_tag", lambda tag=tag: tag)
+        seeds.append(study_module.sampler_seed(0, journal))
+    assert seeds[0] != seeds[1]
+    # Two random samplers of one shared study, seeded so, propose different first sets.
+    storage = optuna.storages.InMemoryStorage()
+    space = SearchSpace(num_layers=6, skip_prior=0.4)
+    proposals = []
+    for seed in seeds:
+        study = optuna.create_study(study_name="shared", storage=storage, load_if_exists=True,
+                                    sampler=make_sampler("random", seed, False))
+        proposals.append(space.suggest(study.ask()))
+    assert proposals[0] != proposals[1]

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -33,7 +34,7 @@ from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord,
                       read_confirmation, read_label)
 from .settings import StudySettings, check_measurable
 from .space import SearchSpace
-from .storage import make_storage, storage_place, worker_tag
+from .storage import make_storage, shared_storage, storage_place, worker_tag
 from .worker import Interrupted, StopRequest, SurplusTrial, TrialLost, ends_the_study, stop_on_signals, work
 
 Value = float | tuple[float, float]  # a trial's value: one objective, or (speedup, acceptance rate) for pareto
@@ -58,6 +59,15 @@ def make_sampler(name: str, seed: int | None, multi_objective: bool) -> optuna.s
         if name == "nsga2":
             return optuna.samplers.NSGAIISampler(seed=seed)
         return optuna.samplers.RandomSampler(seed=seed)
+
+
+def sampler_seed(seed: int, storage: str | optuna.storages.BaseStorage) -> int:
+    """The seed of this process's sampler: `seed` itself where one process runs the study (reproducible from it);
+    with a shared storage mixed with the worker's host:pid, since workers running the same command with one seed
+    would propose the same sets (identical TPE startup draws, every draw of the random sampler)."""
+    if not shared_storage(storage):
+        return seed
+    return seed ^ zlib.crc32(worker_tag().encode())
 
 
 def open_study(
@@ -308,7 +318,7 @@ def _open(settings: StudySettings) -> tuple[optuna.Study, optuna.storages.BaseSt
     if isinstance(storage, str):
         storage = make_storage(storage, settings.heartbeat)
     study = open_study(settings.study_name, storage, settings.objective,
-                       sampler=make_sampler(settings.sampler, settings.seed, multi), pruner=pruner)
+                       sampler=make_sampler(settings.sampler, sampler_seed(settings.seed, storage), multi), pruner=pruner)
     return study, storage
 
 
