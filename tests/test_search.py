@@ -419,3 +419,47 @@ def test_workers_of_a_shared_study_seed_their_samplers_apart_and_one_process_by_
                                     sampler=make_sampler("random", seed, False))
         proposals.append(space.suggest(study.ask()))
     assert proposals[0] != proposals[1]
+
+
+def other_profile():
+    from skipsearch.decode.cost_profile import CostProfile
+
+    return CostProfile.from_dict(dict(device="cpu", dtype="float32", architecture="LlamaForCausalLM",
+                                      num_hidden_layers=4, context_tokens=8, attn_s=2.0, mlp_s=1.0, rest_s=1.0,
+                                      verify_s=[9.0, 9.2, 9.4, 9.6], provenance={"created_at": "2026-11-29T00:00:00"}))
+
+
+def run_modeled(model, tmp_path, profile, **kw):
+    return run_study(model, ModelInfo.of(model, "tiny"), "float32", PROMPTS, settings(tmp_path, objective="modeled", **kw),
+                     SearchSpace(num_layers=4, skip_prior=0.4), DraftPolicy(max_draft_tokens=3), None, profile=profile)
+
+
+def test_resuming_with_another_cost_profile_or_compile_setting_is_refused(tmp_path):
+    model = tiny_model()
+    run_modeled(model, tmp_path, tiny_profile(), n_trials=1)
+    run_modeled(model, tmp_path, tiny_profile(), n_trials=2)  # the same profile again: resumed
+    run_modeled(model, tmp_path, None, n_trials=2)  # none given: the stored one
+    with pytest.raises(ValueError, match=r"another --cost-profile \(cpu, float32\); use a new --study-name for cpu, "
+                                         r"float32, measured 2026-11-29"):
+        run_modeled(model, tmp_path, other_profile(), n_trials=3)
+    run(model, tmp_path, n_trials=1, study_name="eager", compile=False)
+    with pytest.raises(ValueError, match=r"study 'eager' was made with another --compile \(False\)"):
+        run(model, tmp_path, n_trials=2, study_name="eager", compile=True)
+
+
+def test_a_worker_that_profiled_beside_another_adopts_the_profile_the_study_stored(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from skipsearch.search import records
+    from skipsearch.search import study as study_module
+
+    first = tiny_profile()
+
+    def profiled_while_another_worker_stored_its_own(model, **kw):
+        shared = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path}/s.db")
+        records.write_label(shared, replace(records.read_label(shared), cost_profile=first))
+        return other_profile()
+
+    monkeypatch.setattr(study_module, "profile_costs", profiled_while_another_worker_stored_its_own)
+    study = run_modeled(tiny_model(), tmp_path, None, n_trials=1)
+    assert records.read_label(study).cost_profile == first

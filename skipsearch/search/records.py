@@ -204,6 +204,7 @@ class StudyLabel:
     draft: DraftPolicy | None = None
     space: SearchSpace | None = None
     cost_profile: CostProfile | None = None  # a modeled study's: a resumed study scores with the same costs
+    compile: bool | None = None  # whether its trials ran compiled (regional) steps; None: an older release's study
 
     @property
     def datasets(self) -> tuple[str, ...]:
@@ -245,7 +246,7 @@ class StudyLabel:
 # A label's fields that are plain JSON values, each checked against its type when a study is opened (a damaged one
 # is refused there, not in a later traceback).
 _LABEL_SCALARS = ("objective", "sampler", "dataset", "num_prompts", "max_new_tokens", "seed", "device", "device_name",
-                  "dtype")
+                  "dtype", "compile")
 
 
 @dataclass(frozen=True)

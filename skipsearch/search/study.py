@@ -268,22 +268,18 @@ def run_study(
     signal stopped the run (its `signal_name`) and what that left (`outcome`)."""
     check_measurable(settings.max_new_tokens, policy.max_draft_tokens)
     study, storage = _open(settings)
+    compiled = settings.compile if settings.compile is not None else model.device.type == "cuda"
     label = StudyLabel(
         model=model_info, objective=settings.objective, sampler=settings.sampler, dataset=settings.dataset,
         num_prompts=settings.num_prompts, max_new_tokens=settings.max_new_tokens, seed=settings.seed,
-        device=str(model.device), device_name=device_name(model.device), dtype=dtype, draft=policy, space=space)
+        device=str(model.device), device_name=device_name(model.device), dtype=dtype, draft=policy, space=space,
+        compile=compiled)
     existing = read_label(study)
     if existing is None:
         # Labelled at once, before any slow work: a worker started beside this one checks its settings against it.
         records.write_label(study, label)
     if settings.objective == "modeled":
-        # The study keeps its profile, so a resumed study scores with the same costs.
-        if existing is not None and existing.cost_profile is not None and profile is None:
-            profile = existing.cost_profile
-        elif profile is None:
-            profile = profile_costs(model, contexts=contexts_for(model, prompts, settings.max_new_tokens),
-                                    show_progress=settings.show_progress_bar,
-                                    compile_mode=study_compile_mode(model.device))
+        profile = _study_profile(study, model, prompts, settings, existing, profile)
         profile.check_model(model)
         label = replace(label, cost_profile=profile)
     if existing is not None:
@@ -293,7 +289,7 @@ def run_study(
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
                           eos_token_id=eos_token_id, profile=profile, repeats=settings.repeats,
                           timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar,
-                          compile=settings.compile if settings.compile is not None else model.device.type == "cuda",
+                          compile=compiled,
                           datasets=prompt_datasets)
     _enqueue_first_trials(study, settings, space, new=existing is None)
     stop = stop if stop is not None else StopRequest()
@@ -304,6 +300,31 @@ def run_study(
         return study
     _search(study, storage, evaluator, settings, space, stop)
     return study
+
+
+def _study_profile(study: optuna.Study, model: torch.nn.Module, prompts: list[list[int]], settings: StudySettings,
+                   existing: StudyLabel | None, given: CostProfile | None) -> CostProfile:
+    """A modeled study's cost profile: the one it keeps (a resumed study scores with the same costs, so another one
+    given is refused), else the one given, else this device's, measured, unless a worker started beside this one
+    stored its own meanwhile: then that one, so that every trial of the study is priced alike."""
+    stored = existing.cost_profile if existing is not None else None
+    if stored is not None:
+        if given is not None and given != stored:
+            raise ValueError(f"study {settings.study_name!r} was made with another --cost-profile "
+                             f"({_profile_words(stored)}); use a new --study-name for {_profile_words(given)}")
+        return stored
+    if given is not None:
+        return given
+    measured = profile_costs(model, contexts=contexts_for(model, prompts, settings.max_new_tokens),
+                             show_progress=settings.show_progress_bar, compile_mode=study_compile_mode(model.device))
+    now = read_label(study)
+    return now.cost_profile if now is not None and now.cost_profile is not None else measured
+
+
+def _profile_words(profile: CostProfile) -> str:
+    """A profile as a refusal names it: two of one device differ by when they were measured."""
+    created = profile.provenance.get("created_at")
+    return profile.label() + (f", measured {created}" if created else "")
 
 
 def _open(settings: StudySettings) -> tuple[optuna.Study, optuna.storages.BaseStorage]:
@@ -382,7 +403,9 @@ def _out_of_resource(error: Exception, settings: StudySettings, evaluator: Evalu
 _MEASUREMENT_SETTINGS = (("model", "model"), ("objective", "--objective"), ("space", "search space"),
                          ("dataset", "--dataset"), ("num_prompts", "--num-prompts"),
                          ("seed", "--seed (it picks the prompts)"), ("max_new_tokens", "--max-new-tokens"),
-                         ("draft", "drafting settings"), ("dtype", "--dtype"))
+                         ("draft", "drafting settings"), ("dtype", "--dtype"), ("compile", "--compile"))
+# Settings a label of an older release may lack: such a study is resumed without checking them.
+_LABELLED_LATER = ("compile",)
 
 
 def _check_resumable(name: str, existing: StudyLabel, wanted: StudyLabel) -> None:
@@ -391,6 +414,8 @@ def _check_resumable(name: str, existing: StudyLabel, wanted: StudyLabel) -> Non
         have, want = have_all.get(key), want_all[key]
         if key == "model":
             have, want = ({k: model[k] for k in MODEL_SHAPE} for model in (have, want))
+        if key in _LABELLED_LATER and have is None:
+            continue
         if have != want:
             raise ValueError(f"study {name!r} was made with another {flag} ({have}); use a new --study-name for {want}")
 
