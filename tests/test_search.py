@@ -463,3 +463,17 @@ def test_a_worker_that_profiled_beside_another_adopts_the_profile_the_study_stor
     monkeypatch.setattr(study_module, "profile_costs", profiled_while_another_worker_stored_its_own)
     study = run_modeled(tiny_model(), tmp_path, None, n_trials=1)
     assert records.read_label(study).cost_profile == first
+
+
+def test_warm_starts_are_queued_by_the_rerun_of_a_study_stopped_after_its_label(tmp_path, monkeypatch):
+    from skipsearch.search import study as study_module
+
+    def noisy(model, **kw):
+        raise ValueError("the machine is too noisy to profile")
+
+    monkeypatch.setattr(study_module, "profile_costs", noisy)
+    with pytest.raises(ValueError, match="too noisy"):
+        run_modeled(tiny_model(), tmp_path, None, n_trials=3)
+    assert optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path}/s.db").user_attrs["skipsearch"]
+    study = run_modeled(tiny_model(), tmp_path, tiny_profile(), n_trials=3)
+    assert study.trials[0].user_attrs.get("warm_start") and study.trials[0].user_attrs.get("plain_decoding")

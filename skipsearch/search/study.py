@@ -291,7 +291,9 @@ def run_study(
                           timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar,
                           compile=compiled,
                           datasets=prompt_datasets)
-    _enqueue_first_trials(study, settings, space, new=existing is None)
+    # A study with no trials yet is new even if labelled: a first run can stop after its label (the profiler refused a
+    # noisy machine, Ctrl-C) and before queueing its warm starts, which its re-run must queue then.
+    _enqueue_first_trials(study, settings, space, new=not study.get_trials(deepcopy=False))
     stop = stop if stop is not None else StopRequest()
     space = ranked_space(study, space, evaluator, special_token_ids, ranking_prompts, stop)
     if stop.interrupts:
@@ -344,7 +346,7 @@ def _open(settings: StudySettings) -> tuple[optuna.Study, optuna.storages.BaseSt
 
 
 def _enqueue_first_trials(study: optuna.Study, settings: StudySettings, space: SearchSpace, new: bool) -> None:
-    """Files and published sets first (also on resume), then, in a new study, the structured warm starts; only as
+    """Files and published sets first (also on resume), then, in a study without trials, the structured warm starts; only as
     many as the budget, since a queued warm start is a trial too."""
     for name, skip in settings.first_trials:
         records.enqueue(study, space.params_for(skip), TrialRecord(warm_start=name), skip_if_exists=True)
