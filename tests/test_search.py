@@ -477,3 +477,12 @@ def test_warm_starts_are_queued_by_the_rerun_of_a_study_stopped_after_its_label(
     assert optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path}/s.db").user_attrs["skipsearch"]
     study = run_modeled(tiny_model(), tmp_path, tiny_profile(), n_trials=3)
     assert study.trials[0].user_attrs.get("warm_start") and study.trials[0].user_attrs.get("plain_decoding")
+
+
+def test_a_rerun_with_more_confirm_repeats_confirms_again(tmp_path):
+    from skipsearch.search.records import read_confirmation
+
+    model = tiny_model()
+    study = run(model, tmp_path, n_trials=4, confirm_repeats=1)
+    assert read_confirmation(study).repeats == 1
+    assert read_confirmation(run(model, tmp_path, n_trials=4, confirm_repeats=3)).repeats == 3

@@ -372,7 +372,8 @@ def _search(study: optuna.Study, storage: optuna.storages.BaseStorage, evaluator
             if stop.interrupts:
                 stop.outcome = "during the trials, before the confirmation: the export keeps the last one, if any"
                 print(f"not confirming after {stop.signal_name}: the export keeps the last confirmation, if any")
-            elif _confirmation_is_stale(study, settings.confirm_top):
+            elif _confirmation_is_stale(study, settings.confirm_top, _confirm_repeats(settings, evaluator),
+                                        len(evaluator.prompts)):
                 stop.running = "skip set being confirmed"
                 confirmation = confirm_candidates(study, evaluator, settings.objective, settings.confirm_top,
                                                   settings.confirm_repeats, settings.show_progress_bar, stop)
@@ -422,10 +423,18 @@ def _check_resumable(name: str, existing: StudyLabel, wanted: StudyLabel) -> Non
             raise ValueError(f"study {name!r} was made with another {flag} ({have}); use a new --study-name for {want}")
 
 
-def _confirmation_is_stale(study: optuna.Study, top: int) -> bool:
+def _confirmation_is_stale(study: optuna.Study, top: int, repeats: int, prompts: int) -> bool:
+    """Whether the stored confirmation is not this run's: other candidates, or measured with other repeats or prompts
+    (a re-run with more --confirm-repeats, as a verdict whose interval includes 1.0 advises, must measure again)."""
     confirmation = read_confirmation(study)
     wanted = [t.number for t in best_candidates(study, top)]
-    return confirmation is None or not confirmation.complete or [c.trial for c in confirmation.candidates] != wanted
+    return (confirmation is None or not confirmation.complete or [c.trial for c in confirmation.candidates] != wanted
+            or confirmation.repeats != repeats or confirmation.prompts != prompts)
+
+
+def _confirm_repeats(settings: StudySettings, evaluator: Evaluator) -> int:
+    """The paired runs per prompt a confirmation stores: one where nothing is timed (a modeled study's is exact)."""
+    return settings.confirm_repeats if evaluator.timed else 1
 
 
 def confirm_candidates(study: optuna.Study, evaluator: Evaluator, objective: str, top: int, repeats: int,
