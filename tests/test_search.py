@@ -486,3 +486,19 @@ def test_a_rerun_with_more_confirm_repeats_confirms_again(tmp_path):
     study = run(model, tmp_path, n_trials=4, confirm_repeats=1)
     assert read_confirmation(study).repeats == 1
     assert read_confirmation(run(model, tmp_path, n_trials=4, confirm_repeats=3)).repeats == 3
+
+
+def test_a_worker_that_ranked_the_vocabulary_beside_another_drafts_with_the_stored_ranking(monkeypatch):
+    from skipsearch.search import heads
+    from skipsearch.search.records import read_vocabulary, write_vocabulary
+
+    study = optuna.create_study(study_name="ranked")
+    first = VocabularyRanking(tuple(range(10)))
+
+    def ranked_while_another_worker_stored_its_own(model, prompts, continuations, **kw):
+        write_vocabulary(study, first)
+        return VocabularyRanking(tuple(reversed(range(10))))
+
+    monkeypatch.setattr(heads, "rank_vocabulary", ranked_while_another_worker_stored_its_own)
+    space = heads.with_ranking(study, SearchSpace(num_layers=4, head_rows=(4,)), make_evaluator(), (), [PROMPTS[0]])
+    assert space.ranking == first and read_vocabulary(study) == first
