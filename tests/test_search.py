@@ -502,3 +502,14 @@ def test_a_worker_that_ranked_the_vocabulary_beside_another_drafts_with_the_stor
     monkeypatch.setattr(heads, "rank_vocabulary", ranked_while_another_worker_stored_its_own)
     space = heads.with_ranking(study, SearchSpace(num_layers=4, head_rows=(4,)), make_evaluator(), (), [PROMPTS[0]])
     assert space.ranking == first and read_vocabulary(study) == first
+
+
+def test_the_summary_counts_trials_not_run_for_a_spent_budget_apart_from_failures():
+    from skipsearch.search.records import surplus_reason
+
+    study = labelled_study("surplus")
+    add_measured(study, SkipSet.of([1], [], 4), 1.1)
+    for reason in (surplus_reason(1), surplus_reason(1), "RuntimeError: boom"):
+        study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={"fail_reason": reason}))
+    summary = study_summary(study)
+    assert "; 1 failed; 2 not run, the study already had its trials (no failure)" in summary

@@ -163,7 +163,7 @@ class TrialRunner:
         ahead = [t for t in trial.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                  if t.number < trial.number]
         if len(distinct_trials(trial.study)) + len(ahead) >= self.n_trials:
-            records.write(trial, TrialRecord(fail_reason=f"not run: the study already had {self.n_trials} trials"))
+            records.write(trial, TrialRecord(fail_reason=records.surplus_reason(self.n_trials)))
             raise SurplusTrial(f"the study already had {self.n_trials} finished or running trials")
 
     def _plain_decoding(self, trial: optuna.Trial) -> Value:
