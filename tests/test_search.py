@@ -430,8 +430,9 @@ def other_profile():
 
 
 def run_modeled(model, tmp_path, profile, **kw):
-    return run_study(model, ModelInfo.of(model, "tiny"), "float32", PROMPTS, settings(tmp_path, objective="modeled", **kw),
-                     SearchSpace(num_layers=4, skip_prior=0.4), DraftPolicy(max_draft_tokens=3), None, profile=profile)
+    return run_study(model, ModelInfo.of(model, "tiny"), "float32", PROMPTS,
+                     settings(tmp_path, objective="modeled", **kw), SearchSpace(num_layers=4, skip_prior=0.4),
+                     DraftPolicy(max_draft_tokens=3), None, profile=profile)
 
 
 def test_resuming_with_another_cost_profile_or_compile_setting_is_refused(tmp_path):

@@ -21,7 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from ..constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them without importing optuna
 from ..costs.profiler import contexts_for, device_name, profile_costs, study_compile_mode
-from ..decode.config import MODEL_SHAPE, ModelInfo
+from ..decode.config import ModelInfo
 from ..decode.cost_profile import CostProfile
 from ..decode.policy import DraftPolicy
 from ..decode.skipset import SkipSet
@@ -32,7 +32,7 @@ from .heads import ranked_space
 from .ranking import best_candidates, score, screened_score
 from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord, distinct_trials,
                       read_confirmation, read_label)
-from .settings import StudySettings, check_measurable
+from .settings import StudySettings, check_measurable, check_resumable, profile_words
 from .space import SearchSpace
 from .storage import make_storage, shared_storage, storage_place, worker_tag
 from .worker import Interrupted, StopRequest, SurplusTrial, TrialLost, ends_the_study, stop_on_signals, work
@@ -283,7 +283,7 @@ def run_study(
         profile.check_model(model)
         label = replace(label, cost_profile=profile)
     if existing is not None:
-        _check_resumable(settings.study_name, existing, label)
+        check_resumable(settings.study_name, existing, label)
     if label.cost_profile is not None and (existing is None or existing.cost_profile is None):
         records.write_label(study, label)  # now with the cost profile
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
@@ -313,7 +313,7 @@ def _study_profile(study: optuna.Study, model: torch.nn.Module, prompts: list[li
     if stored is not None:
         if given is not None and given != stored:
             raise ValueError(f"study {settings.study_name!r} was made with another --cost-profile "
-                             f"({_profile_words(stored)}); use a new --study-name for {_profile_words(given)}")
+                             f"({profile_words(stored)}); use a new --study-name for {profile_words(given)}")
         return stored
     if given is not None:
         return given
@@ -321,12 +321,6 @@ def _study_profile(study: optuna.Study, model: torch.nn.Module, prompts: list[li
                              show_progress=settings.show_progress_bar, compile_mode=study_compile_mode(model.device))
     now = read_label(study)
     return now.cost_profile if now is not None and now.cost_profile is not None else measured
-
-
-def _profile_words(profile: CostProfile) -> str:
-    """A profile as a refusal names it: two of one device differ by when they were measured."""
-    created = profile.provenance.get("created_at")
-    return profile.label() + (f", measured {created}" if created else "")
 
 
 def _open(settings: StudySettings) -> tuple[optuna.Study, optuna.storages.BaseStorage]:
@@ -341,13 +335,14 @@ def _open(settings: StudySettings) -> tuple[optuna.Study, optuna.storages.BaseSt
     if isinstance(storage, str):
         storage = make_storage(storage, settings.heartbeat)
     study = open_study(settings.study_name, storage, settings.objective,
-                       sampler=make_sampler(settings.sampler, sampler_seed(settings.seed, storage), multi), pruner=pruner)
+                       sampler=make_sampler(settings.sampler, sampler_seed(settings.seed, storage), multi),
+                       pruner=pruner)
     return study, storage
 
 
 def _enqueue_first_trials(study: optuna.Study, settings: StudySettings, space: SearchSpace, new: bool) -> None:
-    """Files and published sets first (also on resume), then, in a study without trials, the structured warm starts; only as
-    many as the budget, since a queued warm start is a trial too."""
+    """Files and published sets first (also on resume), then, in a study without trials, the structured warm starts;
+    only as many as the budget, since a queued warm start is a trial too."""
     for name, skip in settings.first_trials:
         records.enqueue(study, space.params_for(skip), TrialRecord(warm_start=name), skip_if_exists=True)
     if new and settings.warm_starts:
@@ -400,27 +395,6 @@ def _out_of_resource(error: Exception, settings: StudySettings, evaluator: Evalu
     memory = found[0] == "memory"
     doing = f"decoding on {evaluator.model.device}" if memory else f"writing {storage_place(settings.storage)}"
     return resource_error(error, doing, "the trials that finished are kept: free some and run the same command again")
-
-
-# What a trial measures: a resumed study must measure its new trials as it did the old. (Label field, its flag.)
-_MEASUREMENT_SETTINGS = (("model", "model"), ("objective", "--objective"), ("space", "search space"),
-                         ("dataset", "--dataset"), ("num_prompts", "--num-prompts"),
-                         ("seed", "--seed (it picks the prompts)"), ("max_new_tokens", "--max-new-tokens"),
-                         ("draft", "drafting settings"), ("dtype", "--dtype"), ("compile", "--compile"))
-# Settings a label of an older release may lack: such a study is resumed without checking them.
-_LABELLED_LATER = ("compile",)
-
-
-def _check_resumable(name: str, existing: StudyLabel, wanted: StudyLabel) -> None:
-    have_all, want_all = existing.attrs(), wanted.attrs()  # as stored, which is how the message shows them
-    for key, flag in _MEASUREMENT_SETTINGS:
-        have, want = have_all.get(key), want_all[key]
-        if key == "model":
-            have, want = ({k: model[k] for k in MODEL_SHAPE} for model in (have, want))
-        if key in _LABELLED_LATER and have is None:
-            continue
-        if have != want:
-            raise ValueError(f"study {name!r} was made with another {flag} ({have}); use a new --study-name for {want}")
 
 
 def _confirmation_is_stale(study: optuna.Study, top: int, repeats: int, prompts: int) -> bool:
