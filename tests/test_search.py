@@ -365,3 +365,152 @@ def test_the_summary_says_when_warm_starts_left_the_sampler_no_trial():
     assert study_summary(study, n_trials=20).endswith("the sampler has proposed no set yet")
     add(SkipSet.of([1], [2], 4))  # the sampler's
     assert "every trial was a warm start" not in study_summary(study)
+
+
+def labelled_study(name):
+    from skipsearch.search.records import STUDY_ATTR
+
+    study = optuna.create_study(study_name=name)
+    study.set_user_attr(STUDY_ATTR, {"model": {"name_or_path": "tiny", "architecture": "LlamaForCausalLM",
+                                               "num_hidden_layers": 4, "hidden_size": 32},
+                                     "objective": "speed_x_acceptance"})
+    return study
+
+
+def add_measured(study, skip, speedup):
+    from optuna.distributions import FloatDistribution
+
+    params = SearchSpace(num_layers=4).params_for(skip)
+    study.add_trial(optuna.trial.create_trial(
+        params=params, distributions={name: FloatDistribution(0, 1) for name in params}, values=[speedup],
+        user_attrs={"skip_attn": list(skip.attn), "skip_mlp": list(skip.mlp), "skipped": skip.size,
+                    "speedup": speedup, "acceptance_rate": 1.0}))
+
+
+def test_a_set_two_workers_decoded_at_once_is_confirmed_once_as_its_first_trial():
+    from skipsearch.search.ranking import best_candidates
+
+    study = labelled_study("twice")
+    add_measured(study, SkipSet.of([1], [], 4), 1.1)
+    add_measured(study, SkipSet.of([2], [], 4), 1.2)
+    add_measured(study, SkipSet.of([1], [], 4), 1.3)  # the same set, decoded by a second worker at the same time
+    add_measured(study, SkipSet.of([1], [2], 4), 1.0)
+    candidates = best_candidates(study, 3)
+    assert [t.number for t in candidates] == [1, 0, 3]
+
+
+def test_workers_of_a_shared_study_seed_their_samplers_apart_and_one_process_by_seed_alone(tmp_path, monkeypatch):
+    from skipsearch.search import study as study_module
+
+    assert study_module.sampler_seed(7, f"sqlite:///{tmp_path}/s.db") == 7
+    assert study_module.sampler_seed(7, optuna.storages.InMemoryStorage()) == 7
+    journal = f"journal:{tmp_path}/s.log"
+    seeds = []
+    for tag in ("host:101", "host:102"):
+        monkeypatch.setattr(study_module, "worker_tag", lambda tag=tag: tag)
+        seeds.append(study_module.sampler_seed(0, journal))
+    assert seeds[0] != seeds[1]
+    # Two random samplers of one shared study, seeded so, propose different first sets.
+    storage = optuna.storages.InMemoryStorage()
+    space = SearchSpace(num_layers=6, skip_prior=0.4)
+    proposals = []
+    for seed in seeds:
+        study = optuna.create_study(study_name="shared", storage=storage, load_if_exists=True,
+                                    sampler=make_sampler("random", seed, False))
+        proposals.append(space.suggest(study.ask()))
+    assert proposals[0] != proposals[1]
+
+
+def other_profile():
+    from skipsearch.decode.cost_profile import CostProfile
+
+    return CostProfile.from_dict(dict(device="cpu", dtype="float32", architecture="LlamaForCausalLM",
+                                      num_hidden_layers=4, context_tokens=8, attn_s=2.0, mlp_s=1.0, rest_s=1.0,
+                                      verify_s=[9.0, 9.2, 9.4, 9.6], provenance={"created_at": "2026-11-29T00:00:00"}))
+
+
+def run_modeled(model, tmp_path, profile, **kw):
+    return run_study(model, ModelInfo.of(model, "tiny"), "float32", PROMPTS,
+                     settings(tmp_path, objective="modeled", **kw), SearchSpace(num_layers=4, skip_prior=0.4),
+                     DraftPolicy(max_draft_tokens=3), None, profile=profile)
+
+
+def test_resuming_with_another_cost_profile_or_compile_setting_is_refused(tmp_path):
+    model = tiny_model()
+    run_modeled(model, tmp_path, tiny_profile(), n_trials=1)
+    run_modeled(model, tmp_path, tiny_profile(), n_trials=2)  # the same profile again: resumed
+    run_modeled(model, tmp_path, None, n_trials=2)  # none given: the stored one
+    with pytest.raises(ValueError, match=r"another --cost-profile \(cpu, float32\); use a new --study-name for cpu, "
+                                         r"float32, measured 2026-11-29"):
+        run_modeled(model, tmp_path, other_profile(), n_trials=3)
+    run(model, tmp_path, n_trials=1, study_name="eager", compile=False)
+    with pytest.raises(ValueError, match=r"study 'eager' was made with another --compile \(False\)"):
+        run(model, tmp_path, n_trials=2, study_name="eager", compile=True)
+
+
+def test_a_worker_that_profiled_beside_another_adopts_the_profile_the_study_stored(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from skipsearch.search import records
+    from skipsearch.search import study as study_module
+
+    first = tiny_profile()
+
+    def profiled_while_another_worker_stored_its_own(model, **kw):
+        shared = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path}/s.db")
+        records.write_label(shared, replace(records.read_label(shared), cost_profile=first))
+        return other_profile()
+
+    monkeypatch.setattr(study_module, "profile_costs", profiled_while_another_worker_stored_its_own)
+    study = run_modeled(tiny_model(), tmp_path, None, n_trials=1)
+    assert records.read_label(study).cost_profile == first
+
+
+def test_warm_starts_are_queued_by_the_rerun_of_a_study_stopped_after_its_label(tmp_path, monkeypatch):
+    from skipsearch.search import study as study_module
+
+    def noisy(model, **kw):
+        raise ValueError("the machine is too noisy to profile")
+
+    monkeypatch.setattr(study_module, "profile_costs", noisy)
+    with pytest.raises(ValueError, match="too noisy"):
+        run_modeled(tiny_model(), tmp_path, None, n_trials=3)
+    assert optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path}/s.db").user_attrs["skipsearch"]
+    study = run_modeled(tiny_model(), tmp_path, tiny_profile(), n_trials=3)
+    assert study.trials[0].user_attrs.get("warm_start") and study.trials[0].user_attrs.get("plain_decoding")
+
+
+def test_a_rerun_with_more_confirm_repeats_confirms_again(tmp_path):
+    from skipsearch.search.records import read_confirmation
+
+    model = tiny_model()
+    study = run(model, tmp_path, n_trials=4, confirm_repeats=1)
+    assert read_confirmation(study).repeats == 1
+    assert read_confirmation(run(model, tmp_path, n_trials=4, confirm_repeats=3)).repeats == 3
+
+
+def test_a_worker_that_ranked_the_vocabulary_beside_another_drafts_with_the_stored_ranking(monkeypatch):
+    from skipsearch.search import heads
+    from skipsearch.search.records import read_vocabulary, write_vocabulary
+
+    study = optuna.create_study(study_name="ranked")
+    first = VocabularyRanking(tuple(range(10)))
+
+    def ranked_while_another_worker_stored_its_own(model, prompts, continuations, **kw):
+        write_vocabulary(study, first)
+        return VocabularyRanking(tuple(reversed(range(10))))
+
+    monkeypatch.setattr(heads, "rank_vocabulary", ranked_while_another_worker_stored_its_own)
+    space = heads.with_ranking(study, SearchSpace(num_layers=4, head_rows=(4,)), make_evaluator(), (), [PROMPTS[0]])
+    assert space.ranking == first and read_vocabulary(study) == first
+
+
+def test_the_summary_counts_trials_not_run_for_a_spent_budget_apart_from_failures():
+    from skipsearch.search.records import surplus_reason
+
+    study = labelled_study("surplus")
+    add_measured(study, SkipSet.of([1], [], 4), 1.1)
+    for reason in (surplus_reason(1), surplus_reason(1), "RuntimeError: boom"):
+        study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={"fail_reason": reason}))
+    summary = study_summary(study)
+    assert "; 1 failed; 2 not run, the study already had its trials (no failure)" in summary

@@ -27,9 +27,13 @@ def with_ranking(study: optuna.Study, space: SearchSpace, evaluator: Evaluator, 
     ranking = records.read_vocabulary(study)
     if ranking is None:
         prompts, continuations = _decoded(evaluator, prompts)
-        ranking = rank_vocabulary(evaluator.model, prompts, continuations, first=special_token_ids,
-                                  keep=max(space.head_rows))
-        records.write_vocabulary(study, ranking)
+        made = rank_vocabulary(evaluator.model, prompts, continuations, first=special_token_ids,
+                               keep=max(space.head_rows))
+        # A worker started beside this one may have stored its ranking while this one ranked: the study keeps the
+        # first, and this worker drafts with the stored rows, which later reads of its trials rebuild.
+        if records.read_vocabulary(study) is None:
+            records.write_vocabulary(study, made)
+        ranking = records.read_vocabulary(study)
     if len(ranking.ids) < max(space.head_rows):
         raise ValueError(f"study {study.study_name!r} ranked {len(ranking.ids)} tokens, fewer than the largest head "
                          f"asked for ({max(space.head_rows)}): use a new --study-name")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import optuna
 
 from .records import ConfirmedCandidate, Figures, Ratio, TrialRecord, decoded_trials, study_label
+from .space import SearchSpace
 
 
 def objective_value(figures: Figures, objective: str) -> float | tuple[float, float]:
@@ -66,14 +67,25 @@ def ranked(study: optuna.Study, dataset: str | None = None) -> list[TrialRecord]
 
 def best_candidates(study: optuna.Study, top: int) -> list[TrialRecord]:
     """The `top` best sets (`ranked`), and in a study of several datasets each dataset's `top` best too, each set
-    once: the ones worth measuring again before the export."""
+    once: the ones worth measuring again before the export. Two workers may decode one set at once (neither finds
+    the other's trial finished); such a set counts once, as its lowest-numbered trial, so that it is neither
+    confirmed twice nor takes two of the `top` places."""
     datasets = study_label(study).datasets
-    rankings = [ranked(study), *(ranked(study, d) for d in datasets if len(datasets) > 1)]
-    chosen: dict[int, TrialRecord] = {}
+    rankings = [_first_of_each_set(ranked(study)),
+                *(_first_of_each_set(ranked(study, d)) for d in datasets if len(datasets) > 1)]
+    chosen: dict[tuple, TrialRecord] = {}
     for ranking in rankings:
         for trial in ranking[:top]:
-            chosen.setdefault(trial.number, trial)
+            chosen.setdefault(SearchSpace.key(trial.skip), trial)
     return list(chosen.values())
+
+
+def _first_of_each_set(ranking: list[TrialRecord]) -> list[TrialRecord]:
+    """`ranking` with each skip set (sublayers and head size) once: its lowest-numbered trial, in that trial's place."""
+    first: dict[tuple, int] = {}
+    for trial in sorted(ranking, key=lambda t: t.number):
+        first.setdefault(SearchSpace.key(trial.skip), trial.number)
+    return [t for t in ranking if first[SearchSpace.key(t.skip)] == t.number]
 
 
 def best_confirmed(candidates: list[ConfirmedCandidate]) -> ConfirmedCandidate:

@@ -160,6 +160,14 @@ class TrialRecord:
                            stopped_early=self.stopped_early, figures=self.figures, datasets=self.datasets)
 
 
+# Why a trial that found the budget spent when it started was not run: no failure (worker.py), told apart by this.
+SURPLUS_REASON = "not run: the study already had"
+
+
+def surplus_reason(n_trials: int) -> str:
+    return f"{SURPLUS_REASON} {n_trials} trials"
+
+
 # The record's fields stored as they are, each under its name or the one crash recovery gives it; those in words.
 _STORED = tuple(f.name for f in fields(TrialRecord)
                 if f.name not in ("number", "state", "values", "skip", "explored", "figures", "datasets"))
@@ -204,6 +212,7 @@ class StudyLabel:
     draft: DraftPolicy | None = None
     space: SearchSpace | None = None
     cost_profile: CostProfile | None = None  # a modeled study's: a resumed study scores with the same costs
+    compile: bool | None = None  # whether its trials ran compiled (regional) steps; None: an older release's study
 
     @property
     def datasets(self) -> tuple[str, ...]:
@@ -245,7 +254,7 @@ class StudyLabel:
 # A label's fields that are plain JSON values, each checked against its type when a study is opened (a damaged one
 # is refused there, not in a later traceback).
 _LABEL_SCALARS = ("objective", "sampler", "dataset", "num_prompts", "max_new_tokens", "seed", "device", "device_name",
-                  "dtype")
+                  "dtype", "compile")
 
 
 @dataclass(frozen=True)
@@ -398,7 +407,9 @@ def study_summary(study: optuna.Study, n_trials: int | None = None) -> str:
     screened = sum(t.screened_out is not None for t in distinct)
     early = sum(t.stopped_early is not None for t in distinct)
     repeats = sum(t.repeat_of is not None for t in finished_trials(study))
-    failed = len(study.get_trials(deepcopy=False, states=(TrialState.FAIL,)))
+    ended = read_trials(study, (TrialState.FAIL,))
+    surplus = sum((t.fail_reason or "").startswith(SURPLUS_REASON) for t in ended)
+    failed = len(ended) - surplus
     queued = sum("warm_start" in t.user_attrs for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
     parts = [f"{len(distinct)} distinct skip sets evaluated",
              f"warm starts: trials {', '.join(map(str, warm))}" if warm else
@@ -409,6 +420,8 @@ def study_summary(study: optuna.Study, n_trials: int | None = None) -> str:
              f"{repeats} repeated proposals answered from earlier trials without decoding"]
     if failed:
         parts.append(f"{failed} failed")
+    if surplus:
+        parts.append(f"{surplus} not run, the study already had its trials (no failure)")
     if distinct and len(warm) == len(distinct):
         warm_starts = len(warm) + queued
         parts.append("every trial was a warm start: the sampler has proposed no set yet" + (

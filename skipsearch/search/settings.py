@@ -1,4 +1,5 @@
-"""A study's settings, checked when made: what every worker of the study runs by."""
+"""A study's settings, checked when made: what every worker of the study runs by, and what a resumed study must
+measure as its label says."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ from dataclasses import dataclass, field, fields
 
 import optuna
 
+from ..decode.config import MODEL_SHAPE
+from ..decode.cost_profile import CostProfile
 from ..decode.skipset import SkipSet
+from .records import StudyLabel
 from .storage import Heartbeat, redact_url
 
 
@@ -67,3 +71,30 @@ class StudySettings:
         if isinstance(self.storage, str):
             shown["storage"] = redact_url(self.storage)
         return f"StudySettings({', '.join(f'{name}={value!r}' for name, value in shown.items())})"
+
+
+# What a trial measures: a resumed study must measure its new trials as it did the old. (Label field, its flag.)
+_MEASUREMENT_SETTINGS = (("model", "model"), ("objective", "--objective"), ("space", "search space"),
+                         ("dataset", "--dataset"), ("num_prompts", "--num-prompts"),
+                         ("seed", "--seed (it picks the prompts)"), ("max_new_tokens", "--max-new-tokens"),
+                         ("draft", "drafting settings"), ("dtype", "--dtype"), ("compile", "--compile"))
+# Settings a label of an older release may lack: such a study is resumed without checking them.
+_LABELLED_LATER = ("compile",)
+
+
+def check_resumable(name: str, existing: StudyLabel, wanted: StudyLabel) -> None:
+    have_all, want_all = existing.attrs(), wanted.attrs()  # as stored, which is how the message shows them
+    for key, flag in _MEASUREMENT_SETTINGS:
+        have, want = have_all.get(key), want_all[key]
+        if key == "model":
+            have, want = ({k: model[k] for k in MODEL_SHAPE} for model in (have, want))
+        if key in _LABELLED_LATER and have is None:
+            continue
+        if have != want:
+            raise ValueError(f"study {name!r} was made with another {flag} ({have}); use a new --study-name for {want}")
+
+
+def profile_words(profile: CostProfile) -> str:
+    """A profile as a refusal names it: two of one device differ by when they were measured."""
+    created = profile.provenance.get("created_at")
+    return profile.label() + (f", measured {created}" if created else "")

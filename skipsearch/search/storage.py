@@ -320,6 +320,15 @@ def worker_tag() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def shared_storage(storage: str | optuna.storages.BaseStorage) -> bool:
+    """Whether several processes may run trials of one study in `storage` at once: a journal file or a database
+    server do; a SQLite file (one process, as the README says) and memory do not."""
+    if isinstance(storage, optuna.storages.InMemoryStorage):
+        return False
+    url = storage if isinstance(storage, str) else getattr(storage, "url", None)
+    return url is None or not url.startswith("sqlite:")  # a storage object without a URL: a journal
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -11,6 +11,7 @@ import contextlib
 import gc
 import time
 import warnings
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -20,7 +21,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from ..constants import OBJECTIVES, SAMPLERS  # kept there so the CLI reads them without importing optuna
 from ..costs.profiler import contexts_for, device_name, profile_costs, study_compile_mode
-from ..decode.config import MODEL_SHAPE, ModelInfo
+from ..decode.config import ModelInfo
 from ..decode.cost_profile import CostProfile
 from ..decode.policy import DraftPolicy
 from ..decode.skipset import SkipSet
@@ -31,9 +32,9 @@ from .heads import ranked_space
 from .ranking import best_candidates, score, screened_score
 from .records import (Confirmation, ConfirmedCandidate, StudyLabel, TrialRecord, distinct_trials,
                       read_confirmation, read_label)
-from .settings import StudySettings, check_measurable
+from .settings import StudySettings, check_measurable, check_resumable, profile_words
 from .space import SearchSpace
-from .storage import make_storage, storage_place, worker_tag
+from .storage import make_storage, shared_storage, storage_place, worker_tag
 from .worker import Interrupted, StopRequest, SurplusTrial, TrialLost, ends_the_study, stop_on_signals, work
 
 Value = float | tuple[float, float]  # a trial's value: one objective, or (speedup, acceptance rate) for pareto
@@ -58,6 +59,15 @@ def make_sampler(name: str, seed: int | None, multi_objective: bool) -> optuna.s
         if name == "nsga2":
             return optuna.samplers.NSGAIISampler(seed=seed)
         return optuna.samplers.RandomSampler(seed=seed)
+
+
+def sampler_seed(seed: int, storage: str | optuna.storages.BaseStorage) -> int:
+    """The seed of this process's sampler: `seed` itself where one process runs the study (reproducible from it);
+    with a shared storage mixed with the worker's host:pid, since workers running the same command with one seed
+    would propose the same sets (identical TPE startup draws, every draw of the random sampler)."""
+    if not shared_storage(storage):
+        return seed
+    return seed ^ zlib.crc32(worker_tag().encode())
 
 
 def open_study(
@@ -153,7 +163,7 @@ class TrialRunner:
         ahead = [t for t in trial.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
                  if t.number < trial.number]
         if len(distinct_trials(trial.study)) + len(ahead) >= self.n_trials:
-            records.write(trial, TrialRecord(fail_reason=f"not run: the study already had {self.n_trials} trials"))
+            records.write(trial, TrialRecord(fail_reason=records.surplus_reason(self.n_trials)))
             raise SurplusTrial(f"the study already had {self.n_trials} finished or running trials")
 
     def _plain_decoding(self, trial: optuna.Trial) -> Value:
@@ -258,34 +268,32 @@ def run_study(
     signal stopped the run (its `signal_name`) and what that left (`outcome`)."""
     check_measurable(settings.max_new_tokens, policy.max_draft_tokens)
     study, storage = _open(settings)
+    compiled = settings.compile if settings.compile is not None else model.device.type == "cuda"
     label = StudyLabel(
         model=model_info, objective=settings.objective, sampler=settings.sampler, dataset=settings.dataset,
         num_prompts=settings.num_prompts, max_new_tokens=settings.max_new_tokens, seed=settings.seed,
-        device=str(model.device), device_name=device_name(model.device), dtype=dtype, draft=policy, space=space)
+        device=str(model.device), device_name=device_name(model.device), dtype=dtype, draft=policy, space=space,
+        compile=compiled)
     existing = read_label(study)
     if existing is None:
         # Labelled at once, before any slow work: a worker started beside this one checks its settings against it.
         records.write_label(study, label)
     if settings.objective == "modeled":
-        # The study keeps its profile, so a resumed study scores with the same costs.
-        if existing is not None and existing.cost_profile is not None and profile is None:
-            profile = existing.cost_profile
-        elif profile is None:
-            profile = profile_costs(model, contexts=contexts_for(model, prompts, settings.max_new_tokens),
-                                    show_progress=settings.show_progress_bar,
-                                    compile_mode=study_compile_mode(model.device))
+        profile = _study_profile(study, model, prompts, settings, existing, profile)
         profile.check_model(model)
         label = replace(label, cost_profile=profile)
     if existing is not None:
-        _check_resumable(settings.study_name, existing, label)
+        check_resumable(settings.study_name, existing, label)
     if label.cost_profile is not None and (existing is None or existing.cost_profile is None):
         records.write_label(study, label)  # now with the cost profile
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
                           eos_token_id=eos_token_id, profile=profile, repeats=settings.repeats,
                           timed=settings.objective != "modeled", clock=clock, show_progress=settings.show_progress_bar,
-                          compile=settings.compile if settings.compile is not None else model.device.type == "cuda",
+                          compile=compiled,
                           datasets=prompt_datasets)
-    _enqueue_first_trials(study, settings, space, new=existing is None)
+    # A study with no trials yet is new even if labelled: a first run can stop after its label (the profiler refused a
+    # noisy machine, Ctrl-C) and before queueing its warm starts, which its re-run must queue then.
+    _enqueue_first_trials(study, settings, space, new=not study.get_trials(deepcopy=False))
     stop = stop if stop is not None else StopRequest()
     space = ranked_space(study, space, evaluator, special_token_ids, ranking_prompts, stop)
     if stop.interrupts:
@@ -294,6 +302,25 @@ def run_study(
         return study
     _search(study, storage, evaluator, settings, space, stop)
     return study
+
+
+def _study_profile(study: optuna.Study, model: torch.nn.Module, prompts: list[list[int]], settings: StudySettings,
+                   existing: StudyLabel | None, given: CostProfile | None) -> CostProfile:
+    """A modeled study's cost profile: the one it keeps (a resumed study scores with the same costs, so another one
+    given is refused), else the one given, else this device's, measured, unless a worker started beside this one
+    stored its own meanwhile: then that one, so that every trial of the study is priced alike."""
+    stored = existing.cost_profile if existing is not None else None
+    if stored is not None:
+        if given is not None and given != stored:
+            raise ValueError(f"study {settings.study_name!r} was made with another --cost-profile "
+                             f"({profile_words(stored)}); use a new --study-name for {profile_words(given)}")
+        return stored
+    if given is not None:
+        return given
+    measured = profile_costs(model, contexts=contexts_for(model, prompts, settings.max_new_tokens),
+                             show_progress=settings.show_progress_bar, compile_mode=study_compile_mode(model.device))
+    now = read_label(study)
+    return now.cost_profile if now is not None and now.cost_profile is not None else measured
 
 
 def _open(settings: StudySettings) -> tuple[optuna.Study, optuna.storages.BaseStorage]:
@@ -308,13 +335,14 @@ def _open(settings: StudySettings) -> tuple[optuna.Study, optuna.storages.BaseSt
     if isinstance(storage, str):
         storage = make_storage(storage, settings.heartbeat)
     study = open_study(settings.study_name, storage, settings.objective,
-                       sampler=make_sampler(settings.sampler, settings.seed, multi), pruner=pruner)
+                       sampler=make_sampler(settings.sampler, sampler_seed(settings.seed, storage), multi),
+                       pruner=pruner)
     return study, storage
 
 
 def _enqueue_first_trials(study: optuna.Study, settings: StudySettings, space: SearchSpace, new: bool) -> None:
-    """Files and published sets first (also on resume), then, in a new study, the structured warm starts; only as
-    many as the budget, since a queued warm start is a trial too."""
+    """Files and published sets first (also on resume), then, in a study without trials, the structured warm starts;
+    only as many as the budget, since a queued warm start is a trial too."""
     for name, skip in settings.first_trials:
         records.enqueue(study, space.params_for(skip), TrialRecord(warm_start=name), skip_if_exists=True)
     if new and settings.warm_starts:
@@ -339,7 +367,8 @@ def _search(study: optuna.Study, storage: optuna.storages.BaseStorage, evaluator
             if stop.interrupts:
                 stop.outcome = "during the trials, before the confirmation: the export keeps the last one, if any"
                 print(f"not confirming after {stop.signal_name}: the export keeps the last confirmation, if any")
-            elif _confirmation_is_stale(study, settings.confirm_top):
+            elif _confirmation_is_stale(study, settings.confirm_top, _confirm_repeats(settings, evaluator),
+                                        len(evaluator.prompts)):
                 stop.running = "skip set being confirmed"
                 confirmation = confirm_candidates(study, evaluator, settings.objective, settings.confirm_top,
                                                   settings.confirm_repeats, settings.show_progress_bar, stop)
@@ -368,27 +397,18 @@ def _out_of_resource(error: Exception, settings: StudySettings, evaluator: Evalu
     return resource_error(error, doing, "the trials that finished are kept: free some and run the same command again")
 
 
-# What a trial measures: a resumed study must measure its new trials as it did the old. (Label field, its flag.)
-_MEASUREMENT_SETTINGS = (("model", "model"), ("objective", "--objective"), ("space", "search space"),
-                         ("dataset", "--dataset"), ("num_prompts", "--num-prompts"),
-                         ("seed", "--seed (it picks the prompts)"), ("max_new_tokens", "--max-new-tokens"),
-                         ("draft", "drafting settings"), ("dtype", "--dtype"))
-
-
-def _check_resumable(name: str, existing: StudyLabel, wanted: StudyLabel) -> None:
-    have_all, want_all = existing.attrs(), wanted.attrs()  # as stored, which is how the message shows them
-    for key, flag in _MEASUREMENT_SETTINGS:
-        have, want = have_all.get(key), want_all[key]
-        if key == "model":
-            have, want = ({k: model[k] for k in MODEL_SHAPE} for model in (have, want))
-        if have != want:
-            raise ValueError(f"study {name!r} was made with another {flag} ({have}); use a new --study-name for {want}")
-
-
-def _confirmation_is_stale(study: optuna.Study, top: int) -> bool:
+def _confirmation_is_stale(study: optuna.Study, top: int, repeats: int, prompts: int) -> bool:
+    """Whether the stored confirmation is not this run's: other candidates, or measured with other repeats or prompts
+    (a re-run with more --confirm-repeats, as a verdict whose interval includes 1.0 advises, must measure again)."""
     confirmation = read_confirmation(study)
     wanted = [t.number for t in best_candidates(study, top)]
-    return confirmation is None or not confirmation.complete or [c.trial for c in confirmation.candidates] != wanted
+    return (confirmation is None or not confirmation.complete or [c.trial for c in confirmation.candidates] != wanted
+            or confirmation.repeats != repeats or confirmation.prompts != prompts)
+
+
+def _confirm_repeats(settings: StudySettings, evaluator: Evaluator) -> int:
+    """The paired runs per prompt a confirmation stores: one where nothing is timed (a modeled study's is exact)."""
+    return settings.confirm_repeats if evaluator.timed else 1
 
 
 def confirm_candidates(study: optuna.Study, evaluator: Evaluator, objective: str, top: int, repeats: int,
