@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import tiny_gguf
-from skipsearch.io import models
+from skipsearch.io import conversion, models
 
 
 def test_missing_default_model_names_the_install_command(monkeypatch):
@@ -105,16 +105,16 @@ def test_a_named_model_resolves_to_its_parts_reassembled_and_converted_once(tmp_
     def convert(gguf, name, fix):
         assert gguf.read_bytes() == b"GGUF-part-one|part-two" and name == "gemma-3-270m" and "--force-reinstall" in fix
         converted.append(gguf)
-        return models._converted_folder(name, gguf.stat().st_size)
+        return conversion._converted_folder(name, gguf.stat().st_size)
 
-    monkeypatch.setattr(models, "converted_gguf", convert)
-    target = models.converted_named(fake.name)
+    monkeypatch.setattr(conversion, "converted_gguf", convert)
+    target = conversion.converted_named(fake.name)
     assert target == tmp_path / "cache" / "models" / "gemma-3-270m-22" and len(converted) == 1
     assert converted[0].parent == tmp_path / "cache" / "gguf" and not list((tmp_path / "cache" / "gguf").iterdir())
-    monkeypatch.setattr(models, "damaged_model_files", lambda folder: None)
+    monkeypatch.setattr(conversion, "damaged_model_files", lambda folder: None)
     target.mkdir(parents=True)
     (target / "model.safetensors").write_bytes(b"")
-    assert models.converted_named(fake.name) == target and len(converted) == 1  # cached: nothing reassembled
+    assert conversion.converted_named(fake.name) == target and len(converted) == 1  # cached: nothing reassembled
 
 
 def test_a_corrupted_reassembly_is_refused_and_leaves_nothing(tmp_path, monkeypatch):
@@ -194,9 +194,9 @@ def _fake_conversion(monkeypatch):
         (folder / "config.json").write_text("{}")
         save_file({"sha256": torch.tensor(list(digest), dtype=torch.uint8)}, folder / "model.safetensors")
 
-    monkeypatch.setattr(models, "AutoModelForCausalLM", types.SimpleNamespace(from_pretrained=load))
-    monkeypatch.setattr(models, "AutoTokenizer", types.SimpleNamespace(from_pretrained=lambda *a, **k: None))
-    monkeypatch.setattr(models, "_save_plain", save)
+    monkeypatch.setattr(conversion, "AutoModelForCausalLM", types.SimpleNamespace(from_pretrained=load))
+    monkeypatch.setattr(conversion, "AutoTokenizer", types.SimpleNamespace(from_pretrained=lambda *a, **k: None))
+    monkeypatch.setattr(conversion, "_save_plain", save)
     return converted
 
 
@@ -215,24 +215,24 @@ def test_a_gguf_file_of_the_same_name_and_size_but_other_content_is_converted_ag
     converted = _fake_conversion(monkeypatch)
     gguf = tmp_path / "fine-tune.gguf"
     tiny_gguf(gguf, fill=1.0)
-    first = models.converted_gguf(gguf)
+    first = conversion.converted_gguf(gguf)
     assert _cached_sha256(first) == hashlib.sha256(gguf.read_bytes()).hexdigest() and len(converted) == 1
     size = gguf.stat().st_size
     tiny_gguf(gguf, fill=2.0)  # re-quantized to the same path: same name, same size, other weights
     assert gguf.stat().st_size == size
     capsys.readouterr()
-    second = models.converted_gguf(gguf)
+    second = conversion.converted_gguf(gguf)
     assert second == first and len(converted) == 2
     assert capsys.readouterr().err == (f"the cached model in {first} was converted from another file of that name "
                                        "and size, or records no source: converting it again from fine-tune.gguf\n")
     assert _cached_sha256(second) == hashlib.sha256(gguf.read_bytes()).hexdigest()
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [first.name]  # nothing left beside it
-    hashed, real_sha256 = [], models._sha256
-    monkeypatch.setattr(models, "_sha256", lambda path: (hashed.append(path), real_sha256(path))[1])
-    assert models.converted_gguf(gguf) == first and len(converted) == 2 and not hashed  # unchanged: no hashing
+    hashed, real_sha256 = [], conversion._sha256
+    monkeypatch.setattr(conversion, "_sha256", lambda path: (hashed.append(path), real_sha256(path))[1])
+    assert conversion.converted_gguf(gguf) == first and len(converted) == 2 and not hashed  # unchanged: no hashing
     os.utime(gguf, ns=(0, 0))  # touched (copied back, say): hashed once, found the same, not converted
-    assert models.converted_gguf(gguf) == first and len(converted) == 2 and len(hashed) == 1
-    assert models.converted_gguf(gguf) == first and len(hashed) == 1  # the record now has the new mtime
+    assert conversion.converted_gguf(gguf) == first and len(converted) == 2 and len(hashed) == 1
+    assert conversion.converted_gguf(gguf) == first and len(hashed) == 1  # the record now has the new mtime
 
 
 def test_workers_converting_the_same_gguf_at_once_convert_it_once(tmp_path, monkeypatch):
@@ -243,8 +243,8 @@ def test_workers_converting_the_same_gguf_at_once_convert_it_once(tmp_path, monk
 
     monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path / "cache"))
     converted = _fake_conversion(monkeypatch)
-    load = models.AutoModelForCausalLM.from_pretrained
-    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained",
+    load = conversion.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(conversion.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: (time.sleep(0.5), load(*a, **k))[1])  # long enough for the others to start
     gguf = tmp_path / "model.gguf"
     tiny_gguf(gguf, fill=1.0)
@@ -252,8 +252,8 @@ def test_workers_converting_the_same_gguf_at_once_convert_it_once(tmp_path, monk
 
     def worker():
         try:
-            folder = models.converted_gguf(gguf)
-            results.append((folder, models.damaged_model_files(folder)))
+            folder = conversion.converted_gguf(gguf)
+            results.append((folder, conversion.damaged_model_files(folder)))
         except Exception as error:  # noqa: BLE001 - reported by the assertion below
             errors.append(error)
 
@@ -263,7 +263,7 @@ def test_workers_converting_the_same_gguf_at_once_convert_it_once(tmp_path, monk
     for thread in threads:
         thread.join()
     assert not errors and len(converted) == 1
-    assert results == [(models._converted_folder("model", gguf.stat().st_size), None)] * 3
+    assert results == [(conversion._converted_folder("model", gguf.stat().st_size), None)] * 3
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == ["model-" + str(gguf.stat().st_size)]
 
 
@@ -276,7 +276,7 @@ def test_a_named_model_is_reassembled_into_a_file_of_this_process(tmp_path, monk
     others = tmp_path / "cache" / "gguf" / fake.gguf_name
     others.write_bytes(b"another worker's")
     converted = []
-    monkeypatch.setattr(models, "converted_gguf", lambda gguf, name, fix: converted.append(gguf.name))
-    models.converted_named(fake.name)
+    monkeypatch.setattr(conversion, "converted_gguf", lambda gguf, name, fix: converted.append(gguf.name))
+    conversion.converted_named(fake.name)
     assert converted == [f"{os.getpid()}-{fake.gguf_name}"] and others.read_bytes() == b"another worker's"
     assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [fake.gguf_name]
