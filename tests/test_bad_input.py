@@ -57,7 +57,7 @@ def damage_a_page(database, page=5, page_size=4096):
 def damaged(tmp_path_factory, tiny_model_dir):
     """Model files cut short or hostile, too big to write for every case: a model folder whose weights are cut
     short, one whose config.json nests too deeply, a GGUF file cut short."""
-    from skipsearch.io.models import default_gguf_path
+    from skipsearch.io.conversion import default_gguf_path
 
     folder = tmp_path_factory.mktemp("damaged")
     shutil.copytree(tiny_model_dir, folder / "cut-weights")
@@ -199,7 +199,7 @@ CASES = [
     (["generate", "--prompt", "hi", "--config", "{dir}/deep.json"], "skip config .*deep.json.: nested too deeply"),
     (["optimize", "--warm-start", "{dir}/deep.json"], "warm-start file .*deep.json.: nested too deeply"),
     (["optimize", "--dataset", "{dir}/deep.jsonl"], "dataset .*deep.jsonl., line 1: nested too deeply"),
-    (["optimize", "--dataset", "{dir}/deep.json"], "dataset .*deep.json., line 1: nested too deeply"),
+    (["optimize", "--dataset", "{dir}/deep.json"], "dataset .*deep.json.: nested too deeply"),  # a document
     (["optimize", "--objective", "modeled", "--cost-profile", "{dir}/deep.json"], "cost profile .*: nested too deeply"),
     (["bench", "--cost-profile", "{dir}/deep.json"], "cost profile .*deep.json.: nested too deeply"),
     (["profile", "--config-only", "--model", "{dir}/deep.json"], "model config .*deep.json.: nested too deeply"),

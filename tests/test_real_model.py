@@ -51,7 +51,8 @@ def test_default_model_loads_from_the_converted_cache(default_model):
 
 
 def test_a_gguf_path_is_converted_once_and_loads(tmp_path, monkeypatch):
-    from skipsearch.io.models import default_gguf_path, load_model
+    from skipsearch.io.conversion import default_gguf_path
+    from skipsearch.io.models import load_model
 
     monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path))
     (tmp_path / "not.gguf").write_bytes(b"NOPE" + bytes(16))
@@ -68,7 +69,8 @@ def test_a_damaged_cached_default_model_is_converted_again(tmp_path, monkeypatch
     import os
     import stat
 
-    from skipsearch.io.models import cache_dir, converted_default_model, load_model
+    from skipsearch.io.conversion import cache_dir, converted_default_model
+    from skipsearch.io.models import load_model
 
     cached = converted_default_model()
     monkeypatch.setenv("SKIPSEARCH_CACHE", str(tmp_path))
