@@ -109,6 +109,26 @@ def test_offline_hub_dataset_is_read_from_the_datasets_cache(monkeypatch, tmp_pa
     assert sorted(load_prompts("someone/tiny", num_prompts=None)) == [f"cached {i}" for i in range(3)]
 
 
+def test_a_hub_dataset_is_asked_offline_where_the_hub_cannot_be_reached(monkeypatch):
+    """Online, datasets would retry the Hub and log each try beside the one-line error: where the Hub cannot be
+    reached, it is asked offline (its cache alone), and the switch is restored after."""
+    import datasets
+    from huggingface_hub import constants
+
+    monkeypatch.setattr("skipsearch.io.models.hub_unreachable", lambda: "no route")
+    asked = []
+
+    def uncached(*_, **__):
+        asked.append((datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE))
+        raise FileNotFoundError("not cached")
+
+    monkeypatch.setattr(datasets, "load_dataset", uncached)
+    before = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    with pytest.raises(ValueError, match=r"the Hub cannot be asked \(no route\)"):
+        load_prompts("someone/some-dataset")
+    assert asked == [(True, True)] and (datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE) == before
+
+
 def test_a_hub_datasets_config_is_given_after_a_colon(monkeypatch, tmp_path):
     """"name:config" reads that config (cached here as a Hub load of it would have cached it); a dataset of several
     configs asked without one names them and the syntax."""

@@ -6,9 +6,11 @@ A prompt field may hold text or a list of user turns (a conversation, as Spec-Be
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -110,7 +112,8 @@ def draw_per_category(rows: list[PromptRow], per_category: int, seed: int) -> di
 
 def _hub_records(dataset: str, split: str) -> list[tuple[str, dict]]:
     """The rows of Hub dataset `dataset` ("name", or "name:config" for one of its configs: a Hub name holds no
-    colon) in `split`."""
+    colon) in `split`. Where the Hub cannot be reached, datasets is asked offline, which reads its cache at once
+    (online, it would retry the Hub and log each failed try)."""
     import datasets
 
     from .models import hub_unreachable  # here: models imports torch, which reading the builtin prompts does without
@@ -118,16 +121,33 @@ def _hub_records(dataset: str, split: str) -> list[tuple[str, dict]]:
 
     datasets.disable_progress_bars()
     name, _, config = dataset.partition(":")
-    try:  # asked even when the Hub cannot be: datasets reads a dataset it has cached without the Hub
-        rows = datasets.load_dataset(name, config or None, split=split)
+    unreachable = hub_unreachable()
+    try:
+        with _hub_offline(unreachable is not None):
+            rows = datasets.load_dataset(name, config or None, split=split)
     except Exception as error:  # noqa: BLE001 - datasets raises many kinds; load_error keeps the machine's faults
         configs = re.search(r"available configs: (\[[^\]]*\])", str(error))  # on a line of its own
-        unreachable = None if configs else hub_unreachable()
         reason = (f"it has configs {configs.group(1)}: give one as --dataset {name}:CONFIG" if configs else
                   f"no such local file, not in the datasets cache, and the Hub cannot be asked ({unreachable})"
                   if unreachable else first_line(error))
         raise load_error(error, f"cannot read dataset {dataset!r}: {reason}") from None
     return [(f"row {number}", record) for number, record in enumerate(rows.to_list(), start=1)]
+
+
+@contextlib.contextmanager
+def _hub_offline(offline: bool) -> Iterator[None]:
+    """datasets and huggingface_hub in offline mode for the `with` block where `offline`: both read their switch at
+    each call, which HF_HUB_OFFLINE=1 sets for the whole process."""
+    import datasets
+    from huggingface_hub import constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    if offline:
+        datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
 def _rows(records: list[tuple[str, dict]], name: str, field: str, category_field: str | None) -> list[PromptRow]:
