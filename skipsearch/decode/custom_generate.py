@@ -25,6 +25,7 @@ from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria
 from ..constants import MIN_TEMPERATURE
 from . import adapter
 from .adapter import GenerateDecoderOnlyOutput, GenerationMode
+from .checks import check_room
 from .config import SkipConfig, combine_skip_configs, load_skip_config
 from .controller import DraftMemory
 from .cost_profile import CostProfile
@@ -109,6 +110,10 @@ class SelfSpeculative:
             self.config.check_model(model)
             if self.tokenizer is not None:
                 self.config.check_tokenizer(self.tokenizer)
+        # Named as both: the length may come from max_length, which a model's generation_config may set to its
+        # whole context, and the caller may have set neither.
+        check_room(model, input_ids.shape[1], max(1, generation_config.max_length - input_ids.shape[1]), self.skip,
+                   self.policy, flag="max_new_tokens (or max_length, which counts the prompt)")
         if stop_strings is None:
             return stopping_criteria
         if self.tokenizer is None:
