@@ -81,7 +81,7 @@ def _proper(probs: torch.Tensor) -> torch.Tensor:
     """A draft distribution that sums to one: a row with no mass left (NaN where the logits processors banned every
     token a trimmed head names, and a temperature below 1 took its floor to -inf) drafts uniformly instead, on the
     device. Rejection sampling is exact for any draft distribution: only the acceptance suffers."""
-    return torch.where(probs.sum() > 0, probs, torch.full_like(probs, 1.0 / probs.shape[-1]))
+    return torch.where(probs.sum() > 0, probs, 1.0 / probs.shape[-1])  # a scalar: no row allocated per draft
 
 
 def _draft_logits(step: Step, tokens: list[torch.Tensor], hooks: DecodeHooks | None, history: torch.Tensor | None
