@@ -124,6 +124,25 @@ def test_touchpoint_layer_types():
     assert set(adapter.layer_types(qwen)) == {"full_attention", "sliding_attention"}
 
 
+def test_touchpoint_rope_switches():
+    """Longrope's switch is read from `rope_parameters`, and a forward whose last position is past it gives every
+    position, an early one included, other frequencies than one within it; rope types that do not switch have none."""
+    switch, half = 12, 4  # the tiny head's 8 dimensions: a factor per pair
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+            "long_factor": [4.0] * half, "original_max_position_embeddings": switch}
+    model = family_model("phi3", rope_parameters=rope, original_max_position_embeddings=switch)
+    assert adapter.rope_switches(model.config) == (switch,)
+    rotary, hidden = model.get_decoder().rotary_emb, torch.zeros(1, 1, 8)
+
+    def second_cos(length):  # the second position's (the first's, at 0, has every frequency's cos)
+        return rotary(hidden, position_ids=torch.arange(length).view(1, -1))[0][0, 1]
+
+    assert torch.equal(second_cos(2), second_cos(switch)) and not torch.equal(second_cos(2), second_cos(switch + 1))
+    assert adapter.rope_switches(tiny_model("llama").config) == ()
+    assert adapter.rope_switches(family_model("gemma3").config) == ()  # rope parameters per layer type
+    assert adapter.rope_switches(family_model("llama").config) == ()  # llama3 scaling: static
+
+
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])
 def test_touchpoint_prepared_mask(implementation):
     """The forward uses a prepared 4D mask as given: hiding a token's slot gives the logits of the prompt without it

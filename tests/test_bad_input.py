@@ -369,9 +369,7 @@ API_CASES = [
     ("a 3-D tensor", _generate(input_ids=torch.zeros(1, 1, 3, dtype=torch.long)), ValueError, r"got shape \(1, 1, 3\)"),
     ("no tokens", _generate(input_ids=[]), ValueError, "the prompt is empty"),
     ("max_new_tokens past the context", _generate(max_new_tokens=10**12), ValueError,
-     r"max_new_tokens \(1000000000000\) \+ drafts \(0\) exceed the model's context of 256"),
-    ("drafts past the context", _generate(max_new_tokens=250, skip=SkipSet.of([1])), ValueError,
-     r"\+ drafts \(8\) exceed the model's context of 256"),
+     r"max_new_tokens \(1000000000000\) exceed the model's context of 256"),
     ("max_new_tokens a float", _generate(max_new_tokens=8.0), ValueError, "max_new_tokens must be an integer"),
     ("skip a list", _generate(skip=[1, 2]), TypeError, r"skip must be a SkipSet \(SkipSet.of"),
     ("skip a skip config", lambda m: _generate(skip=_skip_config(m))(m), TypeError, "pass skip=config.skip"),
@@ -466,15 +464,20 @@ def _raw_prompt_of(tokens, tokenizer):
     return text
 
 
-def test_plain_decoding_needs_no_room_for_drafts(tiny_model_dir, default_model, capsys):
-    """`generate --autoregressive` drafts nothing: a prompt plus --max-new-tokens that fill the context exactly
-    decode; drafting, the same run needs room for a round's drafts and is refused."""
+def test_a_prompt_and_answer_that_fill_the_context_decode_drafting_or_not(tiny_model_dir, default_model, capsys):
+    """A prompt plus --max-new-tokens that fill the context exactly decode, plainly and drafting (the rounds draft
+    fewer near the context's end, so drafts need no room of their own), to the same text; one token more is refused
+    in one line."""
     prompt = _raw_prompt_of(200, default_model.tokenizer)
     argv = ["generate", "--model", str(tiny_model_dir), "--prompt", prompt, "--raw", "--max-new-tokens", "56"]
     assert main([*argv, "--autoregressive"]) == 0
-    assert "plain decoding" in capsys.readouterr().err
+    plain = capsys.readouterr()
+    assert "plain decoding" in plain.err
+    assert main([*argv, "--skip-attn", "1"]) == 0
+    assert capsys.readouterr().out == plain.out
+    argv[-1] = "57"
     assert main([*argv, "--skip-attn", "1"]) == 2
-    assert "+ drafts (8) exceed the model's context of 256" in capsys.readouterr().err
+    assert "--max-new-tokens (57) exceed the model's context of 256" in capsys.readouterr().err
 
 
 def _positions_fed(model):
@@ -492,14 +495,13 @@ def _positions_fed(model):
 def test_decoding_at_the_edge_of_the_context_feeds_no_position_past_it(skip, api_model):
     """The cache has spare slots past prompt + max_new_tokens (a round's verify width, a batch of plain steps), but
     no token is fed at a position the model does not have: plain decoding stops its steps at max_new_tokens, and a
-    drafting round's positions are inside the drafts the context check counts."""
+    drafting round near the context's end drafts fewer (`loop._within_bounds`)."""
     from skipsearch.decode.loop import generate
     from skipsearch.decode.policy import DraftPolicy
 
-    policy = DraftPolicy(max_draft_tokens=4, adaptive=False)
-    drafts = policy.max_draft_tokens if skip is not None else 0
+    policy = DraftPolicy(max_draft_tokens=4, adaptive=False, guard=False)
     prompt = [5, 9, 14] * 80  # 240 tokens
-    max_new_tokens = 256 - len(prompt) - drafts
+    max_new_tokens = 256 - len(prompt)
     fed, hook = _positions_fed(api_model)
     try:
         output = generate(api_model, prompt, skip=skip, max_new_tokens=max_new_tokens, policy=policy)

@@ -169,6 +169,26 @@ def test_a_one_token_prompt_is_its_own_window():
     assert out.tokens == hf_greedy(MODEL, [CHAT[3]], 12, eos=None)
 
 
+def test_a_window_across_longropes_switch_widens_to_the_whole_prompt():
+    """Longrope takes its long frequencies for every position of a forward whose last is past the switch: a prefix
+    prefilled alone within it would hold other keys than the whole prompt's prefill gives plain decoding. The window
+    is then the whole prompt, and the output stays plain decoding's."""
+    from conftest import family_model
+
+    switch = 24
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [4.0] * 4,
+            "original_max_position_embeddings": switch}
+    model = family_model("phi3", seed=2, dtype=torch.float64, rope_parameters=rope, max_position_embeddings=256,
+                         original_max_position_embeddings=switch)
+    sets = [SkipSet.of([1], [], NUM_LAYERS), SkipSet.of([], [2], NUM_LAYERS)]
+    wide = switch + CHOICE_WINDOW
+    for length, window in ((switch, CHOICE_WINDOW), (switch + 6, switch + 6), (wide, wide), (wide + 1, CHOICE_WINDOW)):
+        prompt = [2 + (7 * i) % 90 for i in range(length)]
+        out = generate(model, prompt, skip=sets, max_new_tokens=12, eos_token_id=None)
+        assert out.stats.choices[0].window == window
+        assert out.tokens == hf_greedy(model, prompt, 12, eos=None)
+
+
 GREEDY_MODEL = tiny_model("qwen2", seed=4, dtype=torch.float64)
 layer_ids = st.lists(st.integers(0, NUM_LAYERS - 1), unique=True, max_size=NUM_LAYERS)
 

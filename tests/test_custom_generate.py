@@ -198,16 +198,18 @@ def test_sampling_through_a_trimmed_head_whose_every_token_the_processors_ban():
     assert speculative.stats.drafted > 0
 
 
-def test_a_length_past_the_context_names_max_length_too():
-    """A model's generation_config may set max_length to its whole context, and the caller set no length: the
-    refusal names max_length beside max_new_tokens (the drafts need positions past the last token)."""
+def test_a_length_of_the_whole_context_decodes_and_one_past_names_max_length_too():
+    """A model's generation_config may set max_length to its whole context: that decodes, drafting, to plain
+    generate's tokens (drafts need no room past it). Past the context, the refusal names max_length beside
+    max_new_tokens, as the caller may have set neither."""
     model = MODELS["llama"]  # a context of 256
     speculative = self_speculative(SkipSet.of([1], [], NUM_LAYERS), DraftPolicy(max_draft_tokens=4))
-    with pytest.raises(ValueError, match=r"max_new_tokens \(or max_length, which counts the prompt\) \(252\) \+ "
-                                         r"drafts \(4\) exceed the model's context of 256"):
-        model.generate(PROMPT, max_length=256, do_sample=False, custom_generate=speculative)
-    out = model.generate(PROMPT, max_length=252, do_sample=False, eos_token_id=None, custom_generate=speculative)
-    assert out.shape[1] == 252
+    out = model.generate(PROMPT, max_length=256, do_sample=False, eos_token_id=None, custom_generate=speculative)
+    plain = model.generate(PROMPT, max_length=256, do_sample=False, eos_token_id=None)
+    assert torch.equal(out, plain) and speculative.stats.drafted > 0
+    with pytest.raises(ValueError, match=r"max_new_tokens \(or max_length, which counts the prompt\) \(253\) "
+                                         r"exceed the model's context of 256"):
+        model.generate(PROMPT, max_length=257, do_sample=False, custom_generate=speculative)
 
 
 def test_bad_config_type():

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from conftest import tiny_model
 from skipsearch.decode import adapter
+from skipsearch.decode.controller import DraftController
 from skipsearch.decode.divergence import Divergence, first_divergence, reference_logits
 from skipsearch.decode.kvcache import SpeculativeCache
 from skipsearch.decode.loop import generate
@@ -404,6 +405,93 @@ def test_plain_decoding_reads_tokens_back_once_per_several_steps_and_stops_at_eo
     # An EOS inside a batch of steps ends the output there, as HF's does.
     eos = next(t for t in out.tokens if t != out.tokens[0])  # first met after the prefill's token
     at = out.tokens.index(eos)
+    timed, observe = [], DraftController.observe
+
+    def observed(self, drafted, accepted, tokens, seconds, *rest):
+        timed.append(seconds is not None)
+        return observe(self, drafted, accepted, tokens, seconds, *rest)
+
+    monkeypatch.setattr(DraftController, "observe", observed)
     stopped = generate(model, prompt, skip=None, max_new_tokens=n, eos_token_id=eos)
     assert stopped.tokens == hf_greedy(model, prompt, n, eos=eos) == out.tokens[: at + 1]
     assert stopped.stats.rounds == min(n - 1, 8 * -(-at // 8))  # the steps past the EOS ran, and are counted
+    # Their time is not the kept tokens': that batch is not timed (plain speed would read up to 8x too slow).
+    assert timed == [True] * (-(-at // 8) - 1) + [at % 8 == 0]
+
+
+def _forward_spans(model):
+    """Every forward's first and last position, as the rotary embedding sees them (a hook on it); its handle."""
+    spans = []
+
+    def record(module, args, kwargs):
+        positions = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
+        spans.append((int(positions.min()), int(positions.max())))
+
+    return spans, model.get_decoder().rotary_emb.register_forward_pre_hook(record, with_kwargs=True)
+
+
+def _crossing(spans, bound):
+    """The forwards whose first position's length is within `bound` and whose last one's is past it."""
+    return [(first, last) for first, last in spans if first + 1 <= bound < last + 1]
+
+
+# The regional steps compile each layer and leave the model's own forward, and so its rotary embedding, eager.
+BOUNDED = {"eager": {}, "compiled": dict(compile=True, compile_backend="aot_eager", compile_mode="regional")}
+
+
+@pytest.mark.parametrize("how", sorted(BOUNDED))
+def test_drafting_ends_before_the_context_and_equals_hf_greedy(how):
+    """A prompt plus max_new_tokens that fill the context decode with drafts, and no forward (a verification at its
+    padded width included) reaches past the context: near its end the rounds draft fewer, then none."""
+    model = MODELS["llama"]  # a context of 256
+    prompt = [5, 9, 14, 3, 22]  # rounds that end where an unbounded compiled verification would reach 257
+    spans, hook = _forward_spans(model)
+    try:
+        out = generate(model, prompt, skip=SkipSet.of([1], [2], NUM_LAYERS), max_new_tokens=251,
+                       policy=DraftPolicy(max_draft_tokens=6, adaptive=False, guard=False), eos_token_id=None,
+                       **BOUNDED[how])
+    finally:
+        hook.remove()
+    assert out.tokens == hf_greedy(model, prompt, 251, eos=None)
+    assert out.stats.drafted > 0 and max(last for _, last in spans) <= 255
+
+
+@pytest.mark.parametrize("how", sorted(BOUNDED))
+def test_longrope_verification_never_crosses_its_switch(how):
+    """Longrope gives every position of a forward its long factors once the forward's last position is past the
+    original context: a verification that crossed it would see the committed tokens otherwise than plain decoding's
+    one-token steps. The rounds before it draft fewer, the ones after draft again."""
+    from conftest import family_model
+
+    switch = 24
+    short, long_ = [1.0] * 4, [4.0] * 4
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short, "long_factor": long_,
+            "original_max_position_embeddings": switch}
+    model = family_model("phi3", seed=2, dtype=torch.float64, rope_parameters=rope, max_position_embeddings=256,
+                         original_max_position_embeddings=switch)
+    assert adapter.rope_switches(model.config) == (switch,)
+    prompt = [5, 9, 14, 3, 22, 7]
+    spans, hook = _forward_spans(model)
+    try:
+        out = generate(model, prompt, skip=SkipSet.of([1], [], NUM_LAYERS), max_new_tokens=40,
+                       policy=DraftPolicy(max_draft_tokens=5, adaptive=False, guard=False), eos_token_id=None,
+                       **BOUNDED[how])
+    finally:
+        hook.remove()
+    assert out.tokens == hf_greedy(model, prompt, 40, eos=None)
+    assert not _crossing(spans, switch)
+    assert any(first > 0 and last - first > 1 and first + 1 > switch for first, last in spans)  # drafting after it
+
+
+def test_a_compiled_round_near_a_bound_drafts_all_or_nothing():
+    """Compiled verification runs at the widest round's width: a round whose padded verification would cross a bound
+    drafts nothing; eager, it drafts as many as fit. Past the bound, nothing limits the rounds."""
+    from types import SimpleNamespace
+
+    from skipsearch.decode.loop import _within_bounds
+
+    def bounded(compiled, position):
+        return _within_bounds(SimpleNamespace(bounds=(24, 256), compiled=compiled, max_draft_tokens=5), position, 5)
+
+    assert [bounded(True, p) for p in (10, 18, 19, 23, 24, 250, 251)] == [5, 5, 0, 0, 5, 5, 0]
+    assert [bounded(False, p) for p in (10, 18, 19, 23, 24, 250, 251, 255)] == [5, 5, 4, 0, 5, 5, 4, 0]

@@ -439,6 +439,31 @@ def test_a_cpu_prefills_eagerly_in_the_regional_mode():
     assert out.tokens == hf_greedy(model, [5, 9, 14], 6, eos=None) and not engine.prefill_steps
 
 
+def test_a_compiled_prefill_whose_chunks_would_cross_longropes_switch_runs_as_one_forward(compiled_prefill_on_cpu):
+    """Longrope decides a forward's frequencies by its last position: chunks (their padding counted) on the other
+    side of the switch from the whole prompt would cache other keys than HF's one forward. Such a prompt is
+    prefilled in one forward; the others in chunks, and every output is HF greedy's."""
+    from conftest import family_model
+    from test_decoding import _forward_spans
+
+    switch = 24
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [4.0] * 4,
+            "original_max_position_embeddings": switch}
+    model = family_model("phi3", seed=2, dtype=torch.float64, rope_parameters=rope, max_position_embeddings=512,
+                         original_max_position_embeddings=switch)
+    # 12: one chunk of 16, within the switch as the prompt is; 20: padded to 32, past it; 30 and 40: chunks of 16,
+    # the first within it; 64: one chunk of 64 (the prompt's own forward), past it as the prompt is.
+    for length, one_forward in ((12, False), (20, True), (30, True), (40, True), (64, True)):
+        prompt = [(7 * i + length) % 90 + 2 for i in range(length)]
+        spans, hook = _forward_spans(model)
+        try:
+            out = generate(model, prompt, skip=SkipSet.of([1], [], NUM_LAYERS), max_new_tokens=6, eos_token_id=None,
+                           **REGIONAL)
+        finally:
+            hook.remove()
+        assert out.tokens == hf_greedy(model, prompt, 6, eos=None) and ((0, length - 1) in spans) == one_forward
+
+
 def test_the_compiled_prefill_runs_any_prompt_length_at_its_fixed_widths(compiled_prefill_on_cpu):
     """Prompts of lengths around each width and over the widest (in chunks) decode as HF greedy does; after the
     widths are compiled, a prompt of a new length compiles nothing."""

@@ -258,6 +258,15 @@ def test_widths_are_priced_as_measured_and_padded_to_the_cheapest():
     assert RoundCosts(draft=0.5).verification(9) == 1.0 and RoundCosts(draft=0.5).width(9) == 9
 
 
+def test_a_verification_near_a_bound_runs_at_the_cheapest_width_that_fits():
+    """Where a bound ahead (the context's end, longrope's switch) allows no wider, the width is the cheapest of those
+    that fit, not the cheapest overall cut down to the bound."""
+    costs = RoundCosts(draft=0.1, verify=(1.0, 1.58, 1.94, 1.52, 1.54, 1.69, 2.07, 1.61, 1.84))
+    made = controller(0.8, costs)
+    assert made.width(2) == 4 and made.width(2, widest=6) == 4
+    assert made.width(2, widest=3) == 2 and made.width(6, widest=7) == 6  # not 3 (1.94) and 7 (2.07)
+
+
 def test_the_acceptance_estimate_counts_a_rejection_only_where_a_round_kept_fewer_drafts_than_it_ran():
     rate = Acceptance(prior=0.7)
     assert rate.rate == pytest.approx(0.7)

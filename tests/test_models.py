@@ -1,4 +1,7 @@
 import importlib.util
+import os
+import socket
+import sys
 
 import pytest
 import torch
@@ -36,9 +39,10 @@ def test_encode_prompt_uses_the_chat_template_unless_raw(default_model):
 def test_context_check():
     model = torch.nn.Module()
     model.config = type("Config", (), {"max_position_embeddings": 100})()
-    models.check_context(model, 50, 40, 10)
-    with pytest.raises(ValueError, match="exceed the model's context of 100"):
-        models.check_context(model, 50, 45, 10)
+    models.check_context(model, 50, 50)
+    with pytest.raises(ValueError, match=r"prompt \(50 tokens\) \+ --max-new-tokens \(51\) exceed the model's context "
+                                         r"of 100 tokens"):
+        models.check_context(model, 50, 51)
 
 
 def test_an_empty_skipsearch_cache_counts_as_unset(monkeypatch):
@@ -278,5 +282,27 @@ def test_a_named_model_is_reassembled_into_a_file_of_this_process(tmp_path, monk
     converted = []
     monkeypatch.setattr(conversion, "converted_gguf", lambda gguf, name, fix: converted.append(gguf.name))
     conversion.converted_named(fake.name)
-    assert converted == [f"{os.getpid()}-{fake.gguf_name}"] and others.read_bytes() == b"another worker's"
+    assert converted == [f"{socket.gethostname()}-{os.getpid()}-{fake.gguf_name}"]
+    assert others.read_bytes() == b"another worker's"
     assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [fake.gguf_name]
+
+
+def test_files_a_killed_worker_left_mid_reassembly_are_deleted_and_no_live_ones(tmp_path, monkeypatch):
+    """A worker killed while reassembling (its temp file) or converting (its reassembled file) leaves hundreds of MB:
+    the next reassembly deletes those of this host's processes that are gone, and keeps a live process's and another
+    host's, which cannot be checked from here."""
+    import subprocess
+
+    fake = _fake_parts(tmp_path, monkeypatch)
+    folder = tmp_path / "cache" / "gguf"
+    folder.mkdir(parents=True)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    host = socket.gethostname()
+    killed = [f"{host}-{gone}-{fake.gguf_name}", f".{host}-{gone}-{fake.gguf_name}.x1y2"]
+    kept = [f"{host}-1-{fake.gguf_name}", f"other-host-{gone}-{fake.gguf_name}", fake.gguf_name]  # pid 1: init
+    for name in killed + kept:
+        (folder / name).write_bytes(b"left")
+    monkeypatch.setattr(conversion, "converted_gguf", lambda gguf, name, fix: None)
+    conversion.converted_named(fake.name)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(kept)

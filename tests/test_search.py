@@ -1,4 +1,5 @@
 import json
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -514,3 +515,31 @@ def test_the_summary_counts_trials_not_run_for_a_spent_budget_apart_from_failure
         study.add_trial(optuna.trial.create_trial(state=TrialState.FAIL, user_attrs={"fail_reason": reason}))
     summary = study_summary(study)
     assert "; 1 failed; 2 not run, the study already had its trials (no failure)" in summary
+
+
+def test_a_workers_confirmation_does_not_overwrite_a_newer_one_stored_while_it_measured(monkeypatch):
+    """On a shared storage, a worker that stopped later may confirm from more trials and store first: the slower
+    worker's confirmation, chosen from fewer trials, is returned to it but not written over the newer one."""
+    from skipsearch.search import study as study_module
+    from skipsearch.search.records import (Confirmation, ConfirmedCandidate, Figures, read_confirmation,
+                                           write_confirmation)
+
+    study = labelled_study("raced")
+    add_measured(study, SkipSet.of([1], [], 4), 1.1)
+    add_measured(study, SkipSet.of([2], [], 4), 1.2)
+    newer = Confirmation((), top=2, repeats=3, prompts=2, distinct_trials=3)
+
+    def measured_while_another_worker_confirmed(trial, evaluator, objective, repeats):
+        if read_confirmation(study) is None:
+            add_measured(study, SkipSet.of([3], [], 4), 1.3)
+            write_confirmation(study, newer)
+        return ConfirmedCandidate(trial.number, trial.skip, 1.0, 1, 0.125, Figures(prompts=2))
+
+    monkeypatch.setattr(study_module, "_confirm", measured_while_another_worker_confirmed)
+    evaluator = SimpleNamespace(timed=True, prompts=[[5], [6]])
+    mine = study_module.confirm_candidates(study, evaluator, "speed_x_acceptance", 2, 3, show_progress=False)
+    assert mine.distinct_trials == 2 and len(mine.candidates) == 2
+    assert read_confirmation(study) == newer
+    again = study_module.confirm_candidates(study, evaluator, "speed_x_acceptance", 2, 3, show_progress=False)
+    stored = read_confirmation(study)  # from as many trials: it stands
+    assert again.distinct_trials == stored.distinct_trials == 3 and stored.candidates == again.candidates

@@ -33,11 +33,12 @@ class EncodedPrompts:
 def encode_rows(loaded: models.LoadedModel, rows: list[PromptRow], raw: bool, max_new_tokens: int,
                 max_draft_tokens: int, too_long: str = "refuse", say: Callable[[str], None] = print,
                 show_progress: bool = False) -> EncodedPrompts:
-    """`rows` as token ids, each checked first to leave the model room for its answers and drafts, in its context
-    and in the device's memory; a conversation's earlier turns answered by plain greedy decoding."""
+    """`rows` as token ids, each checked first to leave the model room for its answers in its context, and for its
+    answers and a round's drafts in the device's memory; a conversation's earlier turns answered by plain greedy
+    decoding."""
     if too_long not in TOO_LONG:
         raise ValueError(f"too_long must be one of {', '.join(TOO_LONG)}, got {too_long!r}")
-    kept = [i for i, row in enumerate(rows) if _fits(loaded, row, raw, max_new_tokens, max_draft_tokens, too_long, say)]
+    kept = [i for i, row in enumerate(rows) if _fits(loaded, row, raw, max_new_tokens, too_long, say)]
     if not kept:
         raise ValueError("every prompt is too long for the model's context: lower --max-new-tokens or give shorter "
                          "prompts")
@@ -60,12 +61,11 @@ def _upper_bound(loaded: models.LoadedModel, row: PromptRow, raw: bool, max_new_
     return len(models.encode_conversation(loaded.tokenizer, row.turns, empty, raw=raw)) + len(empty) * max_new_tokens
 
 
-def _fits(loaded: models.LoadedModel, row: PromptRow, raw: bool, max_new_tokens: int, max_draft_tokens: int,
-          too_long: str, say: Callable[[str], None]) -> bool:
+def _fits(loaded: models.LoadedModel, row: PromptRow, raw: bool, max_new_tokens: int, too_long: str,
+          say: Callable[[str], None]) -> bool:
     """Whether the prompt fits the model's context; when it does not, a line (skip) or a ValueError (refuse)."""
     try:
-        models.check_context(loaded.model, _upper_bound(loaded, row, raw, max_new_tokens), max_new_tokens,
-                             max_draft_tokens)
+        models.check_context(loaded.model, _upper_bound(loaded, row, raw, max_new_tokens), max_new_tokens)
         return True
     except ValueError as error:
         where = f"{row.where}" + (f" ({row.category})" if row.category else "")

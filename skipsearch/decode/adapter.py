@@ -1,12 +1,12 @@
 """Every assumption skipsearch makes about transformers beyond its documented API, one function per touchpoint.
 
-transformers moves monthly and renames what it does not document (5.24 renamed the cache keyword
-and stopped giving static cache layers a `dtype`). So the rest of the package imports transformers
-only for public names (`AutoModelForCausalLM`, configs, `GenerationConfig`, logits processors) and
-reaches everything else through here. Each touchpoint is named in `TOUCHPOINTS` and tested by name
-(tests/test_adapter.py); when one fails on a release outside the tested window, the error is an
-`AdapterError` naming the touchpoint and the window in one line, not an AttributeError from inside a
-forward. `.ci/check-releases` runs those tests against the newest releases and the oldest tested ones.
+transformers moves monthly and renames what it does not document (5.24 renamed the cache keyword and stopped giving
+static cache layers a `dtype`). So the rest of the package imports transformers only for public names
+(`AutoModelForCausalLM`, configs, `GenerationConfig`, logits processors) and reaches everything else through here.
+Each touchpoint is named in `TOUCHPOINTS` and tested by name (tests/test_adapter.py); when one fails on a release
+outside the tested window, the error is an `AdapterError` naming the touchpoint and the window in one line, not an
+AttributeError from inside a forward. `.ci/check-releases` runs those tests against the newest releases and the
+oldest tested ones.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import transformers
 from packaging.version import Version
 from torch import nn
-from transformers import AttentionInterface, GenerationMixin
+from transformers import AttentionInterface, GenerationMixin, StopStringCriteria
 from transformers import cache_utils
 from transformers.generation import configuration_utils as generation_configuration
 from transformers.generation import utils as generation_utils
@@ -65,6 +65,8 @@ TOUCHPOINTS = {
     "fusible projections": "a decoder layer's attention calls each of `q_proj`, `k_proj` and `v_proj` once a forward, "
                            "on one input, and its feed-forward block `gate_proj` and `up_proj` alike, and reads their "
                            "outputs only (not their weights): fused.py runs them as slices of one GEMM",
+    "rope switches": "longrope reads `rope_parameters` (per layer type where there are several) and gives all of a "
+                     "forward's positions its long factors when its last is past `original_max_position_embeddings`",
     "output head": "a causal LM holds its LM head (get_output_embeddings(), a 2-D weight) as a direct submodule and "
                    "computes its logits by calling it on the final hidden states",
 }
@@ -190,6 +192,15 @@ def layer_types(config: Any) -> list[str]:
     if getattr(config, "sliding_window", None) is not None:
         return ["sliding_attention"] * config.num_hidden_layers
     return ["full_attention"] * config.num_hidden_layers
+
+
+def rope_switches(config: Any) -> tuple[int, ...]:
+    """The forward lengths at which a rotary embedding switches all of a forward's positions' frequencies: longrope's
+    original context (dynamic NTK's is the model's whole context, which no forward passes)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    kinds = parameters.values() if all(isinstance(kind, dict) for kind in parameters.values()) else (parameters,)
+    return tuple(sorted({kind["original_max_position_embeddings"] for kind in kinds
+                         if kind.get("rope_type") == "longrope" and kind.get("original_max_position_embeddings")}))
 
 
 def attn_implementation(config: Any) -> str:
@@ -411,21 +422,16 @@ def generate_cache_input(model_kwargs: dict[str, Any]) -> Any:
 
 def generate_argument(name: str, depth: int) -> Any:
     """The argument `name` given to `generate` (None where it was not, or the caller is not generate), read from its
-    frame `depth` frames up.
-
-    transformers (5.x) passes a callable `custom_generate` only the parameters that its own
-    `_sample` lacks, so the streamer never arrives as an argument (generate still puts the prompt
-    into it; without this, the new tokens would never be streamed and `end()` never called), nor
-    an `assistant_model` (which the callable must refuse rather than ignore).
-    """
+    frame `depth` frames up. transformers (5.x) passes a callable `custom_generate` only the parameters that its own
+    `_sample` lacks, so the streamer never arrives as an argument (generate still puts the prompt into it; without
+    this, the new tokens would never be streamed and `end()` never called), nor an `assistant_model` (which the
+    callable must refuse rather than ignore)."""
     caller = sys._getframe(depth + 1)
     return caller.f_locals.get(name) if caller.f_code is _GENERATE_CODE else None
 
 
 def stop_string_criteria(tokenizer: Any, stop_strings: str | list[str]) -> Any:
     """transformers' stopping criterion for `stop_strings`, which generate builds only for its own loops."""
-    from transformers.generation.stopping_criteria import StopStringCriteria
-
     return StopStringCriteria(tokenizer, stop_strings)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..io.models import check_context
+from . import adapter
 from .adapter import decoder_layers
 from .config import SkipConfig
 from .cost_profile import CostProfile
@@ -114,17 +115,23 @@ def check_generate_args(model: nn.Module, prompt_tokens: int, skip: Any, max_new
 
 def check_room(model: nn.Module, prompt_tokens: int, max_new_tokens: int, skip: SkipSet | Sequence[SkipSet] | None,
                policy: DraftPolicy, flag: str = "max_new_tokens") -> None:
-    """A ValueError unless the prompt, `max_new_tokens` (`flag` names it) and, when drafting, a round's drafts fit
-    the model's context; a ResourceExhausted when their cache does not fit the device's free memory.
+    """A ValueError unless the prompt and `max_new_tokens` (`flag` names it) fit the model's context; a
+    ResourceExhausted when their cache, with a round's drafts when drafting, does not fit the device's free memory.
 
-    Plain decoding (no set that drafts: `drafting_sets`) feeds no token past the last committed one: its steps stop
-    at `max_new_tokens`, so the cache's spare slots past them are never written. A speculative round's drafts and its
-    verification (padded to the full draft width when compiled) reach up to `max_draft_tokens` positions past them:
-    those positions count.
-    """
+    A speculative round's verification (padded to the full draft width when compiled) reaches up to
+    `max_draft_tokens` positions past the committed ones, so the cache holds those slots; but no forward reaches past
+    the context (`forward_bounds`): near its end the rounds draft fewer tokens, or none."""
     drafts = policy.max_draft_tokens if drafting_sets(skip, policy) else 0
-    check_context(model, prompt_tokens, max_new_tokens, drafts, flag=flag)
+    check_context(model, prompt_tokens, max_new_tokens, flag=flag)
     check_cache_memory(model, prompt_tokens + max_new_tokens + drafts)  # the context allows it; the device may not
+
+
+def forward_bounds(model: nn.Module) -> tuple[int, ...]:
+    """The forward lengths (last position + 1) a verification must not cross, where plain decoding's one-token steps
+    never do inside a forward: a rotary embedding's switch (`adapter.rope_switches`), past which every position of the
+    forward would take other frequencies, and the model's context, past which no position exists."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    return tuple(sorted({*adapter.rope_switches(model.config), *([context] if context else [])}))
 
 
 def _check_skip(model: nn.Module, skip: Any, several: bool) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adapter import rope_switches
 from .cost_profile import CostProfile
 from .economics import RoundCosts, best_draft_length, committed_tokens, weight_fraction  # RoundCosts: re-exported
 from .engine import engine_for
@@ -109,9 +110,10 @@ def prefill_choosing(model: nn.Module, cache: SpeculativeCache, prompt: torch.Te
     Drafts are compared on raw logits (with `sampling`'s own warpers): logits processors, which act on draft and
     full model alike, are left out of an estimate that needs to rank sets, not predict acceptance exactly."""
     n = prompt.shape[1]
-    window = min(CHOICE_WINDOW, n)
-    start = n - window
-    tail = prompt[:, start:]
+    start = n - min(CHOICE_WINDOW, n)
+    if any(start <= switch < n for switch in rope_switches(model.config)):
+        start = 0  # the prefix alone would take other rotary frequencies than the whole prompt does (longrope)
+    window, tail = n - start, prompt[:, start:]
     drafts = []
     with engine_for(model).attention():  # the forwards attend as the engine's steps do
         if start:

@@ -254,9 +254,11 @@ class DraftController:
         bins = self.by_confidence.setdefault(self.skip, ConfidenceBins())
         return Cut(self.rate, self.fit.draft_price(), bins.chances(self.rate))
 
-    def width(self, n_tokens: int) -> int:
-        """The width to verify `n_tokens` at: the cheapest priced width at least as wide, within the largest round."""
-        return self.fit.shape.width(n_tokens, self.policy.max_draft_tokens + 1)
+    def width(self, n_tokens: int, widest: int | None = None) -> int:
+        """The width to verify `n_tokens` at: the cheapest priced width at least as wide, within the largest round
+        (and `widest`, where a bound ahead allows no wider: `loop._widest`)."""
+        most = self.policy.max_draft_tokens + 1
+        return self.fit.shape.width(n_tokens, most if widest is None else min(most, widest))
 
     def observe(self, drafted: int, accepted: int, tokens: int, seconds: float | None,
                 confidences: list[float] | None = None, draft_seconds: float | None = None) -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..io.errors import NonFiniteLogits
-from .checks import check_generate_args, check_prompt
+from .checks import check_generate_args, check_prompt, forward_bounds
 from .choice import prefill_choosing, round_costs
 from .controller import DraftController, DraftMemory
 from .cost_profile import CostProfile
@@ -97,7 +97,7 @@ def generate(
         steps = _prepare(model, prompt.shape[1] + max_new_tokens, candidates, policy, settings)
         run = _Run(model, sampling, _eos_set(eos_token_id), generator, hooks, time_drafts,
                    host_reads_stall(model.device), settings is not None, policy.max_draft_tokens, cost_profile,
-                   steps if len(candidates) > 1 else None)
+                   steps if len(candidates) > 1 else None, forward_bounds(model))
         controller = _controller(run, candidates, policy, memory, settings, prompt.shape[1])
         return _decode_with_setup(run, steps, controller, prompt, max_new_tokens)
 
@@ -157,6 +157,7 @@ class _Run:
     max_draft_tokens: int
     profile: CostProfile | None  # prices rounds at first (None: the share of the weights a draft reads)
     choosing: dict[SkipSet | None, Steps] | None  # several skip sets: the prefill chooses among these steps
+    bounds: tuple[int, ...]  # forward lengths no verification crosses (`checks.forward_bounds`)
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,7 @@ class _Round:
     accepted: int = 0
     confidences: list[float] | None = None  # each draft's confidence, where it was read (the cut)
     draft_seconds: float | None = None  # the drafts' wall time, where it was read (the cut)
+    dropped: bool = False  # plain steps ran past an EOS: their time is not that of the tokens kept
 
 
 def _decode(run: _Run, steps: Steps, controller: DraftController, prompt: torch.Tensor, max_new_tokens: int
@@ -186,7 +188,7 @@ def _decode(run: _Run, steps: Steps, controller: DraftController, prompt: torch.
     tokens = list(done.tokens)
     while len(tokens) < max_new_tokens and tokens[-1] not in run.eos and not done.stopped:
         position, room = prompt.shape[1] + len(tokens) - 1, max_new_tokens - len(tokens)
-        drafts = controller.plan(room)
+        drafts = _within_bounds(run, position, controller.plan(room))
         cold = _cold(steps, drafts)
         if drafts or run.hooks is not None:
             done = _round(run, steps, controller, stats, done, position, room, drafts)
@@ -200,17 +202,36 @@ def _decode(run: _Run, steps: Steps, controller: DraftController, prompt: torch.
     return GenerationOutput(tokens, stats)
 
 
+def _widest(run: _Run, position: int) -> int | None:
+    """The widest forward at `position` (the cache's length) that crosses none of `run.bounds`; None: no bound
+    ahead. A one-token step reaches `position + 1` and never crosses one: plain decoding's steps, which rounds
+    match."""
+    return min((bound - position for bound in run.bounds if bound > position), default=None)
+
+
+def _within_bounds(run: _Run, position: int, drafts: int) -> int:
+    """`drafts`, or fewer, so that the round's verification at the width it runs crosses no bound (`_widest`):
+    compiled verification runs at the widest round's width, so there the round drafts all or nothing."""
+    widest = _widest(run, position)
+    if widest is None or not drafts:
+        return drafts
+    if run.compiled:
+        return drafts if run.max_draft_tokens + 1 <= widest else 0
+    return min(drafts, widest - 1)
+
+
 def _cold(steps: Steps, drafts: int) -> bool:
     """Whether the iteration runs a compiled step's first call (compiling): its time says nothing of decoding."""
     return any(step.setup_time_s is None for step in ((steps.draft, steps.verify) if drafts else (steps.plain,)))
 
 
 def _observe(controller: DraftController, done: _Round, since: float, cold: bool) -> float:
-    """The iteration's wall time, from the previous iteration's end (its host read) to now, to the controller;
-    returns now. The clock is a host read of the host's: no device sync."""
+    """The iteration's wall time, from the previous iteration's end (its host read) to now, to the controller (none
+    where it ran a compiled step's first call, or plain steps past an EOS); returns now. The clock is a host read of
+    the host's: no device sync."""
     now = ROUND_CLOCK()
-    controller.observe(done.drafted, done.accepted, len(done.tokens), None if cold else now - since, done.confidences,
-                       done.draft_seconds)
+    controller.observe(done.drafted, done.accepted, len(done.tokens), None if cold or done.dropped else now - since,
+                       done.confidences, done.draft_seconds)
     return now
 
 
@@ -285,7 +306,8 @@ def _plain_steps(run: _Run, steps: Steps, stats: DecodeStats, last: torch.Tensor
     stats.rounds += n
     stats.verify_sizes[1] += n
     stats.verify_contexts.update((1, position + j) for j in range(n))
-    return _Round(_through_eos(new_tokens, run.eos), ids[-1], None, False)
+    kept = _through_eos(new_tokens, run.eos)
+    return _Round(kept, ids[-1], None, False, dropped=len(kept) < n)
 
 
 def _round(run: _Run, steps: Steps, controller: DraftController, stats: DecodeStats, before: _Round, position: int,
@@ -295,7 +317,7 @@ def _round(run: _Run, steps: Steps, controller: DraftController, stats: DecodeSt
     last, history = before.last, before.history
     draft = _draft(run, steps, controller, stats, last, drafts, history) if drafts else Draft(last.view(1, 1), 0)
     steps.cache.seek(position)  # verification overwrites what the drafts wrote
-    logits = _verify(run, steps, controller, draft)
+    logits = _verify(run, steps, controller, draft, position)
     if run.hooks is not None:
         logits = run.hooks.process(torch.cat([history, draft.ids[0, 1:]]).view(1, -1), logits[: draft.ids.shape[1]])
     if run.sampling.do_sample:
@@ -327,13 +349,15 @@ def _draft(run: _Run, steps: Steps, controller: DraftController, stats: DecodeSt
     return draft
 
 
-def _verify(run: _Run, steps: Steps, controller: DraftController, draft: Draft) -> torch.Tensor:
+def _verify(run: _Run, steps: Steps, controller: DraftController, draft: Draft, position: int) -> torch.Tensor:
     """The full model's logits over the round's tokens, padded to the width verified at: compiled steps take one
-    width (the widest round's); eager ones the cheapest priced width at least as wide (`DraftController.width`)."""
+    width (the widest round's); eager ones the cheapest priced width at least as wide (`DraftController.width`), but
+    none that crosses a bound (`_widest`)."""
     if not draft.count:
         return steps.plain(draft.ids)
-    width = run.max_draft_tokens + 1 if run.compiled else controller.width(draft.ids.shape[1])
-    return steps.verify(pad_to(draft.ids, width))
+    if run.compiled:
+        return steps.verify(pad_to(draft.ids, run.max_draft_tokens + 1))
+    return steps.verify(pad_to(draft.ids, controller.width(draft.ids.shape[1], _widest(run, position))))
 
 
 def _record_round(stats: DecodeStats, accepted: int, count: int, position: int) -> None:

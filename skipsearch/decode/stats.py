@@ -15,6 +15,8 @@ from .controller import GuardStats
 class DecodeStats:
     new_tokens: int = 0
     rounds: int = 0
+    # As verification judged them: a round's drafts past an EOS or a stopping criterion count, though not committed
+    # (their acceptance is the draft's quality all the same; the one round per call they end changes a mean little).
     drafted: int = 0
     accepted: int = 0
     wall_time_s: float = 0.0

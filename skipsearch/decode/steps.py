@@ -126,16 +126,28 @@ class Prefill:
     Eager (`steps` None): one forward of the whole prompt. Compiled: full-model steps at PREFILL_WIDTHS, in the
     chunks of `prefill_chunks`, the last padded after its tokens; the step keeps only the row of the chunk's
     last real token (`row`, a device tensor its graph reads), and the position moves back over the padding, whose
-    slots become stale. Causal attention keeps the padding out of the real tokens' logits.
+    slots become stale. Causal attention keeps the padding out of the real tokens' logits. A prompt whose chunks
+    would take other rotary frequencies than its one forward (`_chunks_switch`) is prefilled eagerly.
     """
 
     def __init__(self, model: nn.Module, cache: SpeculativeCache, steps: dict[int, Step] | None = None,
                  row: torch.Tensor | None = None,
                  attention: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
         self.model, self.cache, self.steps, self.row, self.attention = model, cache, steps, row, attention
+        self.switches = adapter.rope_switches(model.config)
+
+    def _chunks_switch(self, length: int) -> bool:
+        """Whether a chunk's forward, its padding counted, and the whole prompt's lie on two sides of a rotary
+        embedding's switch (longrope: `adapter.rope_switches`), which decides each forward's frequencies by its
+        last position."""
+        ends, start = [], 0
+        for real, width in prefill_chunks(length):
+            ends.append(start + width)
+            start += real
+        return any((end > switch) != (length > switch) for switch in self.switches for end in ends)
 
     def __call__(self, prompt: torch.Tensor) -> torch.Tensor:
-        if self.steps is None:
+        if self.steps is None or (self.switches and self._chunks_switch(prompt.shape[1])):
             with self.attention():
                 return forward_at_position(self.model, self.cache, prompt, logits_to_keep=1)
         self._set_up(prompt)

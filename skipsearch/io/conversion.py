@@ -8,7 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from ..constants import DEFAULT_MODEL  # the CLI reads it without importing torch
 from .errors import first_line
-from .files import follow_umask, home_folder, read_json, unwritable_folder, write_atomic
+from .files import follow_umask, home_folder, process_alive, read_json, unwritable_folder, write_atomic
 from .named import NAMED_MODELS, part_paths, reassembled
 from .refusals import load_error
 
@@ -57,11 +59,24 @@ def converted_named(name: str) -> Path:
     if (target / "model.safetensors").is_file() and damaged_model_files(target) is None:
         return target
     # A file of this process's own: a worker converting at the same time reads its own, which this one never deletes.
-    gguf = reassembled(named, parts, cache_dir() / "gguf", f"{os.getpid()}-{named.gguf_name}")
+    folder = cache_dir() / "gguf"
+    _sweep_killed_reassemblies(folder, named.gguf_name)
+    gguf = reassembled(named, parts, folder, f"{socket.gethostname()}-{os.getpid()}-{named.gguf_name}")
     try:
         return converted_gguf(gguf, name=name, fix=fix)
     finally:
         gguf.unlink(missing_ok=True)
+
+
+def _sweep_killed_reassemblies(folder: Path, gguf_name: str) -> None:
+    """Delete the reassembled files of `gguf_name` (or their temp files, `named.reassembled`'s) that this host's
+    processes left when killed: hundreds of MB each, which nothing else would delete. Another host's are left alone,
+    as its processes cannot be checked from here."""
+    own = re.compile(rf"\.?{re.escape(socket.gethostname())}-(\d+)-{re.escape(gguf_name)}(\..+)?")
+    for path in folder.glob(f"*{gguf_name}*") if folder.is_dir() else ():
+        match = own.fullmatch(path.name)
+        if match and not process_alive(int(match[1])):
+            path.unlink(missing_ok=True)
 
 
 def _converted_folder(name: str, size: int) -> Path:

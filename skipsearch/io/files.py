@@ -110,6 +110,20 @@ def home_folder() -> Path:
 _NO_FILE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG})
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs (another user's counts; a zombie, killed and not yet reaped, not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def read_json(path: str | Path, what: str, lines: bool = False) -> Any:
     """A JSON file's content, or with `lines` a JSON Lines file's: a list of (line number, value), blank lines
     left out. A missing, malformed or hostile file (nested past Python's recursion limit) is a ValueError of one line

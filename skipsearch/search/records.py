@@ -396,6 +396,13 @@ def write_vocabulary(study: optuna.Study, ranking: VocabularyRanking) -> None:
 
 
 def write_confirmation(study: optuna.Study, confirmation: Confirmation) -> None:
+    """Store `confirmation`, unless the study holds a complete one chosen from more trials: on a shared storage,
+    another worker confirmed later trials while this one measured, and its figures stand (read just before writing:
+    the window left is one storage round trip, not a confirmation's minutes)."""
+    stored = read_confirmation(study)
+    if (stored is not None and stored.complete
+            and (stored.distinct_trials or 0) > (confirmation.distinct_trials or 0)):
+        return
     study.set_user_attr(CONFIRM_ATTR, confirmation.attrs())
 
 

@@ -19,7 +19,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from ..io.errors import first_line, resource_error
-from ..io.files import read_json
+from ..io.files import process_alive, read_json
 
 JOURNAL_PREFIX = "journal:"
 
@@ -329,19 +329,6 @@ def shared_storage(storage: str | optuna.storages.BaseStorage) -> bool:
     return url is None or not url.startswith("sqlite:")  # a storage object without a URL: a journal
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    try:  # a killed child its parent has not reaped yet is a zombie: dead for our purpose
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def dead_worker(trial: FrozenTrial, grace_s: float, now: datetime | None = None) -> str | None:
     """Why a RUNNING trial's worker is taken for dead, or None while it may be alive.
 
@@ -352,7 +339,7 @@ def dead_worker(trial: FrozenTrial, grace_s: float, now: datetime | None = None)
     worker = str(trial.user_attrs.get(WORKER_ATTR, ""))
     host, _, pid = worker.rpartition(":")
     if worker and pid.isdigit():
-        if host == socket.gethostname() and not _pid_alive(int(pid)):
+        if host == socket.gethostname() and not process_alive(int(pid)):
             return f"its worker {worker} died (process gone)"
         return None
     started = trial.datetime_start

@@ -422,7 +422,7 @@ def confirm_candidates(study: optuna.Study, evaluator: Evaluator, objective: str
     export decides by them. With none confirmed nothing is stored: the export keeps the last confirmation, if any."""
     from tqdm.auto import tqdm
 
-    candidates, confirmed = best_candidates(study, top), []
+    candidates, confirmed, distinct = best_candidates(study, top), [], len(distinct_trials(study))
     try:
         for trial in tqdm(candidates, desc="confirming the best skip sets", unit="set", disable=not show_progress,
                           dynamic_ncols=True):
@@ -432,8 +432,7 @@ def confirm_candidates(study: optuna.Study, evaluator: Evaluator, objective: str
     except Interrupted:
         pass  # the candidate being measured is abandoned; those before it stand
     confirmation = Confirmation(tuple(confirmed), top=top, repeats=repeats if evaluator.timed else 1,
-                                prompts=len(evaluator.prompts), distinct_trials=len(distinct_trials(study)),
-                                wanted=len(candidates))
+                                prompts=len(evaluator.prompts), distinct_trials=distinct, wanted=len(candidates))
     if confirmed or confirmation.complete:
         records.write_confirmation(study, confirmation)
     return confirmation
