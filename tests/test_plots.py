@@ -345,6 +345,22 @@ def test_history_shows_decoded_trials_at_their_numbers():
     plt.close(fig)
 
 
+def test_pareto_front_draws_decoded_trials_only():
+    """A pre-screened set's values (half its match rate, its match rate) are no measured speedup, and a repeated
+    proposal is a copy of its set: neither is a point under the axis "measured speedup"."""
+    study = synthetic_study("pareto", n=4)
+    first = study.trials[0]
+    study.add_trial(optuna.trial.create_trial(params=first.params, distributions=first.distributions,
+                                              values=[0.45, 0.9], user_attrs={**first.user_attrs, "screened_out": "x"}))
+    study.add_trial(optuna.trial.create_trial(params=first.params, distributions=first.distributions,
+                                              values=first.values, user_attrs={**first.user_attrs, "repeat_of": 0}))
+    fig = plots.pareto(study)
+    points = sorted(tuple(p) for c in fig.axes[0].collections for p in c.get_offsets().tolist())
+    assert points == sorted(tuple(t.values) for t in study.trials[:4])
+    assert fig.axes[0].get_xlabel() == "measured speedup (x plain decoding)"
+    plt.close(fig)
+
+
 def _plain_decoding_first(objective: str, n: int) -> optuna.Study:
     """A study whose trial 0 is the plain-decoding warm start (1.0 by definition, not decoded), then `n` trials."""
     study = synthetic_study(objective, n=0)

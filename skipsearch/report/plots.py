@@ -256,6 +256,15 @@ def _confirmed_star(ax: plt.Axes, study: optuna.Study, multi: bool) -> None:
                zorder=4, label="\n".join(textwrap.wrap(label, 40)))  # hollow: the trial's own point shows through
 
 
+def pareto(study: optuna.Study) -> plt.Figure:
+    """Optuna's Pareto front of a Pareto study's decoded trials. Pre-screened sets' values are estimates from their
+    match rate, not measured speedups, and a repeated proposal is a copy of its set's point: neither belongs on it."""
+    return _labelled(optuna.visualization.matplotlib.plot_pareto_front(
+        _only(study, decoded_trials(study)), target_names=["speedup", "acceptance rate"]),
+        f"{study.study_name}: Pareto front of speedup and acceptance", "measured speedup (x plain decoding)",
+        "acceptance rate (accepted / drafted tokens)")
+
+
 def _sublayer_label(param: str) -> str:
     if param == HEAD_PARAM:
         return "draft head size"
@@ -381,7 +390,6 @@ def write_plots(study: optuna.Study, folder: Path) -> list[Path]:
     """Write every plot that the study's trials allow; returns the files written."""
     folder.mkdir(parents=True, exist_ok=True)
     multi = len(study.directions) > 1
-    vis = optuna.visualization.matplotlib
     figures = {
         "history": lambda: history(study),
         "importances": lambda: importances(study),
@@ -389,10 +397,7 @@ def write_plots(study: optuna.Study, folder: Path) -> list[Path]:
         "speedup_vs_skipped": lambda: speedup_vs_skipped(study),
     }
     if multi:
-        figures["pareto"] = lambda: _labelled(
-            vis.plot_pareto_front(study, target_names=["speedup", "acceptance rate"]),
-            f"{study.study_name}: Pareto front of speedup and acceptance", "measured speedup (x plain decoding)",
-            "acceptance rate (accepted / drafted tokens)")
+        figures["pareto"] = lambda: pareto(study)
     written = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
