@@ -488,9 +488,33 @@ def test_history_marks_the_confirmed_figure_of_the_set_the_other_plots_show(obje
     ax = fig.axes[0]
     [star] = [c for c in ax.collections if c.get_label().startswith("best confirmed skip set")]
     assert star.get_offsets().tolist() == [[3, 0.69 if objective == "pareto" else 0.62]]
-    assert plots._highlight(study)[1].replace(" ", "") == star.get_label().replace("\n", "").replace(" ", "")
+    named = plots._highlight(study, scored=objective != "pareto")[1]
+    assert named.replace(" ", "") == star.get_label().replace("\n", "").replace(" ", "")
     assert star.get_label() in [t.get_text() for t in ax.get_legend().get_texts()]
     plt.close(fig)
     fig = plots.history(synthetic_study(objective, n=6))  # nothing confirmed: no star
     assert not [c for c in fig.axes[0].collections if "confirmed" in c.get_label()]
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("objective, score, figure", [
+    ("speed_x_acceptance", 0.62, "score 0.62 = 0.69x (0.57-0.84) x acceptance 0.90"),
+    ("speedup", 0.69, "0.69x (0.57-0.84)"), ("pareto", 0.62, "0.69x (0.57-0.84)"),
+    ("modeled", 0.75, "0.75x (0.70-0.80)")])
+def test_history_star_is_labelled_with_the_value_it_is_drawn_at(objective, score, figure):
+    """A speed_x_acceptance history draws the confirmed star at its score (speedup x acceptance): a label quoting
+    the speedup alone named a value the star is not at. Its label gives the score, then what it comes from."""
+    from skipsearch.search.records import Confirmation, ConfirmedCandidate, Figures, Ratio, write_confirmation
+
+    study = synthetic_study(objective, n=6)
+    figures = Figures(speedup=Ratio(0.69, 0.57, 0.84), paired_runs=8, acceptance_rate=0.9, prompts=4,
+                      predicted_speedup=Ratio(0.75, 0.7, 0.8) if objective == "modeled" else None)
+    write_confirmation(study, Confirmation((ConfirmedCandidate(3, SkipSet.of([21]), score, 1, 1 / 56, figures),),
+                                           top=1, repeats=2))
+    fig = plots.history(study)
+    [star] = [c for c in fig.axes[0].collections if c.get_label().startswith("best confirmed skip set")]
+    label = "".join(star.get_label().split())  # wrapped for the legend, maybe at a hyphen
+    assert label.endswith("".join(f"(not exported, plain decoding is): {figure}".split())), star.get_label()
+    drawn_at = star.get_offsets()[0][1]
+    assert figure.startswith(f"score {drawn_at:.2f} =" if objective == "speed_x_acceptance" else f"{drawn_at:.2f}x")
     plt.close(fig)
