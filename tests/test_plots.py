@@ -273,6 +273,51 @@ def test_bench_bars_carry_their_numbers(tmp_path, monkeypatch):
         plt.close(figures[-1])
 
 
+def _whiskered_rows(bars: matplotlib.container.BarContainer) -> dict[float, tuple[float, float]]:
+    """{a bar's centre height: its whisker's (left, right) x}, for the bars that have a whisker drawn."""
+    drawn = {}
+    for segment in bars.errorbar.lines[2][0].get_segments():
+        if len(segment):
+            (x0, y), (x1, _) = segment
+            drawn[round(float(y), 6)] = (float(x0), float(x1))
+    return drawn
+
+
+def test_bench_bars_draw_no_whisker_for_an_unbounded_interval(tmp_path, monkeypatch):
+    """One paired run bounds nothing (low 0, no high): a whisker down to 0 and none up read as a measured interval.
+    The bar has no whisker, and its text says why."""
+    figures = []
+    monkeypatch.setattr(bench, "save_figure", lambda fig, path: figures.append(fig))
+    rows = [BenchRow("hf greedy", 20.0, 1.0, True, 1.0, 1.0), BenchRow("skipsearch", 25.0, 1.25, True, 1.1, 1.4),
+            BenchRow("skipsearch attn=[3]", 24.0, 1.2, True, 0.0, None)]
+    bench.write_outputs(rows, tmp_path, {"model": "m", "device": "cpu"})
+    ax = figures[0].axes[0]
+    [bars] = [c for c in ax.containers if isinstance(c, matplotlib.container.BarContainer)]
+    centres = [round(bar.get_y() + bar.get_height() / 2, 6) for bar in bars]  # bottom up: the rows reversed
+    assert _whiskered_rows(bars) == {centres[2]: (1.0, 1.0), centres[1]: (1.1, 1.4)}
+    texts = sorted(t.get_text() for t in ax.texts)
+    assert texts == ["1.00x (20.0 tok/s)", "1.20x (24.0 tok/s), interval unbounded: 1 paired run",
+                     "1.25x (25.0 tok/s)"]
+    plt.close(figures[0])
+
+
+def test_category_bars_draw_no_whisker_for_an_unbounded_interval(tmp_path, monkeypatch):
+    from skipsearch.report import categories
+
+    drawn = []
+    monkeypatch.setattr(categories, "save_figure", lambda fig, path: drawn.append(fig))
+    groups = [categories.CategoryRows(name, prompts, [BenchRow("hf greedy", 20.0, 1.0, True, 1.0, 1.0),
+                                                      BenchRow("skipsearch", 22.0, 1.1, True, low, high)])
+              for name, prompts, low, high in (("qa", 1, 0.0, None), ("coding", 4, 0.9, 1.3))]
+    categories.plot_categories(groups, tmp_path / "c.png", "per category")
+    ax = drawn[0].axes[0]
+    [bars] = [c for c in ax.containers if isinstance(c, matplotlib.container.BarContainer)]
+    coding, qa = (round(bar.get_y() + bar.get_height() / 2, 6) for bar in bars)  # bottom up: the groups reversed
+    assert _whiskered_rows(bars) == {coding: (0.9, 1.3)}
+    assert sorted(t.get_text() for t in ax.texts) == ["1.10x", "1.10x, interval unbounded: 1 paired run"]
+    plt.close(drawn[0])
+
+
 def test_real_study_attributes_are_json_and_plots_are_written(tmp_path):
     model = tiny_model(num_layers=6)
     settings = StudySettings(study_name="real", storage=f"sqlite:///{tmp_path}/real.db", n_trials=4, num_prompts=1,
