@@ -273,6 +273,51 @@ def test_bench_bars_carry_their_numbers(tmp_path, monkeypatch):
         plt.close(figures[-1])
 
 
+def _whiskered_rows(bars: matplotlib.container.BarContainer) -> dict[float, tuple[float, float]]:
+    """{a bar's centre height: its whisker's (left, right) x}, for the bars that have a whisker drawn."""
+    drawn = {}
+    for segment in bars.errorbar.lines[2][0].get_segments():
+        if len(segment):
+            (x0, y), (x1, _) = segment
+            drawn[round(float(y), 6)] = (float(x0), float(x1))
+    return drawn
+
+
+def test_bench_bars_draw_no_whisker_for_an_unbounded_interval(tmp_path, monkeypatch):
+    """One paired run bounds nothing (low 0, no high): a whisker down to 0 and none up read as a measured interval.
+    The bar has no whisker, and its text says why."""
+    figures = []
+    monkeypatch.setattr(bench, "save_figure", lambda fig, path: figures.append(fig))
+    rows = [BenchRow("hf greedy", 20.0, 1.0, True, 1.0, 1.0), BenchRow("skipsearch", 25.0, 1.25, True, 1.1, 1.4),
+            BenchRow("skipsearch attn=[3]", 24.0, 1.2, True, 0.0, None)]
+    bench.write_outputs(rows, tmp_path, {"model": "m", "device": "cpu"})
+    ax = figures[0].axes[0]
+    [bars] = [c for c in ax.containers if isinstance(c, matplotlib.container.BarContainer)]
+    centres = [round(bar.get_y() + bar.get_height() / 2, 6) for bar in bars]  # bottom up: the rows reversed
+    assert _whiskered_rows(bars) == {centres[2]: (1.0, 1.0), centres[1]: (1.1, 1.4)}
+    texts = sorted(t.get_text() for t in ax.texts)
+    assert texts == ["1.00x (20.0 tok/s)", "1.20x (24.0 tok/s), interval unbounded: 1 paired run",
+                     "1.25x (25.0 tok/s)"]
+    plt.close(figures[0])
+
+
+def test_category_bars_draw_no_whisker_for_an_unbounded_interval(tmp_path, monkeypatch):
+    from skipsearch.report import categories
+
+    drawn = []
+    monkeypatch.setattr(categories, "save_figure", lambda fig, path: drawn.append(fig))
+    groups = [categories.CategoryRows(name, prompts, [BenchRow("hf greedy", 20.0, 1.0, True, 1.0, 1.0),
+                                                      BenchRow("skipsearch", 22.0, 1.1, True, low, high)])
+              for name, prompts, low, high in (("qa", 1, 0.0, None), ("coding", 4, 0.9, 1.3))]
+    categories.plot_categories(groups, tmp_path / "c.png", "per category")
+    ax = drawn[0].axes[0]
+    [bars] = [c for c in ax.containers if isinstance(c, matplotlib.container.BarContainer)]
+    coding, qa = (round(bar.get_y() + bar.get_height() / 2, 6) for bar in bars)  # bottom up: the groups reversed
+    assert _whiskered_rows(bars) == {coding: (0.9, 1.3)}
+    assert sorted(t.get_text() for t in ax.texts) == ["1.10x", "1.10x, interval unbounded: 1 paired run"]
+    plt.close(drawn[0])
+
+
 def test_real_study_attributes_are_json_and_plots_are_written(tmp_path):
     model = tiny_model(num_layers=6)
     settings = StudySettings(study_name="real", storage=f"sqlite:///{tmp_path}/real.db", n_trials=4, num_prompts=1,
@@ -342,6 +387,22 @@ def test_history_shows_decoded_trials_at_their_numbers():
     fig = plots.history(study)
     points = fig.axes[0].collections[0].get_offsets()
     assert sorted(points[:, 0].tolist()) == [0, 1, 2, 3, 6] and points[:, 1].max() < 50
+    plt.close(fig)
+
+
+def test_pareto_front_draws_decoded_trials_only():
+    """A pre-screened set's values (half its match rate, its match rate) are no measured speedup, and a repeated
+    proposal is a copy of its set: neither is a point under the axis "measured speedup"."""
+    study = synthetic_study("pareto", n=4)
+    first = study.trials[0]
+    study.add_trial(optuna.trial.create_trial(params=first.params, distributions=first.distributions,
+                                              values=[0.45, 0.9], user_attrs={**first.user_attrs, "screened_out": "x"}))
+    study.add_trial(optuna.trial.create_trial(params=first.params, distributions=first.distributions,
+                                              values=first.values, user_attrs={**first.user_attrs, "repeat_of": 0}))
+    fig = plots.pareto(study)
+    points = sorted(tuple(p) for c in fig.axes[0].collections for p in c.get_offsets().tolist())
+    assert points == sorted(tuple(t.values) for t in study.trials[:4])
+    assert fig.axes[0].get_xlabel() == "measured speedup (x plain decoding)"
     plt.close(fig)
 
 
@@ -472,9 +533,33 @@ def test_history_marks_the_confirmed_figure_of_the_set_the_other_plots_show(obje
     ax = fig.axes[0]
     [star] = [c for c in ax.collections if c.get_label().startswith("best confirmed skip set")]
     assert star.get_offsets().tolist() == [[3, 0.69 if objective == "pareto" else 0.62]]
-    assert plots._highlight(study)[1].replace(" ", "") == star.get_label().replace("\n", "").replace(" ", "")
+    named = plots._highlight(study, scored=objective != "pareto")[1]
+    assert named.replace(" ", "") == star.get_label().replace("\n", "").replace(" ", "")
     assert star.get_label() in [t.get_text() for t in ax.get_legend().get_texts()]
     plt.close(fig)
     fig = plots.history(synthetic_study(objective, n=6))  # nothing confirmed: no star
     assert not [c for c in fig.axes[0].collections if "confirmed" in c.get_label()]
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("objective, score, figure", [
+    ("speed_x_acceptance", 0.62, "score 0.62 = 0.69x (0.57-0.84) x acceptance 0.90"),
+    ("speedup", 0.69, "0.69x (0.57-0.84)"), ("pareto", 0.62, "0.69x (0.57-0.84)"),
+    ("modeled", 0.75, "0.75x (0.70-0.80)")])
+def test_history_star_is_labelled_with_the_value_it_is_drawn_at(objective, score, figure):
+    """A speed_x_acceptance history draws the confirmed star at its score (speedup x acceptance): a label quoting
+    the speedup alone named a value the star is not at. Its label gives the score, then what it comes from."""
+    from skipsearch.search.records import Confirmation, ConfirmedCandidate, Figures, Ratio, write_confirmation
+
+    study = synthetic_study(objective, n=6)
+    figures = Figures(speedup=Ratio(0.69, 0.57, 0.84), paired_runs=8, acceptance_rate=0.9, prompts=4,
+                      predicted_speedup=Ratio(0.75, 0.7, 0.8) if objective == "modeled" else None)
+    write_confirmation(study, Confirmation((ConfirmedCandidate(3, SkipSet.of([21]), score, 1, 1 / 56, figures),),
+                                           top=1, repeats=2))
+    fig = plots.history(study)
+    [star] = [c for c in fig.axes[0].collections if c.get_label().startswith("best confirmed skip set")]
+    label = "".join(star.get_label().split())  # wrapped for the legend, maybe at a hyphen
+    assert label.endswith("".join(f"(not exported, plain decoding is): {figure}".split())), star.get_label()
+    drawn_at = star.get_offsets()[0][1]
+    assert figure.startswith(f"score {drawn_at:.2f} =" if objective == "speed_x_acceptance" else f"{drawn_at:.2f}x")
     plt.close(fig)

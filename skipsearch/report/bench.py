@@ -314,6 +314,21 @@ def format_table(rows: list[BenchRow]) -> str:
     return "\n".join("  ".join(str(x).ljust(w) for x, w in zip(line, widths)) for line in [header, *lines])
 
 
+def whiskers(rows: list[BenchRow]) -> list[list[float]] | None:
+    """`rows`' 95% intervals as whiskers below and above each speedup, None unless every row has one. An unbounded
+    interval (one paired run: low 0, no high) is NaN, which matplotlib draws no whisker for: one down to 0 and none
+    up read as a measured interval reaching 0; `unbounded` says so in the bar's text instead."""
+    if any(r.speedup_low is None for r in rows):
+        return None
+    return [[float("nan") if r.speedup_high is None else r.speedup - r.speedup_low for r in rows],
+            [float("nan") if r.speedup_high is None else r.speedup_high - r.speedup for r in rows]]
+
+
+def unbounded(row: BenchRow) -> str:
+    """A bar's note that its interval bounds nothing (`ratio_interval` of one paired run), else ""."""
+    return ", interval unbounded: 1 paired run" if row.speedup_low is not None and row.speedup_high is None else ""
+
+
 def label_bars(ax: plt.Axes, bars: BarContainer, ends: list[float], labels: list[str]) -> list[plt.Annotation]:
     """Each bar's label right of `ends`, its whisker's end (at the bar's end it ran into the whisker and its cap), on
     white where the 1.0x line crosses it; `fit_labels` then widens the axis to hold them."""
@@ -345,10 +360,7 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: s
     ordered = rows[::-1]
     fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 0.25 * sum(len(r.method) // 28 for r in rows) + 1.5),
                            constrained_layout=True)
-    errors = None
-    if all(r.speedup_low is not None for r in rows):  # unbounded intervals draw no upper whisker
-        errors = [[r.speedup - r.speedup_low for r in ordered],
-                  [(r.speedup_high or r.speedup) - r.speedup for r in ordered]]
+    errors = whiskers(ordered)
     # Long method names (a skip set's sublayers) wrapped: unwrapped, they squeeze the bars into a strip.
     names = [textwrap.fill(r.method, 28) for r in ordered]
     bars = ax.barh(names, [r.speedup for r in ordered], color="tab:blue", xerr=errors,
@@ -356,7 +368,7 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: s
     # The number on each bar, and the token/s it comes from: readers compare bars by their values.
     numbers = label_bars(ax, bars, [(r.speedup_high or r.speedup) if errors else r.speedup for r in ordered],
                         [f"{r.speedup:.2f}x ({r.tokens_per_second:.1f} tok/s)"
-                         + ("" if r.identical else ", output differs") for r in ordered])
+                         + ("" if r.identical else ", output differs") + unbounded(r) for r in ordered])
     ax.set_xlim(0, max(r.speedup_high or r.speedup for r in rows) * 1.1)  # then widened for the labels
     ax.axvline(1.0, color="gray", linestyle="--", linewidth=1, label="HF greedy (1.0x)", zorder=0)
     ax.set_xlabel("speedup over HF greedy (x; geometric mean of paired runs, bars: 95% interval)")

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from ..decode.config import SkipConfig
-from .bench import BASELINE, BenchRow, Measured, bench_rows, fit_labels, fmt, label_bars, span, times
+from .bench import (BASELINE, BenchRow, Measured, bench_rows, fit_labels, fmt, label_bars, span, times,
+                    unbounded, whiskers)
 from .plots import save_figure
 
 OVERALL = "overall"
@@ -67,12 +68,11 @@ def plot_categories(groups: list[CategoryRows], path: Path, title: str) -> Path:
     numbers = []
     for k, method in enumerate(methods):
         rows = [next(r for r in g.rows if r.method == method) for g in groups][::-1]
-        errors = [[r.speedup - r.speedup_low for r in rows],
-                  [(r.speedup_high or r.speedup) - r.speedup for r in rows]]
         # The first method on top in each category, as the legend lists it.
         bars = ax.barh(positions + ((len(methods) - 1) / 2 - k) * height, [r.speedup for r in rows], height=height,
-                       xerr=errors, error_kw={"capsize": 2, "elinewidth": 1}, label=textwrap.fill(method, 40))
-        numbers += label_bars(ax, bars, [r.speedup_high or r.speedup for r in rows], [f"{r.speedup:.2f}x" for r in rows])
+                       xerr=whiskers(rows), error_kw={"capsize": 2, "elinewidth": 1}, label=textwrap.fill(method, 40))
+        numbers += label_bars(ax, bars, [r.speedup_high or r.speedup for r in rows],
+                              [f"{r.speedup:.2f}x{unbounded(r)}" for r in rows])
     ax.set_xlim(0, max(r.speedup_high or r.speedup for g in groups for r in g.rows) * 1.1)  # then widened for labels
     ax.set_yticks(positions, labels)
     ax.axvline(1.0, color="gray", linestyle="--", linewidth=1, zorder=0, label="HF greedy (1.0x)")
