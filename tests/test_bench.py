@@ -21,7 +21,7 @@ def test_bench_rows_json_and_chart(tmp_path):
                             clock=VirtualTimer(model))
     measured = measure_methods(model, PROMPTS, max_new_tokens=8, eos=None, config=config, early_exit_layer=2,
                                prompt_lookup_tokens=3, repeats=2, show_progress=False)
-    rows = bench_rows(model, measured, config, profile)
+    rows = bench_rows(model, measured, config, profile, project_with=[("other", profile)])
     names = [r.method for r in rows]
     assert names == ["hf greedy", "hf prompt lookup (3)", "hf early exit (layer 2)", "skipsearch plain",
                      "skipsearch attn=[1] mlp=[2] (guarded)",
@@ -32,6 +32,9 @@ def test_bench_rows_json_and_chart(tmp_path):
     ours = rows[-1]
     assert ours.acceptance_rate is not None and ours.predicted_speedup > 0 and ours.speedup_over_plain_loop > 0
     assert rows[3].acceptance_rate is None and rows[3].predicted_speedup is None
+    # The guard's choices follow this machine's timings: only the unguarded row is projected to another device.
+    assert [r.projected_speedups is None for r in rows] == [True] * 5 + [False]
+    assert ours.projected_speedups == {"other": ours.predicted_speedup}
     table = format_table(rows)
     assert table.splitlines()[0].startswith("method") and len(table.splitlines()) == 7
     for row in rows:

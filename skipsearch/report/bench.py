@@ -229,7 +229,8 @@ def bench_rows(model: torch.nn.Module, measured: Measured, config: SkipConfig | 
                 row.mean_accepted_tokens = stats.mean_accepted_tokens
             if profile is not None and predicts and name != "skipsearch plain":
                 row.predicted_speedup = profile.predict_speedup(config.skip, stats, adaptive=config.draft.adaptive)
-            if project_with and predicts and name != "skipsearch plain":
+            # The guard chooses by this machine's timings: another device's projection prices the unguarded rounds alone.
+            if project_with and predicts and row.guarded is False:
                 row.projected_speedups = {label: other.predict_speedup(config.skip, stats, adaptive=config.draft.adaptive)
                                           for label, other in project_with}
         rows.append(row)
