@@ -217,6 +217,9 @@ CASES = [
      r"--max-new-tokens 1 leaves no room for a draft.* needs --max-new-tokens >= 3"),
     (["optimize", "--max-new-tokens", "2"], r"--max-new-tokens 2 leaves no room for a draft.*>= 3"),
     (["optimize", "--max-draft-tokens", "0"], r"--max-draft-tokens 0 drafts nothing.*--max-draft-tokens >= 1"),
+    # bench: a config that drafts measures no draft without room for a round, refused before the model loads
+    (["bench", "--model", "{dir}/no-such-model", "--config", "{dir}/good.json", "--max-new-tokens", "2"],
+     r"--max-new-tokens 2 leaves no room for a draft.*benching a config that drafts needs --max-new-tokens >= 3$"),
     (["generate", "--prompt", "hi", "--do-sample", "--temperature", "1e-45"],
      r"argument --temperature: expected a finite number >= 0.0001 \(lower samples as greedy decoding does"),
 ]

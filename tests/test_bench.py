@@ -90,6 +90,32 @@ def test_bench_verdict_quotes_the_paired_figure_and_the_studys_own_verdict():
         "0.99x (95% interval 0.95-1.03) (without it, as its study measures: 0.86x (95% interval 0.80-0.93))")
 
 
+def test_a_config_that_drafts_yet_drafted_nothing_in_the_run_is_not_said_to_skip_nothing():
+    """Only a config whose sets skip nothing decodes plainly by design. A set that drafts can draft nothing in a run:
+    the guard decoded every token plainly, --max-new-tokens left no room for a round, or every prompt ended at EOS;
+    the verdict says which where the run shows it."""
+    from dataclasses import replace
+
+    from skipsearch.report.bench import BenchRow
+
+    base = [BenchRow("hf greedy", 10.0, 1.0, True), BenchRow("skipsearch plain", 10.5, 1.05, True)]
+    config = SkipConfig(model=ModelInfo("tiny", "LlamaForCausalLM", 4, 32), skip=SkipSet.of([3]))
+    guarded = BenchRow("skipsearch attn=[3] mlp=[] (guarded)", 10.0, 1.0, True, guarded=True)
+    unguarded = BenchRow("skipsearch attn=[3] mlp=[] (unguarded, as its study measured)", 9.0, 0.9, True,
+                         acceptance_rate=0.8, speedup_over_plain_loop=0.86, speedup_over_plain_low=0.80,
+                         speedup_over_plain_high=0.93, guarded=False)
+    assert bench_verdict(base + [guarded, unguarded], config) == (
+        "in this run the config's skip set drafted nothing with the run-time guard, which decoded every token plainly "
+        "(measuring plain speed, or judging drafting slower on this machine); without it, as its study measures: "
+        "0.86x (95% interval 0.80-0.93)")
+    idle = replace(unguarded, acceptance_rate=None)
+    assert bench_verdict(base + [guarded, idle], config, max_new_tokens=2) == (
+        "the config's skip set drafted nothing in this run: --max-new-tokens 2 leaves no room for a draft (the prefill "
+        "gives the first token, a round needs one for a draft and one for the full model's)")
+    assert bench_verdict(base + [guarded, idle], config, max_new_tokens=48) == (
+        "the config's skip set drafted nothing in this run: every prompt ended (at EOS) before a round could draft")
+
+
 def test_bench_verdict_of_several_sets_gives_the_end_to_end_figure_too():
     """Choosing among several sets costs a draft forward per set in each prefill, which the decode-time figure leaves
     out: a config of several sets (Gemma's per-category export: 1.18x decode time, 1.03x HF greedy end to end) is
