@@ -122,12 +122,15 @@ def _title(settings: dict) -> str:
 
 
 def check_config_flags(s: BenchSettings) -> None:
-    """Flags that mean nothing with the config (or without one), refused before the model loads: a config that drafts
-    needs room for a drafting round to measure a draft."""
+    """Flags that mean nothing with the config (or without one), refused before the model loads: a projection prices
+    one skip set from its rounds, and a config that drafts needs room for a drafting round to measure a draft."""
     config = load_skip_config(s.config) if s.config else None
     drafts = config is not None and config_drafts(config)
     if s.project_with and not drafts:
         raise ValueError("--project-with needs a --config that skips something")
+    if s.project_with and config.others:
+        raise ValueError(f"--project-with prices one skip set, and {s.config} holds {len(config.entries)}, chosen per "
+                         "prompt at decoding, which the cost model does not price: bench it without --project-with")
     if drafts and s.max_new_tokens < MIN_STUDY_NEW_TOKENS:
         raise ValueError(f"--max-new-tokens {s.max_new_tokens} leaves no room for a draft (the prefill gives the first "
                          "token, a round needs one for a draft and one for the full model's): benching a config that "
