@@ -75,12 +75,16 @@ def workspace(tmp_path, tiny_model_dir):
     """A folder with a good config and some bad inputs, and the tiny model's path."""
     from transformers import AutoModelForCausalLM
 
-    from skipsearch.decode.config import ModelInfo, SkipConfig, save_skip_config
+    from skipsearch.decode.config import ModelInfo, SkipConfig, SkipEntry, save_skip_config
+    from skipsearch.decode.policy import DraftPolicy
     from skipsearch.decode.skipset import SkipSet
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     save_skip_config(SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [2], 4)), tmp_path / "good.json")
     good = json.loads((tmp_path / "good.json").read_text())
+    save_skip_config(SkipConfig.of_entries(ModelInfo.of(model, "tiny"), [SkipEntry(SkipSet.of([1]), "qa"),
+                                                                        SkipEntry(SkipSet.of([], [2]), "rag")],
+                                           DraftPolicy()), tmp_path / "several.json")
     (tmp_path / "malformed.json").write_text('{"format": "skipsearch/skip-config", ')
     (tmp_path / "format.json").write_text(json.dumps({**good, "format": "something-else"}))
     (tmp_path / "version.json").write_text(json.dumps({**good, "version": 7}))
@@ -217,6 +221,12 @@ CASES = [
      r"--max-new-tokens 1 leaves no room for a draft.* needs --max-new-tokens >= 3"),
     (["optimize", "--max-new-tokens", "2"], r"--max-new-tokens 2 leaves no room for a draft.*>= 3"),
     (["optimize", "--max-draft-tokens", "0"], r"--max-draft-tokens 0 drafts nothing.*--max-draft-tokens >= 1"),
+    # bench: a config that drafts measures no draft without room for a round, refused before the model loads
+    (["bench", "--model", "{dir}/no-such-model", "--config", "{dir}/good.json", "--max-new-tokens", "2"],
+     r"--max-new-tokens 2 leaves no room for a draft.*benching a config that drafts needs --max-new-tokens >= 3$"),
+    # bench: a projection prices one skip set, not a config of several (chosen per prompt at decoding)
+    (["bench", "--model", "{dir}/no-such-model", "--config", "{dir}/several.json", "--project-with", "{dir}/good.json"],
+     r"--project-with prices one skip set, and .*several.json holds 2, chosen per prompt .*without --project-with$"),
     (["generate", "--prompt", "hi", "--do-sample", "--temperature", "1e-45"],
      r"argument --temperature: expected a finite number >= 0.0001 \(lower samples as greedy decoding does"),
 ]

@@ -21,7 +21,7 @@ def test_bench_rows_json_and_chart(tmp_path):
                             clock=VirtualTimer(model))
     measured = measure_methods(model, PROMPTS, max_new_tokens=8, eos=None, config=config, early_exit_layer=2,
                                prompt_lookup_tokens=3, repeats=2, show_progress=False)
-    rows = bench_rows(model, measured, config, profile)
+    rows = bench_rows(model, measured, config, profile, project_with=[("other", profile)])
     names = [r.method for r in rows]
     assert names == ["hf greedy", "hf prompt lookup (3)", "hf early exit (layer 2)", "skipsearch plain",
                      "skipsearch attn=[1] mlp=[2] (guarded)",
@@ -32,6 +32,9 @@ def test_bench_rows_json_and_chart(tmp_path):
     ours = rows[-1]
     assert ours.acceptance_rate is not None and ours.predicted_speedup > 0 and ours.speedup_over_plain_loop > 0
     assert rows[3].acceptance_rate is None and rows[3].predicted_speedup is None
+    # The guard's choices follow this machine's timings: only the unguarded row is projected to another device.
+    assert [r.projected_speedups is None for r in rows] == [True] * 5 + [False]
+    assert ours.projected_speedups == {"other": ours.predicted_speedup}
     table = format_table(rows)
     assert table.splitlines()[0].startswith("method") and len(table.splitlines()) == 7
     for row in rows:
@@ -85,6 +88,32 @@ def test_bench_verdict_quotes_the_paired_figure_and_the_studys_own_verdict():
     assert bench_verdict(base + [guarded, slow]) == (
         "in this run the config's skip set is not confirmed faster than plain decoding with the run-time guard: "
         "0.99x (95% interval 0.95-1.03) (without it, as its study measures: 0.86x (95% interval 0.80-0.93))")
+
+
+def test_a_config_that_drafts_yet_drafted_nothing_in_the_run_is_not_said_to_skip_nothing():
+    """Only a config whose sets skip nothing decodes plainly by design. A set that drafts can draft nothing in a run:
+    the guard decoded every token plainly, --max-new-tokens left no room for a round, or every prompt ended at EOS;
+    the verdict says which where the run shows it."""
+    from dataclasses import replace
+
+    from skipsearch.report.bench import BenchRow
+
+    base = [BenchRow("hf greedy", 10.0, 1.0, True), BenchRow("skipsearch plain", 10.5, 1.05, True)]
+    config = SkipConfig(model=ModelInfo("tiny", "LlamaForCausalLM", 4, 32), skip=SkipSet.of([3]))
+    guarded = BenchRow("skipsearch attn=[3] mlp=[] (guarded)", 10.0, 1.0, True, guarded=True)
+    unguarded = BenchRow("skipsearch attn=[3] mlp=[] (unguarded, as its study measured)", 9.0, 0.9, True,
+                         acceptance_rate=0.8, speedup_over_plain_loop=0.86, speedup_over_plain_low=0.80,
+                         speedup_over_plain_high=0.93, guarded=False)
+    assert bench_verdict(base + [guarded, unguarded], config) == (
+        "in this run the config's skip set drafted nothing with the run-time guard, which decoded every token plainly "
+        "(measuring plain speed, or judging drafting slower on this machine); without it, as its study measures: "
+        "0.86x (95% interval 0.80-0.93)")
+    idle = replace(unguarded, acceptance_rate=None)
+    assert bench_verdict(base + [guarded, idle], config, max_new_tokens=2) == (
+        "the config's skip set drafted nothing in this run: --max-new-tokens 2 leaves no room for a draft (the prefill "
+        "gives the first token, a round needs one for a draft and one for the full model's)")
+    assert bench_verdict(base + [guarded, idle], config, max_new_tokens=48) == (
+        "the config's skip set drafted nothing in this run: every prompt ended (at EOS) before a round could draft")
 
 
 def test_bench_verdict_of_several_sets_gives_the_end_to_end_figure_too():

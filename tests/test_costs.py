@@ -293,8 +293,10 @@ def test_project_with_prints_and_stores_predictions(capsys, tmp_path, tiny_model
                        "--output-dir", tmp_path / "bench", "--no-progress")
     assert code == 0, out
     assert re.search(r"PREDICTION \(cost model, not measured\) on .*gpu\.json \[cuda \(Some GPU\), bfloat16\]: "
-                     r"skipsearch attn=\[1\] mlp=\[2\] \(guarded\) \d+\.\d\dx", out)
+                     r"skipsearch attn=\[1\] mlp=\[2\] \(unguarded, as its study measured\) \d+\.\d\dx", out)
+    assert "(guarded) " not in out[out.index("PREDICTION"):]  # the guard's choices are this machine's
     saved = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert saved["rows"][-2]["projected_speedups"] is None
     assert list(saved["rows"][-1]["projected_speedups"].values())[0] == pytest.approx(
         saved["rows"][-1]["predicted_speedup"])  # the same profile twice: the same prediction
     code, out, _ = run(capsys, "optimize", "--model", tiny_model_dir, "--num-prompts", 1, "--max-new-tokens", 4,
@@ -302,6 +304,13 @@ def test_project_with_prints_and_stores_predictions(capsys, tmp_path, tiny_model
                        "--allow-first-last", "--min-match", 0, "--project-with", tmp_path / "gpu.json")
     assert code == 0 and "PREDICTION (cost model, not measured) on" in out
     assert re.search(r"trial \d+, attn=.* predicted \d+\.\d\dx over plain decoding", out)
+    # A modeled study times nothing: each set is quoted with the speedup its study predicted here, never "nan".
+    code, out, _ = run(capsys, "optimize", "--model", tiny_model_dir, "--num-prompts", 1, "--max-new-tokens", 4,
+                       "--n-trials", 3, "--studies-dir", tmp_path / "studies", "--study-name", "modeled", "--no-plots",
+                       "--no-progress", "--allow-first-last", "--min-match", 0, "--objective", "modeled",
+                       "--cost-profile", tmp_path / "gpu.json", "--project-with", tmp_path / "gpu.json")
+    assert code == 0 and re.search(r"trial \d+, attn=.* \(predicted here \d+\.\d\dx\): predicted \d+\.\d\dx", out)
+    assert "measured here" not in out and "nan" not in out
 
 
 def expected_verify(n_tokens, num_layers=4):

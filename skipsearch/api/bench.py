@@ -14,10 +14,11 @@ from ..decode.cost_profile import CostProfile
 from ..io.data import BUILTIN, categories_of, load_rows
 from ..io.files import check_output_folder
 from ..io.models import LoadedModel
-from ..report.bench import (BenchRow, Measured, bench_rows, bench_verdict, format_table, measure_methods,
-                            write_outputs)
+from ..report.bench import (BenchRow, Measured, bench_rows, bench_verdict, config_drafts, format_table,
+                            measure_methods, write_outputs)
 from ..report.categories import OVERALL, CategoryRows, category_rows, format_category_table, plot_categories
 from ..report.projections import load_projections
+from ..search.settings import MIN_STUDY_NEW_TOKENS
 from .options import ModelOptions
 from .prompts import TOO_LONG, EncodedPrompts, encode_rows
 
@@ -72,6 +73,7 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
     s = settings
     if s.too_long not in TOO_LONG:
         raise ValueError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {s.too_long!r}")
+    check_config_flags(s)
     rows_in = load_rows(s.dataset, s.field, s.split, s.num_prompts, s.seed, s.category_field)
     output_dir = s.output_dir or s.studies_dir / "bench"
     check_output_folder(output_dir, "--output-dir" if s.output_dir else "--studies-dir",
@@ -82,8 +84,6 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
         CostProfile.load(s.cost_profile)
     loaded = s.load()
     config = load_skip_config(s.config, loaded.model, loaded.tokenizer) if s.config else None
-    if s.project_with and (config is None or not config.skip.drafts):
-        raise ValueError("--project-with needs a --config that skips something")
     projections = load_projections(s.project_with or (), loaded.model)
     num_layers = loaded.model.config.num_hidden_layers
     if s.early_exit_layer is not None and not 1 <= s.early_exit_layer < num_layers:
@@ -98,7 +98,7 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
                                show_progress=not s.no_progress, compile=s.compile)
     rows = bench_rows(loaded.model, measured, config, profile, projections)
     groups = _by_category(loaded, measured, prompts, rows, config, categories_of(rows_in))
-    verdict = bench_verdict(rows, config)
+    verdict = bench_verdict(rows, config, s.max_new_tokens)
     written = _written_settings(s, loaded, len(encoded))
     json_path, png_path = write_outputs(rows, output_dir, written, verdict,
                                         [g.to_json() for g in groups[:-1]] if groups else None)
@@ -119,6 +119,22 @@ def _title(settings: dict) -> str:
     return (f"Speedup per category: {settings['model']} on {settings['device_name'] or settings['device']}, "
             f"{settings['num_prompts']} prompts x {settings['max_new_tokens']} new tokens x {settings['repeats']} "
             "repeats")
+
+
+def check_config_flags(s: BenchSettings) -> None:
+    """Flags that mean nothing with the config (or without one), refused before the model loads: a projection prices
+    one skip set from its rounds, and a config that drafts needs room for a drafting round to measure a draft."""
+    config = load_skip_config(s.config) if s.config else None
+    drafts = config is not None and config_drafts(config)
+    if s.project_with and not drafts:
+        raise ValueError("--project-with needs a --config that skips something")
+    if s.project_with and config.others:
+        raise ValueError(f"--project-with prices one skip set, and {s.config} holds {len(config.entries)}, chosen per "
+                         "prompt at decoding, which the cost model does not price: bench it without --project-with")
+    if drafts and s.max_new_tokens < MIN_STUDY_NEW_TOKENS:
+        raise ValueError(f"--max-new-tokens {s.max_new_tokens} leaves no room for a draft (the prefill gives the first "
+                         "token, a round needs one for a draft and one for the full model's): benching a config that "
+                         f"drafts needs --max-new-tokens >= {MIN_STUDY_NEW_TOKENS}")
 
 
 def draft_room(settings: BenchSettings, config: SkipConfig | None) -> int:

@@ -22,8 +22,8 @@ from ..report.export import (categories_confirmed, category_config, dataset_verd
 from ..report.plots import write_plots
 from ..report.projections import decode_stats, load_projections, projection_lines
 from ..search.published import matching_skip_sets
-from ..search.ranking import ranked
-from ..search.records import made_by_skipsearch, study_summary
+from ..search.ranking import quoted_speedup, ranked
+from ..search.records import made_by_skipsearch, study_label, study_summary
 from ..search.settings import StudySettings, check_measurable
 from ..search.space import SearchSpace
 from ..search.storage import Heartbeat, existing_study, make_storage, redact_url
@@ -310,13 +310,16 @@ def _open_storage(s: OptimizeSettings) -> tuple[optuna.storages.BaseStorage, Hea
 
 def _projections(study: optuna.Study, run: _Prepared, max_new_tokens: int, top: int = 3) -> list[str]:
     """The best measured skip sets' predicted speedups with other devices' profiles (`--project-with`)."""
-    model = run.loaded.model
+    model, objective = run.loaded.model, study_label(study).objective
+    # A modeled study times nothing: its figure here is the cost model's, and says so.
+    here = "predicted here" if objective == "modeled" else "measured here"
     measured = []
     for trial in ranked(study)[:top]:
         stats = decode_stats(model, run.prompts, trial.skip, run.policy, max_new_tokens,
                              model.generation_config.eos_token_id)
-        speedup = trial.figures.speedup.estimate if trial.figures.speedup else float("nan")
-        measured.append((f"trial {trial.number}, {trial.skip} (measured here {speedup:.2f}x)", trial.skip, stats))
+        speedup = quoted_speedup(trial.figures, objective)
+        figure = f" ({here} {speedup.estimate:.2f}x)" if speedup is not None else ""
+        measured.append((f"trial {trial.number}, {trial.skip}{figure}", trial.skip, stats))
     if not measured:
         return ["--project-with: no completed trial skips anything, nothing to project"]
     return projection_lines(run.projections, measured, run.policy.adaptive)

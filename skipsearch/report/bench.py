@@ -33,10 +33,12 @@ from ..decode.stats import DecodeStats
 from ..decode.steps import synchronize
 from ..io.files import write_atomic
 from ..search.measure import ratio_interval
+from ..search.settings import MIN_STUDY_NEW_TOKENS
 from .plots import save_figure
 
 Decoder = Callable[[list[int]], tuple[list[int], DecodeStats | None]]
 BASELINE = "hf greedy"  # every speedup's baseline: plain autoregressive decoding, as Spec-Bench's
+PLAIN_CONFIG = "skipsearch config (skips nothing)"  # the row of a config that decodes plainly by design
 
 
 @dataclass
@@ -229,7 +231,8 @@ def bench_rows(model: torch.nn.Module, measured: Measured, config: SkipConfig | 
                 row.mean_accepted_tokens = stats.mean_accepted_tokens
             if profile is not None and predicts and name != "skipsearch plain":
                 row.predicted_speedup = profile.predict_speedup(config.skip, stats, adaptive=config.draft.adaptive)
-            if project_with and predicts and name != "skipsearch plain":
+            # The guard chooses by this machine's timings: another device's projection prices the unguarded rounds alone.
+            if project_with and predicts and row.guarded is False:
                 row.projected_speedups = {label: other.predict_speedup(config.skip, stats, adaptive=config.draft.adaptive)
                                           for label, other in project_with}
         rows.append(row)
@@ -240,7 +243,7 @@ def config_decoders(config: SkipConfig) -> dict[str, DraftPolicy]:
     """The config's rows, by label: its skip set as deployed (its own policy, the guard on unless the config turns it
     off) and, where the guard is on, also without it, which is what a study's trial measures: like with like."""
     if not config.skip.drafts and not config.others:
-        return {"skipsearch config (skips nothing)": config.draft}
+        return {PLAIN_CONFIG: config.draft}
     name = config.skip if not config.others else \
         f"{len(config.entries)} sets chosen per prompt ({', '.join(str(e.label) for e in config.entries)})"
     if not config.draft.guard:
@@ -253,17 +256,18 @@ def _finite(value: float) -> float | None:
     return value if value != float("inf") else None  # JSON has no infinity
 
 
-def bench_verdict(rows: list[BenchRow], config: SkipConfig | None = None) -> str | None:
+def bench_verdict(rows: list[BenchRow], config: SkipConfig | None = None,
+                  max_new_tokens: int | None = None) -> str | None:
     """What the run says about the config, against skipsearch's own plain decoding (paired, decode time),
-    beside the figure its study confirmed; None without a config."""
+    beside the figure its study confirmed; None without a config. `max_new_tokens`: the run's, which a config that
+    drafted nothing may owe that to."""
     ours = [r for r in rows if r.method.startswith("skipsearch") and r.method != "skipsearch plain"]
     if not ours:
         return None
     row, unguarded = ours[0], next((r for r in ours if r.guarded is False), None)
     recorded = config.metrics.verdict if config is not None else None
     if row.acceptance_rate is None:
-        text = "the config skips nothing: it decodes plainly" if config is None or not config.others else \
-            "the config's sets drafted nothing: the prefill chose plain decoding for every prompt"
+        text = _drafted_nothing(row, unguarded, config, max_new_tokens)
         return f"{text} (its study's verdict: {recorded})" if recorded else text
     figure = _figure(row)
     guard = {True: " with the run-time guard", False: " without the run-time guard", None: ""}[row.guarded]
@@ -280,6 +284,34 @@ def bench_verdict(rows: list[BenchRow], config: SkipConfig | None = None) -> str
                  f"interval {row.speedup_low:.2f}-{row.speedup_high or float('inf'):.2f}), our plain loop "
                  f"{plain.speedup:.2f}x")
     return f"{text}; its study recorded: {recorded}" if recorded else text
+
+
+def _drafted_nothing(row: BenchRow, unguarded: BenchRow | None, config: SkipConfig | None,
+                     max_new_tokens: int | None) -> str:
+    """The verdict of a config whose row drafted nothing: plain decoding by design only where its sets skip nothing;
+    a set that drafts can still draft nothing in a run, and the verdict says why where the run shows it."""
+    if (row.method == PLAIN_CONFIG) if config is None else not config_drafts(config):
+        return "the config skips nothing: it decodes plainly"
+    subject = "the config's sets" if config is not None and config.others else "the config's skip set"
+    if row.guarded and unguarded is not None and unguarded.acceptance_rate is not None:
+        return (f"in this run {subject} drafted nothing with the run-time guard, which decoded every token plainly "
+                f"(measuring plain speed, or judging drafting slower on this machine); without it, as its study "
+                f"measures: {_figure(unguarded)}")
+    if max_new_tokens is not None and max_new_tokens < MIN_STUDY_NEW_TOKENS:
+        why = (f"--max-new-tokens {max_new_tokens} leaves no room for a draft (the prefill gives the first token, "
+               "a round needs one for a draft and one for the full model's)")
+    elif config is not None and config.draft.max_draft_tokens == 0:
+        why = "its max_draft_tokens is 0"
+    elif config is not None and config.others:
+        why = "the prefill chose plain decoding for every prompt, or each prompt ended (at EOS) before a round drafted"
+    else:
+        why = "every prompt ended (at EOS) before a round could draft"
+    return f"{subject} drafted nothing in this run: {why}"
+
+
+def config_drafts(config: SkipConfig) -> bool:
+    """Whether any of the config's sets drafts: one that skips nothing (and keeps the full head) decodes plainly."""
+    return any(skip.drafts for skip in config.skip_sets)
 
 
 def _figure(row: BenchRow) -> str:
