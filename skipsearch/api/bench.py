@@ -12,7 +12,7 @@ from ..costs.profiler import contexts_for, device_name, profile_costs, study_com
 from ..decode.config import SkipConfig, load_skip_config
 from ..decode.cost_profile import CostProfile
 from ..io.data import BUILTIN, categories_of, load_rows
-from ..io.files import check_output_file, check_output_folder
+from ..io.files import check_output_file, check_output_folder, output_target
 from ..io.models import LoadedModel
 from ..report.bench import (BenchRow, Measured, bench_rows, bench_verdict, format_table, measure_methods,
                             write_outputs)
@@ -109,7 +109,16 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
     json_path, png_path = write_outputs(rows, output_dir, written, verdict,
                                         [g.to_json() for g in groups[:-1]] if groups else None)
     categories_png = plot_categories(groups, output_dir / CATEGORIES_PNG, _title(written)) if groups else None
+    if categories_png is None:
+        _drop_stale(output_dir / CATEGORIES_PNG)
     return Benchmark(rows, verdict, json_path, png_path, groups, categories_png)
+
+
+def _drop_stale(path: Path) -> None:
+    """Remove an earlier run's figure that this run does not draw: left, it would stand beside a bench.json that has
+    no categories as if it were this run's. A stream (a FIFO, a device) is no earlier figure, and stays."""
+    if path.is_file() and not output_target(path)[1]:
+        path.unlink()
 
 
 def _by_category(loaded: LoadedModel, measured: Measured, prompts: EncodedPrompts, rows: list[BenchRow],
