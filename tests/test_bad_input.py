@@ -169,6 +169,8 @@ CASES = [
     (["bench", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
     (["profile", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
     (["optimize", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
+    (["export", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
+    (["plot", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
     # 2. rejected input writes nothing: no database, no Optuna tables added to someone else's
     (["optimize", "--seed", "-1"], r"--seed: expected an integer in \[0, 4294967295\]"),
     (["optimize", "--sampler", "cmaes", "--objective", "pareto"], "cmaes sampler handles one objective"),
