@@ -93,6 +93,8 @@ def workspace(tmp_path, tiny_model_dir):
     (tmp_path / "prompts.jsonl").write_text('{"text": "hello"}\n')
     (tmp_path / "not-a-model").mkdir()
     (tmp_path / "studies").mkdir()
+    (tmp_path / "figures" / "bench.png").mkdir(parents=True)  # bench's own files, where they cannot be written
+    (tmp_path / "old-studies" / "bench" / "bench_categories.png").mkdir(parents=True)
     (tmp_path / "draft-list.json").write_text(json.dumps({**good, "draft": [8, 0.6]}))
     (tmp_path / "draft-null.json").write_text(json.dumps({**good, "draft": {**good["draft"], "max_draft_tokens": None}}))
     (tmp_path / "a-folder.jsonl").mkdir()
@@ -163,10 +165,16 @@ CASES = [
     (["profile", "--output", "{dir}/studies"], "is a folder: name a file"),
     (["profile", "--output", "{dir}/good.json/profile.json"], "is a file, not a folder"),
     (["bench", "--output-dir", "{dir}/prompts.jsonl"], "is a file: name a folder"),
+    # each file bench writes, before the model loads (this one would fail to): not bench.json first, then a refusal
+    (["bench", "--model", "{dir}/no-such-model", "--output-dir", "{dir}/figures"],
+     r"--output-dir .*figures/bench.png. is a folder: name a file$"),
+    (["bench", "--studies-dir", "{dir}/old-studies"], r"--studies-dir .*bench/bench_categories.png. is a folder"),
     # the folder as given, not the one made in it (prompts.jsonl/bench), named where it is a file
     (["bench", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
     (["profile", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
     (["optimize", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
+    (["export", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
+    (["plot", "--studies-dir", "{dir}/prompts.jsonl"], r"--studies-dir .*prompts.jsonl. is a file: name a folder$"),
     # 2. rejected input writes nothing: no database, no Optuna tables added to someone else's
     (["optimize", "--seed", "-1"], r"--seed: expected an integer in \[0, 4294967295\]"),
     (["optimize", "--sampler", "cmaes", "--objective", "pareto"], "cmaes sampler handles one objective"),

@@ -244,6 +244,17 @@ def test_bench_and_profile_write_under_the_studies_dir_unless_told_otherwise(cap
     assert not (tmp_path / "studies").exists()
 
 
+def test_bench_without_categories_removes_an_earlier_runs_category_figure(capsys, tmp_path, tiny_model_dir):
+    """An earlier run's bench_categories.png beside a bench.json without categories would pass for this run's."""
+    stale = tmp_path / "bench" / "bench_categories.png"
+    stale.parent.mkdir()
+    stale.write_bytes(b"\x89PNG an earlier run's")
+    code, _, _ = run(capsys, "bench", "--model", tiny_model_dir, "--output-dir", tmp_path / "bench", "--num-prompts",
+                     1, "--max-new-tokens", 2, "--repeats", 1, "--prompt-lookup-tokens", 0, "--no-progress")
+    assert code == 0 and "categories" not in json.loads((tmp_path / "bench" / "bench.json").read_text())
+    assert {p.name for p in (tmp_path / "bench").iterdir()} == {"bench.json", "bench.png"}
+
+
 def test_optimize_takes_over_an_empty_unlabelled_study(capsys, tmp_path, tiny_model_dir):
     """A worker started beside another can find the study created but not yet labelled; it must not refuse it."""
     import optuna

@@ -380,6 +380,32 @@ def test_export_to_a_link_to_dev_stdout_reaches_stdout(tmp_path):
     assert link.is_symlink()
 
 
+@pytest.mark.parametrize("output", ["/dev/stdout", "/proc/self/fd/1", "{log}"])
+def test_export_to_stdout_redirected_to_a_file_appends_to_what_it_holds(tmp_path, output):
+    """As `(echo before; python -m skipsearch export --output /dev/stdout; echo after) > log.txt` runs it: each of
+    these names the file stdout is open on, which is written at stdout's position, never replaced."""
+    fake_study(tmp_path, [1.0, 1.2])
+    log = tmp_path / "log.txt"
+    output = output.replace("{log}", str(log))
+    code = "import sys\nfrom skipsearch.cli import main\nsys.exit(main(sys.argv[1:]))"
+    argv = ["export", "--study-name", "fake", "--storage", f"sqlite:///{tmp_path}/fake.db", "--output", output]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONWARNINGS": "ignore::FutureWarning"}
+    shared = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # one open file, as the shell's `>` gives
+    try:
+        os.write(shared, b"before\n")
+        result = subprocess.run([sys.executable, "-c", code, *argv], cwd=tmp_path, env=env, stdout=shared,
+                                stderr=subprocess.PIPE, text=True, timeout=300)
+        os.write(shared, b"after\n")
+    finally:
+        os.close(shared)
+    assert result.returncode == 0, result.stderr
+    text = log.read_text()
+    assert text.startswith("before\n{") and text.endswith("after\n"), text
+    exported, end = json.JSONDecoder().raw_decode(text, len("before\n"))  # the config, whole, then what it printed
+    assert exported["format"] == "skipsearch/skip-config" and f"\nexported {output}: " in text[end:], text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake.db", "log.txt"]
+
+
 def test_export_through_a_symlink_to_a_file_replaces_the_file_and_keeps_the_link(tmp_path, capsys):
     target, link = tmp_path / "real" / "best.json", tmp_path / "best.json"
     target.parent.mkdir()

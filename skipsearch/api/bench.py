@@ -12,7 +12,7 @@ from ..costs.profiler import contexts_for, device_name, profile_costs, study_com
 from ..decode.config import SkipConfig, load_skip_config
 from ..decode.cost_profile import CostProfile
 from ..io.data import BUILTIN, categories_of, load_rows
-from ..io.files import check_output_folder
+from ..io.files import check_output_file, check_output_folder, output_target
 from ..io.models import LoadedModel
 from ..report.bench import (BenchRow, Measured, bench_rows, bench_verdict, config_drafts, format_table,
                             measure_methods, write_outputs)
@@ -21,6 +21,10 @@ from ..report.projections import load_projections
 from ..search.settings import MIN_STUDY_NEW_TOKENS
 from .options import ModelOptions
 from .prompts import TOO_LONG, EncodedPrompts, encode_rows
+
+
+CATEGORIES_PNG = "bench_categories.png"
+OUTPUTS = ("bench.json", "bench.png", CATEGORIES_PNG)  # what bench writes in its folder (the last with categories)
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,10 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
     check_config_flags(s)
     rows_in = load_rows(s.dataset, s.field, s.split, s.num_prompts, s.seed, s.category_field)
     output_dir = s.output_dir or s.studies_dir / "bench"
-    check_output_folder(output_dir, "--output-dir" if s.output_dir else "--studies-dir",
-                        inside=None if s.output_dir else s.studies_dir)
+    flag, inside = ("--output-dir", None) if s.output_dir else ("--studies-dir", s.studies_dir)
+    check_output_folder(output_dir, flag, inside=inside)
+    for name in OUTPUTS:  # each file, before any work: bench.png refused after the run would lose it all
+        check_output_file(output_dir / name, flag, inside=inside)
     if s.config:  # a broken file is reported before the model loads
         load_skip_config(s.config)
     if s.cost_profile:
@@ -102,8 +108,17 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
     written = _written_settings(s, loaded, len(encoded))
     json_path, png_path = write_outputs(rows, output_dir, written, verdict,
                                         [g.to_json() for g in groups[:-1]] if groups else None)
-    categories_png = plot_categories(groups, output_dir / "bench_categories.png", _title(written)) if groups else None
+    categories_png = plot_categories(groups, output_dir / CATEGORIES_PNG, _title(written)) if groups else None
+    if categories_png is None:
+        _drop_stale(output_dir / CATEGORIES_PNG)
     return Benchmark(rows, verdict, json_path, png_path, groups, categories_png)
+
+
+def _drop_stale(path: Path) -> None:
+    """Remove an earlier run's figure that this run does not draw: left, it would stand beside a bench.json that has
+    no categories as if it were this run's. A stream (a FIFO, a device) is no earlier figure, and stays."""
+    if path.is_file() and not output_target(path)[1]:
+        path.unlink()
 
 
 def _by_category(loaded: LoadedModel, measured: Measured, prompts: EncodedPrompts, rows: list[BenchRow],

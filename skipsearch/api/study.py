@@ -34,7 +34,8 @@ def export_study(settings: ExportSettings) -> Export:
     """Write the study's decision (or trial `settings.trial`) as `python -m skipsearch export` does."""
     s = settings
     output = s.output or s.folder / ("skip_layers.json" if s.format == "dv" else "best.json")
-    check_output_file(output, "--output")
+    # The flag the user gave: a default path under a --studies-dir that is a file names that, not an unseen --output.
+    check_output_file(output, "--output" if s.output else "--studies-dir", inside=None if s.output else s.studies_dir)
     study = s.load_study()
     config = export_trial(study, output, s.trial, write=write_dv if s.format == "dv" else save_skip_config)
     verdicts = [verdict(study)[1], *dataset_verdicts(study)] if s.trial is None else []
@@ -43,8 +44,9 @@ def export_study(settings: ExportSettings) -> Export:
 
 def plot_study(settings: StudyOptions, output: Path | None = None) -> list[Path]:
     """Write the study's plots (into `<studies_dir>/<study_name>/plots` by default); returns their files."""
+    flag, inside = ("--output", None) if output else ("--studies-dir", settings.studies_dir)
     output = output or settings.folder / "plots"
-    check_output_folder(output, "--output")
+    check_output_folder(output, flag, inside=inside)
     study = settings.load_study()
     if not any(t.state.name == "COMPLETE" for t in study.trials):
         raise ValueError(f"study {settings.study_name!r} has no completed trial to plot yet")

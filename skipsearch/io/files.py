@@ -1,12 +1,15 @@
 """Files that readers never see half-written, with the mode a plain write would give, and JSON reads whose errors
 name the file. Every output skipsearch writes (configs, profiles, bench results, plots) goes through here: a regular
-file is replaced atomically, a stream (a character device, a FIFO) written through, never replaced."""
+file is replaced atomically, a stream (a character device, a FIFO, a path that names a file descriptor) written
+through, never replaced."""
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
+import re
 import shutil
 import stat
 import sys
@@ -42,14 +45,59 @@ def _replace_atomically(path: str | Path, write: Callable[[Path], None]) -> None
         Path(tmp).unlink(missing_ok=True)
 
 
+# A path that names a file descriptor rather than a file: /dev/fd/N, /proc/<pid or self>/fd/N (and a thread's), once
+# the folders above it are resolved (/dev/fd is a link to /proc/self/fd, /proc/self one to /proc/<pid>).
+_DESCRIPTOR_PATH = re.compile(r"/(?:dev/fd|proc/(self|thread-self|\d+)(?:/task/\d+)?/fd)/(\d+)")
+_STANDARD_STREAMS = {"/dev/stdin": 0, "/dev/stdout": 1, "/dev/stderr": 2}
+
+
+def named_descriptor(path: str | Path) -> tuple[bool, int | None]:
+    """Whether `path` names a stream by its file descriptor, and which of this process's descriptors (None: another
+    process's): /dev/stdout, /dev/stderr, /dev/fd/N, /proc/self/fd/N, /proc/<pid>/fd/N, a symlink to one of them, or
+    a path that is the same file as standard output or error. Such a path resolves to whatever the descriptor is open
+    on, a regular file too (`> log.txt`): replacing that file would wipe what the caller wrote there before."""
+    current = os.path.abspath(path)
+    for _ in range(40):  # Linux's own limit on links followed: a loop of links ends here
+        current = os.path.join(os.path.realpath(os.path.dirname(current)), os.path.basename(current))
+        if current in _STANDARD_STREAMS:
+            return True, _STANDARD_STREAMS[current]
+        match = _DESCRIPTOR_PATH.fullmatch(current)
+        if match:
+            owner = match.group(1)
+            own = owner is None or not owner.isdigit() or int(owner) == os.getpid()
+            return True, int(match.group(2)) if own else None
+        if not os.path.islink(current):
+            break
+        current = os.path.join(os.path.dirname(current), os.readlink(current))
+    try:
+        named = os.stat(path)
+    except OSError:
+        return False, None
+    for descriptor in (1, 2):  # the file itself, as `--output log.txt > log.txt` names it
+        try:
+            if os.path.samestat(named, os.fstat(descriptor)):
+                return True, descriptor
+        except OSError:  # that descriptor is closed
+            continue
+    return False, None
+
+
 def output_target(path: str | Path) -> tuple[Path, bool]:
     """Where an output named `path` goes, and whether it is written through instead of replaced.
 
     A regular file (or a new one) is replaced atomically; a symlink to one replaces its target, so the link stays.
-    A character device or a FIFO (/dev/stdout, /dev/null, a named pipe), or a symlink to one, is a stream: renaming
-    over it would replace the entry itself (as root, /dev/stdout's) and send nothing down the stream, so it is
-    written through. Anything else (a block device, a socket, a folder) is refused with a ValueError of one line."""
+    A character device or a FIFO (/dev/null, a named pipe), or a symlink to one, is a stream: renaming over it would
+    replace the entry itself (as root, /dev/stdout's) and send nothing down the stream, so it is written through. So
+    is a path that names a file descriptor (`named_descriptor`), whatever it is open on. Anything else (a block
+    device, a socket, a folder) is refused with a ValueError of one line."""
     path = Path(path)
+    descriptor, own = named_descriptor(path)
+    if descriptor:
+        try:
+            os.fstat(own) if own is not None else os.stat(path)
+        except OSError:
+            raise ValueError(f"{str(path)!r} names a file descriptor that is not open") from None
+        return path, True
     try:
         mode = os.stat(path).st_mode  # follows symlinks: the kind of what is written to
     except (FileNotFoundError, NotADirectoryError):  # a new file (a dangling link: its target); its folder is checked
@@ -61,6 +109,19 @@ def output_target(path: str | Path) -> tuple[Path, bool]:
     kind = "a folder" if stat.S_ISDIR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket" \
         if stat.S_ISSOCK(mode) else "not a regular file"
     raise ValueError(f"{str(path)!r} is {kind}: name a file, a character device or a FIFO")
+
+
+def _open_stream(target: Path, descriptor: int | None):
+    """A binary file to write an output through to a stream. This process's own descriptor is duplicated and written
+    at its position, after what was printed before (flushed first), as the shell's `(echo; command; echo) > log`
+    expects of it; another path is opened to append: a device or a FIFO has no position, and a file reached through
+    another process's descriptor keeps what it holds."""
+    if descriptor is None:
+        return open(target, "ab")
+    for printed in (sys.stdout, sys.stderr):
+        if printed is not None and not printed.closed:
+            printed.flush()
+    return os.fdopen(os.dup(descriptor), "wb")  # "wb" on a descriptor already open truncates nothing
 
 
 def write_output(path: str | Path, write: Callable[[Path], None]) -> None:
@@ -75,7 +136,7 @@ def write_output(path: str | Path, write: Callable[[Path], None]) -> None:
         with tempfile.TemporaryDirectory() as folder:
             staged = Path(folder) / Path(path).name
             write(staged)
-            with staged.open("rb") as source, open(target, "wb") as sink:  # "wb" on a stream truncates nothing
+            with staged.open("rb") as source, _open_stream(target, named_descriptor(path)[1]) as sink:
                 shutil.copyfileobj(source, sink)
     except OSError as error:
         exhausted = resource_error(error, f"writing {str(path)!r}")
@@ -201,8 +262,8 @@ _MIN_FREE_BYTES = 1 << 20
 
 def check_output_file(path: Path, flag: str, inside: Path | None = None) -> None:
     """Before any work: `path` can be written as a file (it is not a folder; its folder can be made and written), or
-    it is a stream this process may write (`output_target`: a character device or a FIFO). `flag` names the option
-    that gave it, in the one-line ValueError; `inside`: the folder it gave, which `path` is made in."""
+    it is a stream this process may write (`output_target`: a character device, a FIFO, a file descriptor). `flag`
+    names the option that gave it, in the one-line ValueError; `inside`: the folder it gave, which `path` is made in."""
     _check_given_folder(inside, flag)
     if path.is_dir():
         raise ValueError(f"{flag} {str(path)!r} is a folder: name a file")
@@ -210,9 +271,20 @@ def check_output_file(path: Path, flag: str, inside: Path | None = None) -> None
         target, stream = output_target(path)
     except ValueError as error:
         raise ValueError(f"{flag} {error}") from None
-    problem = (None if os.access(target, os.W_OK) else "not writable") if stream else unwritable_folder(target.parent)
+    problem = _unwritable_stream(path, target) if stream else unwritable_folder(target.parent)
     if problem:
         raise ValueError(f"{flag} {str(path)!r} cannot be written: {problem}")
+
+
+def _unwritable_stream(path: Path, target: Path) -> str | None:
+    """Why the stream `path` cannot be written, or None. This process's own descriptor is asked how it was opened:
+    the file it is open on may be read-only to its name and still written through it."""
+    descriptor = named_descriptor(path)[1]
+    if descriptor is None:
+        return None if os.access(target, os.W_OK) else "not writable"
+    if fcntl.fcntl(descriptor, fcntl.F_GETFL) & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR):
+        return None
+    return f"file descriptor {descriptor} is open for reading only"
 
 
 def _check_given_folder(folder: Path | None, flag: str) -> None:
