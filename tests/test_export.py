@@ -110,22 +110,6 @@ def test_export_of_a_named_trial_is_marked_unconfirmed(tmp_path):
         export_trial(study, tmp_path / "t7.json", trial_number=7)
 
 
-def test_a_trial_never_decoded_as_itself_is_not_exported(tmp_path):
-    """A set the pre-screen stopped has an estimate for a value, and a repeated proposal copies its first trial's:
-    exporting either would write that value as a measured score, so each is refused, naming why."""
-    study = fake_study(tmp_path, [1.0, 1.3])
-    for attrs in ({"screened_out": "teacher-forced match 0.31 < 0.5", "match": 0.31}, {"repeat_of": 1}):
-        study.add_trial(optuna.trial.create_trial(
-            params={}, distributions={}, value=0.05,
-            user_attrs={"skip_attn": [3], "skip_mlp": [], "skipped": 1, **attrs}))
-    with pytest.raises(ValueError, match=r"^trial 2 of study 'fake' was screened out by the pre-screen \(teacher-forced "
-                                         r"match 0.31 < 0.5\) and never decoded"):
-        export_trial(study, tmp_path / "t2.json", trial_number=2)
-    with pytest.raises(ValueError, match=r"^trial 3 of study 'fake' is a repeat of trial 1 .*: export trial 1$"):
-        export_trial(study, tmp_path / "t3.json", trial_number=3)
-    assert not (tmp_path / "t2.json").exists() and not (tmp_path / "t3.json").exists()
-
-
 def test_a_confirmation_of_one_paired_run_claims_no_interval(tmp_path):
     single = dict(candidate(1, 0.9, 0.0, None, [1]), paired_runs=1)
     text = decide(fake_study(tmp_path, [1.0, 1.1], confirmed=[single])).text

@@ -159,14 +159,6 @@ def config_from_trial(study: optuna.Study, trial: TrialRecord) -> SkipConfig:
         raise ValueError(f"trial {trial.number} of study {study.study_name!r} is {trial.state.name}, not COMPLETE")
     if trial.skip is None:
         raise ValueError(f"trial {trial.number} of study {study.study_name!r} has no skip set")
-    # A repeat copies another trial's figures, and a screened-out set has only the pre-screen's estimate (on another
-    # scale) as its value: neither has a measurement of its own to export.
-    if trial.repeat_of is not None:
-        raise ValueError(f"trial {trial.number} of study {study.study_name!r} is a repeat of trial {trial.repeat_of} "
-                         f"(the same skip set, whose measurement it copies): export trial {trial.repeat_of}")
-    if trial.screened_out is not None:
-        raise ValueError(f"trial {trial.number} of study {study.study_name!r} was screened out by the pre-screen "
-                         f"({trial.screened_out}) and never decoded: its value is an estimate, not a measurement")
     confirmation = read_confirmation(study)
     confirmed = confirmation.of_trial(trial.number) if confirmation is not None else None
     if confirmed is not None:  # the confirmation's figures are the better-measured ones
