@@ -84,8 +84,6 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
     check_output_folder(output_dir, flag, inside=inside)
     for name in OUTPUTS:  # each file, before any work: bench.png refused after the run would lose it all
         check_output_file(output_dir / name, flag, inside=inside)
-    if s.config:  # a broken file is reported before the model loads
-        load_skip_config(s.config)
     if s.cost_profile:
         CostProfile.load(s.cost_profile)
     loaded = s.load()
@@ -137,8 +135,9 @@ def _title(settings: dict) -> str:
 
 
 def check_config_flags(s: BenchSettings) -> None:
-    """Flags that mean nothing with the config (or without one), refused before the model loads: a projection prices
-    one skip set from its rounds, and a config that drafts needs room for a drafting round to measure a draft."""
+    """A broken config file, and flags that mean nothing with the config (or without one), refused before the model
+    loads: a projection prices one skip set from its rounds, and a config that drafts needs room for a drafting round
+    to measure a draft."""
     config = load_skip_config(s.config) if s.config else None
     drafts = config is not None and config_drafts(config)
     if s.project_with and not drafts:
