@@ -400,6 +400,44 @@ def test_a_set_two_workers_decoded_at_once_is_confirmed_once_as_its_first_trial(
     assert [t.number for t in candidates] == [1, 0, 3]
 
 
+def add_interval(study, skip, speedup, low, high):
+    """A decoded trial whose speedup carries its 95% interval (acceptance 1: the score is the speedup)."""
+    from skipsearch.search.records import Figures, Ratio, TrialRecord
+
+    figures = Figures(speedup=Ratio(speedup, low, high), paired_runs=4, acceptance_rate=1.0)
+    attrs = TrialRecord(skip=skip, skipped=skip.size, figures=figures).attrs()
+    study.add_trial(optuna.trial.create_trial(params={}, distributions={}, value=speedup, user_attrs=attrs))
+
+
+def test_assured_score_is_the_score_at_the_interval_low_end_and_the_estimate_without_one():
+    from skipsearch.search.records import Figures, Ratio
+    from skipsearch.search.ranking import assured_score
+
+    figures = Figures(speedup=Ratio(1.5, 0.6, 3.0), acceptance_rate=0.8)
+    assert assured_score(figures, "speed_x_acceptance") == pytest.approx(0.6 * 0.8)
+    assert assured_score(figures, "speedup") == pytest.approx(0.6)
+    assert assured_score(figures, "pareto") == pytest.approx(0.6 * 0.8)
+    assert assured_score(Figures(speedup=Ratio(1.5), acceptance_rate=0.8), "speed_x_acceptance") == pytest.approx(1.2)
+    modeled = Figures(predicted_speedup=Ratio(1.4, 1.1, 1.6), acceptance_rate=0.5)
+    assert assured_score(modeled, "modeled") == pytest.approx(1.1)
+
+
+def test_a_precisely_measured_set_is_confirmed_beside_sets_that_noise_ranked_above_it():
+    """The thirty-second session's study under load: noise-inflated sets with wide intervals filled all three
+    confirmation places, and the set that pays (1.2x, narrow) was never measured again."""
+    from skipsearch.search.ranking import best_candidates
+
+    study = labelled_study("noisy")
+    add_interval(study, SkipSet.of([1], [], 4), 1.78, 0.26, 7.2)
+    add_interval(study, SkipSet.of([2], [], 4), 1.6, 0.4, 6.0)
+    add_interval(study, SkipSet.of([3], [], 4), 1.49, 0.5, 4.4)
+    add_interval(study, SkipSet.of([], [1], 4), 1.21, 1.12, 1.31)  # the precise one: fourth by its estimate
+    add_interval(study, SkipSet.of([], [2], 4), 1.1, 0.9, 1.3)
+    assert [t.number for t in best_candidates(study, 3)] == [0, 3, 1]  # by score, by assurance, by score
+    assert [t.number for t in best_candidates(study, 1)] == [0]  # the best by score keeps the first place
+    assert [t.number for t in best_candidates(study, 5)] == [0, 3, 1, 4, 2]
+
+
 def test_workers_of_a_shared_study_seed_their_samplers_apart_and_one_process_by_seed_alone(tmp_path, monkeypatch):
     from skipsearch.search import study as study_module
 

@@ -85,7 +85,8 @@ def add_search_flags(search: argparse._ArgumentGroup) -> None:
     search.add_argument("--repeats", type=positive_int, default=1,
                         help="paired runs (plain, then skip set, alternating order) per prompt in a trial")
     search.add_argument("--confirm-top", type=non_negative_int, default=3,
-                        help="best distinct skip sets re-measured against plain decoding before export, and with "
+                        help="best distinct skip sets re-measured against plain decoding before export (the places "
+                             "taken in turn by score and by score at the speedup interval's low end), and with "
                              "several --dataset each dataset's best as many (0: none, so plain decoding is exported)")
     search.add_argument("--confirm-repeats", type=positive_int, default=2,
                         help="paired runs per prompt when confirming")

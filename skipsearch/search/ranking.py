@@ -5,6 +5,11 @@ speed for acceptance and has no best of its own: it ranks them by speedup x acce
 that its confirmation, plots and progress bar show the sets a single-objective study would. Acceptance counts as 1
 when nothing was drafted (plain decoding rejects nothing).
 
+The confirmation's candidates are chosen by two orders taken in turn: by score, and by the score at the low end of
+the speedup's 95% interval (`assured_score`). A trial's score rests on few paired runs; on a shared machine noise
+lifts some sets' estimates far above what they give, with wide intervals, and those take every place a ranking by
+score alone offers. The second order gives a place to the sets whose runs agree.
+
 The verdict quotes the speedup its objective is about: predicted by the cost model for `modeled` studies, measured
 otherwise; when it exports nothing it names the fastest confirmed set.
 """
@@ -46,6 +51,15 @@ def score(figures: Figures, objective: str) -> float:
     return value[0] * value[1] if isinstance(value, tuple) else value
 
 
+def assured_score(figures: Figures, objective: str) -> float:
+    """`score` with the speedup at the low end of its 95% interval: what a set gives as surely as its paired runs
+    show. The estimate's score where no low end was recorded (older studies) or none is measured."""
+    speedup = quoted_speedup(figures, objective)
+    if speedup is None or speedup.low is None or speedup.estimate <= 0:
+        return score(figures, objective)
+    return score(figures, objective) * speedup.low / speedup.estimate  # every objective's score is linear in speedup
+
+
 def quoted_speedup(figures: Figures | None, objective: str) -> Ratio | None:
     """The speedup a verdict quotes (None where it was not measured): predicted for modeled studies, else measured."""
     if figures is None:
@@ -66,18 +80,29 @@ def ranked(study: optuna.Study, dataset: str | None = None) -> list[TrialRecord]
 
 
 def best_candidates(study: optuna.Study, top: int) -> list[TrialRecord]:
-    """The `top` best sets (`ranked`), and in a study of several datasets each dataset's `top` best too, each set
-    once: the ones worth measuring again before the export. Two workers may decode one set at once (neither finds
-    the other's trial finished); such a set counts once, as its lowest-numbered trial, so that it is neither
-    confirmed twice nor takes two of the `top` places."""
-    datasets = study_label(study).datasets
-    rankings = [_first_of_each_set(ranked(study)),
-                *(_first_of_each_set(ranked(study, d)) for d in datasets if len(datasets) > 1)]
+    """The `top` best sets, and in a study of several datasets each dataset's `top` best too, each set once: the ones
+    worth measuring again before the export. The places go in turn to the next set by score (`ranked`) and by
+    `assured_score`, so that a set measured precisely is confirmed beside sets that noise ranked above it. Two
+    workers may decode one set at once (neither finds the other's trial finished); such a set counts once, as its
+    lowest-numbered trial, so that it is neither confirmed twice nor takes two of the `top` places."""
+    label = study_label(study)
     chosen: dict[tuple, TrialRecord] = {}
-    for ranking in rankings:
-        for trial in ranking[:top]:
+    for dataset in (None, *(label.datasets if len(label.datasets) > 1 else ())):
+        by_score = _first_of_each_set(ranked(study, dataset))
+        by_assurance = sorted(by_score, reverse=True, key=lambda t: assured_score(
+            t.figures if dataset is None else t.datasets[dataset], label.objective))
+        for trial in _in_turn(by_score, by_assurance)[:top]:
             chosen.setdefault(SearchSpace.key(trial.skip), trial)
     return list(chosen.values())
+
+
+def _in_turn(first: list[TrialRecord], second: list[TrialRecord]) -> list[TrialRecord]:
+    """The trials of two orders of the same trials taken in turn, `first` leading, each once."""
+    taken: dict[int, TrialRecord] = {}
+    for pair in zip(first, second):
+        for trial in pair:
+            taken.setdefault(trial.number, trial)
+    return list(taken.values())
 
 
 def _first_of_each_set(ranking: list[TrialRecord]) -> list[TrialRecord]:
