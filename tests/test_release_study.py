@@ -1,5 +1,7 @@
 """Studies written by skipsearch 0.1.0 (commit f3a5ff2, tests/fixtures/make_release_studies.py) still load, and
-export, summarize and judge as that release did."""
+export, summarize and judge as that release did. One deliberate change since: a trial the pre-screen stopped is
+exported with no score (that release wrote the pre-screen's estimate as one) and a verdict that says why
+(release_studies.expected.json, trials 5 and 9 of "unconfirmed")."""
 
 import json
 import re

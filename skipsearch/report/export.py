@@ -165,6 +165,10 @@ def config_from_trial(study: optuna.Study, trial: TrialRecord) -> SkipConfig:
         metrics = _metrics(label.objective, confirmed.score, confirmed.figures, confirmed=True,
                            verdict=f"trial {trial.number} exported on request; its confirmation measured "
                                    f"{_figure(confirmed.figures, label.objective)}")
+    elif trial.screened_out is not None:  # its value is the pre-screen's estimate, on another scale than a score
+        metrics = _metrics(label.objective, None, Figures(), confirmed=False,
+                           verdict=f"trial {trial.number} exported on request: the pre-screen stopped it "
+                                   f"({trial.screened_out}), so nothing was decoded and it has no measured score")
     else:
         metrics = _metrics(label.objective, trial.values[0] if len(trial.values) == 1 else None,
                            trial.figures or Figures(), confirmed=False,
