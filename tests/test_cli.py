@@ -162,6 +162,7 @@ def test_optimize_searches_the_draft_head_and_its_config_decodes_as_plain_greedy
         (["optimize", "--skip-prior", "0"], r"number in \(0, 1\)"),
         (["optimize", "--n-trials", "-3"], "integer >= 1"),
         (["optimize", "--num-prompts", "1", "--confirm-repeats", "1"], "gives the confirmation one paired run"),
+        (["optimize", "--objective", "modeled", "--num-prompts", "1"], "gives the confirmation one prediction"),
         (["optimize", "--dataset", "/nonexistent/prompts.jsonl"], "does not exist"),
     ],
 )

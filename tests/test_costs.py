@@ -233,11 +233,11 @@ def test_bad_profiles_are_clear_errors(tmp_path):
 def test_projection_lines_are_labelled_predictions():
     stats = DecodeStats(new_tokens=14, rounds=5, drafted=10, accepted=8, verify_sizes=Counter({3: 5}))
     skip = SkipSet.of([0, 1], [], 4)
-    lines = projection_lines([("gpu.json [cuda, bfloat16]", synthetic())], [("attn 0, 1", skip, stats)], False)
+    lines = projection_lines([("gpu.json [cuda, bfloat16]", synthetic())], [("attn 0, 1", skip, stats)])
     assert lines[0] == "PREDICTION (cost model, not measured) on gpu.json [cuda, bfloat16]:"
     assert f"{synthetic().predict_speedup(skip, stats):.2f}x" in lines[1] and "acceptance 0.80" in lines[1]
     # A run that drafted nothing (every prompt ended at its first token) has no acceptance to predict from.
-    [_, line] = projection_lines([("gpu.json", synthetic())], [("attn 0, 1", skip, DecodeStats(new_tokens=2))], False)
+    [_, line] = projection_lines([("gpu.json", synthetic())], [("attn 0, 1", skip, DecodeStats(new_tokens=2))])
     assert "drafted nothing" in line
 
 
@@ -305,7 +305,7 @@ def test_project_with_prints_and_stores_predictions(capsys, tmp_path, tiny_model
     assert code == 0 and "PREDICTION (cost model, not measured) on" in out
     assert re.search(r"trial \d+, attn=.* predicted \d+\.\d\dx over plain decoding", out)
     # A modeled study times nothing: each set is quoted with the speedup its study predicted here, never "nan".
-    code, out, _ = run(capsys, "optimize", "--model", tiny_model_dir, "--num-prompts", 1, "--max-new-tokens", 4,
+    code, out, _ = run(capsys, "optimize", "--model", tiny_model_dir, "--num-prompts", 2, "--max-new-tokens", 4,
                        "--n-trials", 3, "--studies-dir", tmp_path / "studies", "--study-name", "modeled", "--no-plots",
                        "--no-progress", "--allow-first-last", "--min-match", 0, "--objective", "modeled",
                        "--cost-profile", tmp_path / "gpu.json", "--project-with", tmp_path / "gpu.json")

@@ -419,3 +419,28 @@ def test_a_profile_pads_eager_verifications_to_the_cheapest_width(monkeypatch):
     assert out.tokens == generate(model, prompt, max_new_tokens=31, eos_token_id=None).tokens
     assert set(widths) <= {6, 4, 1} and widths.count(4) == out.stats.rounds - out.stats.verify_sizes[1]
     assert out.stats.verify_sizes[2] + out.stats.verify_sizes[3] > 0  # rounds of fewer drafts were padded
+
+
+def test_an_untimed_call_takes_the_same_rounds_on_a_quiet_and_a_busy_clock(monkeypatch):
+    """Modeled studies and projections price the rounds decoding takes. A timed call's adaptive rounds follow this
+    machine's clock (a busy machine makes drafts look dear); an untimed call's follow its prices and acceptance alone."""
+    import itertools
+    import random
+
+    model = damped_model()
+
+    def rounds(clock, timed: bool):
+        monkeypatch.setattr(decoding, "ROUND_CLOCK", clock)
+        out = generate(model, PROMPT, skip=MIDDLE, max_new_tokens=60, eos_token_id=None, timed=timed,
+                       policy=DraftPolicy(guard=False))
+        return out.tokens, dict(out.stats.verify_sizes), out.stats.accepted
+
+    def busy_clock():
+        noise, now = random.Random(7), itertools.count()
+        return lambda: next(now) * 1e-3 + noise.expovariate(20.0)
+
+    quiet = lambda ticks=itertools.count(): next(ticks) * 1e-3
+    assert rounds(quiet, timed=True)[1:] != rounds(busy_clock(), timed=True)[1:]  # the clock shapes timed rounds
+    untimed = rounds(quiet, timed=False)
+    assert untimed == rounds(busy_clock(), timed=False)
+    assert untimed[0] == rounds(quiet, timed=True)[0]  # the same greedy tokens either way

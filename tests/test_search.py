@@ -3,6 +3,7 @@ from types import SimpleNamespace
 
 import optuna
 import pytest
+import torch
 from optuna.trial import FixedTrial, TrialState
 
 from conftest import tiny_model
@@ -91,6 +92,38 @@ def test_modeled_evaluation_times_nothing():
     result = evaluator.evaluate(SkipSet.of([1], [2], 4), objective="modeled")
     assert result.speedup is None and result.predicted_speedup.pairs == 2
     assert result.score("modeled") == result.predicted_speedup.estimate
+
+
+def test_a_modeled_prediction_over_one_prompt_bounds_nothing_and_prices_no_cut(monkeypatch):
+    """One prompt's prediction says nothing of other prompts' (as one paired run's ratio); untimed rounds are never
+    cut, so none pays the confidence read, while a timed CPU run's adaptive rounds do (a CUDA run's do not)."""
+    from skipsearch.decode import loop as decoding
+    from skipsearch.decode.cost_profile import CostProfile
+
+    profile = CostProfile.from_dict(dict(device="cpu", dtype="float32", architecture="LlamaForCausalLM",
+                                         num_hidden_layers=4, context_tokens=8, attn_s=1.0, mlp_s=1.0, rest_s=1.0,
+                                         verify_s=[9.0, 9.2, 9.4, 9.6]))
+    charged = []
+    real = CostProfile.predict_speedup
+    monkeypatch.setattr(CostProfile, "predict_speedup",
+                        lambda self, skip, stats, adaptive=False: charged.append(adaptive) or real(self, skip, stats))
+    evaluator = make_evaluator()
+    evaluator.profile, evaluator.timed, evaluator.prompts = profile, False, PROMPTS[:1]
+    evaluator.policy = DraftPolicy(max_draft_tokens=3, adaptive=True)
+    result = evaluator.evaluate(SkipSet.of([1], [2], 4), objective="modeled")
+    assert result.predicted_speedup.low == 0.0 and result.predicted_speedup.high == float("inf")
+    evaluator.timed = True
+    evaluator.evaluate(SkipSet.of([1], [2], 4))
+    monkeypatch.setattr(decoding, "host_reads_stall", lambda device: True)  # as on CUDA
+    evaluator.evaluate(SkipSet.of([1], [2], 4))
+    assert charged == [False, True, False]
+
+
+def test_cuts_rounds_where_reads_are_free_and_rounds_adapt():
+    from skipsearch.decode.loop import cuts_rounds
+
+    assert cuts_rounds(True, "cpu") and cuts_rounds(True, torch.device("cpu"))
+    assert not cuts_rounds(True, "cuda:0") and not cuts_rounds(False, "cpu")
 
 
 def test_match_rate_is_one_without_skipping_and_lower_with_it():

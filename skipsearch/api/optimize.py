@@ -268,7 +268,12 @@ def head_rows(asked: tuple[int, ...] | None, vocab_size: int) -> tuple[int, ...]
 
 
 def _check_confirmable(s: OptimizeSettings, prompts: int) -> None:
-    """A ValueError where the confirmation would measure one paired run: no interval, so it could never export."""
+    """A ValueError where the confirmation would measure one paired run, or predict one prompt (a modeled study's
+    interval spans prompts): no interval, so it could never export."""
+    if s.confirm_top and s.objective == "modeled" and prompts < 2:
+        raise ValueError("--objective modeled over 1 prompt gives the confirmation one prediction: no interval (it "
+                         "spans prompts), so no skip set could ever be exported; raise --num-prompts (or skip the "
+                         "confirmation with --confirm-top 0)")
     if s.confirm_top and s.objective != "modeled" and s.confirm_repeats * prompts < 2:
         raise ValueError(f"--confirm-repeats {s.confirm_repeats} over {prompts} prompt gives the confirmation one "
                          "paired run: no interval, so no skip set could ever be confirmed and exported; raise "
@@ -322,7 +327,7 @@ def _projections(study: optuna.Study, run: _Prepared, max_new_tokens: int, top: 
         measured.append((f"trial {trial.number}, {trial.skip}{figure}", trial.skip, stats))
     if not measured:
         return ["--project-with: no completed trial skips anything, nothing to project"]
-    return projection_lines(run.projections, measured, run.policy.adaptive)
+    return projection_lines(run.projections, measured)
 
 
 def _first_trials(files: list[NamedSkipSet], model: ModelInfo, space: SearchSpace, published: bool,

@@ -56,6 +56,12 @@ def host_reads_stall(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def cuts_rounds(adaptive: bool, device: torch.device | str) -> bool:
+    """Whether a timed call's adaptive rounds on `device` read each draft's confidence and may stop at an unsure one
+    (the cut, `DraftController.cut`), which a cost profile prices as `adaptive_token_s`: not where reads stall."""
+    return adaptive and not host_reads_stall(torch.device(device))
+
+
 PLAIN_STEPS_PER_READ = 8
 ROUND_CLOCK = time.perf_counter  # what the controller times rounds with (tests inject theirs)
 
@@ -78,6 +84,7 @@ def generate(
     hooks: DecodeHooks | None = None,
     cost_profile: CostProfile | None = None,
     memory: DraftMemory | None = None,
+    timed: bool = True,
 ) -> GenerationOutput:
     """Decode `max_new_tokens` (or up to EOS) for one prompt with self-speculative decoding.
 
@@ -85,6 +92,9 @@ def generate(
     (`drafting_skip`); several sets: the prefill chooses one or plain decoding (choice.py). `cost_profile` prices
     rounds (and pads verifications to the cheapest width) until the rounds' own times take over (controller.py).
     `memory`: what the controller learned in earlier calls (plain speed, back-offs), updated in place; None: nothing.
+    `timed=False`: the controller reads no clock. Rounds are planned from `cost_profile`'s prices (else the weights'
+    shares) and the acceptance seen, with no cut inside a round and no guard verdict, so that greedy decoding takes
+    the same rounds on any machine, busy or quiet (what modeled studies and projections price).
     `generator` seeds sampling, on the model's device. `compile` runs the draft and verify forwards compiled
     (`compile_backend`, `compile_mode`: engine.py's modes; CUDA graphs by default on CUDA), kept on the model for
     later calls, one at a time a model (`Engine.exclusive`); in the regional mode on CUDA the prefill runs compiled
@@ -97,7 +107,7 @@ def generate(
         steps = _prepare(model, prompt.shape[1] + max_new_tokens, candidates, policy, settings)
         run = _Run(model, sampling, _eos_set(eos_token_id), generator, hooks, time_drafts,
                    host_reads_stall(model.device), settings is not None, policy.max_draft_tokens, cost_profile,
-                   steps if len(candidates) > 1 else None, forward_bounds(model))
+                   steps if len(candidates) > 1 else None, forward_bounds(model), timed)
         controller = _controller(run, candidates, policy, memory, settings, prompt.shape[1])
         return _decode_with_setup(run, steps, controller, prompt, max_new_tokens)
 
@@ -158,6 +168,7 @@ class _Run:
     profile: CostProfile | None  # prices rounds at first (None: the share of the weights a draft reads)
     choosing: dict[SkipSet | None, Steps] | None  # several skip sets: the prefill chooses among these steps
     bounds: tuple[int, ...]  # forward lengths no verification crosses (`checks.forward_bounds`)
+    timed: bool  # the controller learns from the rounds' wall times and cuts rounds by them (`generate`'s `timed`)
 
 
 @dataclass(frozen=True)
@@ -195,7 +206,7 @@ def _decode(run: _Run, steps: Steps, controller: DraftController, prompt: torch.
         else:
             done = _plain_steps(run, steps, stats, done.last, position, room)
         tokens.extend(done.tokens)
-        since = _observe(controller, done, since, cold)
+        since = _observe(controller, done, since, cold or not run.timed)
     synchronize(prompt.device)
     stats.wall_time_s = time.perf_counter() - start_time
     stats.new_tokens, stats.guard = len(tokens), controller.stats
@@ -225,12 +236,12 @@ def _cold(steps: Steps, drafts: int) -> bool:
     return any(step.setup_time_s is None for step in ((steps.draft, steps.verify) if drafts else (steps.plain,)))
 
 
-def _observe(controller: DraftController, done: _Round, since: float, cold: bool) -> float:
+def _observe(controller: DraftController, done: _Round, since: float, untimed: bool) -> float:
     """The iteration's wall time, from the previous iteration's end (its host read) to now, to the controller (none
-    where it ran a compiled step's first call, or plain steps past an EOS); returns now. The clock is a host read of
-    the host's: no device sync."""
+    where `untimed`: a compiled step's first call, an untimed call; nor for plain steps past an EOS); returns now. The
+    clock is a host read of the host's: no device sync."""
     now = ROUND_CLOCK()
-    controller.observe(done.drafted, done.accepted, len(done.tokens), None if cold or done.dropped else now - since,
+    controller.observe(done.drafted, done.accepted, len(done.tokens), None if untimed or done.dropped else now - since,
                        done.confidences, done.draft_seconds)
     return now
 
@@ -336,12 +347,13 @@ def _round(run: _Run, steps: Steps, controller: DraftController, stats: DecodeSt
 
 def _draft(run: _Run, steps: Steps, controller: DraftController, stats: DecodeStats, last: torch.Tensor,
            drafts: int, history: torch.Tensor | None) -> Draft:
-    """The round's drafts: as many as planned, cut at an unsure one where reads are free (not on CUDA).
+    """The round's drafts: as many as planned, cut at an unsure one where reads are free (not on CUDA) and the call is
+    timed (the cut weighs a draft's chance against its measured price).
     With `time_drafts`, the drafting time is measured (two syncs: for cost accounting only)."""
     if run.time_drafts:
         synchronize(last.device)
         start = time.perf_counter()
-    cut = None if run.read_once else controller.cut()
+    cut = None if run.read_once or not run.timed else controller.cut()
     draft = draft_round(steps.draft, last, drafts, cut, run.sampling, run.generator, run.hooks, history, ROUND_CLOCK)
     if run.time_drafts:
         synchronize(last.device)

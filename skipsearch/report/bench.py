@@ -26,7 +26,7 @@ from ..decode.config import SkipConfig
 from ..decode.controller import DraftMemory
 from ..decode.cost_profile import CostProfile
 from ..decode.divergence import first_divergence, reference_logits
-from ..decode.loop import generate
+from ..decode.loop import cuts_rounds, generate
 from ..decode.policy import DraftPolicy
 from ..decode.skipset import SkipSet
 from ..decode.stats import DecodeStats
@@ -230,11 +230,15 @@ def bench_rows(model: torch.nn.Module, measured: Measured, config: SkipConfig | 
                 row.acceptance_rate = stats.acceptance_rate
                 row.mean_accepted_tokens = stats.mean_accepted_tokens
             if profile is not None and predicts and name != "skipsearch plain":
-                row.predicted_speedup = profile.predict_speedup(config.skip, stats, adaptive=config.draft.adaptive)
-            # The guard chooses by this machine's timings: another device's projection prices the unguarded rounds alone.
+                row.predicted_speedup = profile.predict_speedup(
+                    config.skip, stats, adaptive=cuts_rounds(config.draft.adaptive, model.device))
+            # The guard chooses by this machine's timings: another device's projection prices the unguarded rounds
+            # alone, with the confidence reads that device's adaptive rounds would pay.
             if project_with and predicts and row.guarded is False:
-                row.projected_speedups = {label: other.predict_speedup(config.skip, stats, adaptive=config.draft.adaptive)
-                                          for label, other in project_with}
+                adaptive = config.draft.adaptive
+                row.projected_speedups = {
+                    label: other.predict_speedup(config.skip, stats, adaptive=cuts_rounds(adaptive, other.device))
+                    for label, other in project_with}
         rows.append(row)
     return rows
 

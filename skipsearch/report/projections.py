@@ -18,12 +18,12 @@ from ..decode.stats import DecodeStats
 
 def decode_stats(model: torch.nn.Module, prompts: Iterable[list[int]], skip: SkipSet, policy: DraftPolicy,
                  max_new_tokens: int, eos_token_id: int | list[int] | None) -> DecodeStats:
-    """The rounds that decoding `prompts` with `skip` takes (greedy, so the same on any device; unguarded, since the
-    guard's choices depend on this machine's timings)."""
+    """The rounds that decoding `prompts` with `skip` takes: greedy and untimed (`generate`'s `timed`), so the same on
+    any machine, busy or quiet; unguarded, since the guard's choices depend on this machine's timings."""
     total, policy = DecodeStats(), replace(policy, guard=False)
     for prompt in prompts:
         total.add(generate(model, prompt, skip=skip, max_new_tokens=max_new_tokens, policy=policy,
-                           eos_token_id=eos_token_id).stats)
+                           eos_token_id=eos_token_id, timed=False).stats)
     return total
 
 
@@ -41,8 +41,9 @@ def load_projections(paths: Sequence[str | Path], model: torch.nn.Module) -> lis
 
 
 def projection_lines(projections: Sequence[tuple[str, CostProfile]],
-                     measured: Sequence[tuple[str, SkipSet, DecodeStats]], adaptive: bool) -> list[str]:
-    """Predicted speedups over plain decoding of each measured skip set on each projected device."""
+                     measured: Sequence[tuple[str, SkipSet, DecodeStats]]) -> list[str]:
+    """Predicted speedups over plain decoding of each measured skip set on each projected device, from untimed rounds
+    (`decode_stats`), which no confidence read cut."""
     lines = []
     for label, profile in projections:
         lines.append(f"PREDICTION (cost model, not measured) on {label}:")
@@ -50,6 +51,6 @@ def projection_lines(projections: Sequence[tuple[str, CostProfile]],
             if stats.acceptance_rate is None:  # nothing drafted (every prompt ended at once): nothing to price
                 lines.append(f"  {name}: drafted nothing in this run, so no acceptance to predict from")
                 continue
-            lines.append(f"  {name}: predicted {profile.predict_speedup(skip, stats, adaptive=adaptive):.2f}x over "
+            lines.append(f"  {name}: predicted {profile.predict_speedup(skip, stats):.2f}x over "
                          f"plain decoding at this run's acceptance {stats.acceptance_rate:.2f}")
     return lines

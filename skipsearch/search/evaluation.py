@@ -13,7 +13,7 @@ import torch
 
 from ..decode.controller import DraftMemory
 from ..decode.cost_profile import CostProfile
-from ..decode.loop import generate
+from ..decode.loop import cuts_rounds, generate
 from ..decode.policy import DraftPolicy
 from ..decode.skipping import draft_mode
 from ..decode.skipset import SkipSet
@@ -92,7 +92,7 @@ def _summary(skip: SkipSet, runs: list[_PromptRuns], num_layers: int) -> Evaluat
         baseline_tokens_per_second=statistics.fmean(plain_rates) if plain_rates else None,
         mean_accepted_tokens=total.mean_accepted_tokens if skip.drafts else None,
         identical=all(run.identical for run in runs), skipped_fraction=skip.skipped_fraction(num_layers),
-        prompts=len(runs), predicted_speedup=_spread(predictions) if predictions else None,
+        prompts=len(runs), predicted_speedup=ratio_interval(predictions) if predictions else None,
     )
 
 
@@ -102,7 +102,8 @@ class Evaluator:
 
     Per prompt and repeat, plain decoding and the skip set decode the same prompt back to back, in
     alternating order; a speedup is the geometric mean of those paired ratios with its interval.
-    With `timed=False` (the modeled objective) nothing is timed: only acceptance is measured and the
+    With `timed=False` (the modeled objective) nothing is timed: decoding reads no clock (its rounds are planned from
+    the cost profile's prices and the acceptance seen, `generate`'s `timed`), only acceptance is measured, and the
     cost profile predicts the speedup, which makes the score deterministic.
     """
 
@@ -130,7 +131,8 @@ class Evaluator:
         # `memory`: what the trial's earlier prompts taught the controller, as bench's and a server's calls share it.
         return generate(self.model, prompt, skip=skip, max_new_tokens=max_new_tokens or self.max_new_tokens,
                         policy=dataclasses.replace(self.policy, guard=False), eos_token_id=self.eos_token_id,
-                        compile=self.compile, compile_mode="regional", memory=memory)
+                        compile=self.compile, compile_mode="regional", memory=memory,
+                        cost_profile=None if self.timed else self.profile, timed=self.timed)
 
     def reference_tokens(self) -> list[list[int]]:
         """Plain greedy decoding of every prompt (untimed; it also warms the process up)."""
@@ -223,9 +225,5 @@ class Evaluator:
     def _predict(self, skip: SkipSet, stats: DecodeStats) -> float | None:
         if self.profile is None:
             return None
-        return self.profile.predict_speedup(skip, stats, adaptive=self.policy.adaptive)
-
-
-def _spread(values: list[float]) -> Interval:
-    """Deterministic per-prompt predictions summarised like measured ratios (their spread is over prompts)."""
-    return ratio_interval(values) if len(set(values)) > 1 else Interval(values[0], values[0], values[0], len(values))
+        cut = self.timed and cuts_rounds(self.policy.adaptive, self.model.device)  # untimed rounds are never cut
+        return self.profile.predict_speedup(skip, stats, adaptive=cut)
