@@ -641,3 +641,53 @@ def test_a_regional_draft_step_is_made_again_when_its_trimmed_head_is_stale():
             with torch.no_grad():
                 model.lm_head.weight.mul_(-1)
     assert step is not first  # made again from the new head
+
+
+@pytest.mark.parametrize("change", ["head", "norm", "layer", "hook", "assigned"])
+def test_compiled_steps_follow_modules_hooks_and_weights_replaced_since_they_were_made(change):
+    """A new LM head, final norm or decoder layer, a hook added to one layer's linear, or weights loaded into new
+    memory (`load_state_dict(assign=True)`) after a compiled call: the next compiled call decodes with them, as
+    transformers does (the steps had kept the old modules, skipped the hook, or on CUDA read freed memory), and the
+    draft paths are made again."""
+    from skipsearch.decode.skipping import draft_layers
+
+    model, prompt = tiny_model("llama", seed=3), [5, 9, 14, 3, 7]
+    skip, policy = SkipSet.of([1], [], NUM_LAYERS), DraftPolicy(max_draft_tokens=3, adaptive=False, guard=False)
+    kwargs = dict(skip=skip, max_new_tokens=12, eos_token_id=None, policy=policy)
+    before = generate(model, prompt, **kwargs, **REGIONAL).tokens
+    old_draft = draft_layers(model, skip)
+    engine, old_step = engine_for(model), engine_for(model).draft_steps[skip, CompileSettings("aot_eager", "regional")]
+    with torch.no_grad():
+        if change == "head":
+            new = torch.nn.Linear(32, 96, bias=False)
+            new.weight.copy_(model.lm_head.weight.flip(0))
+            model.set_output_embeddings(new)
+        elif change == "norm":
+            model.model.norm = type(model.model.norm)(32)
+            model.model.norm.weight.copy_(torch.linspace(-2, 2, 32))
+        elif change == "layer":
+            model.model.layers[2] = copy.deepcopy(model.model.layers[2])
+            model.model.layers[2].mlp.down_proj.weight.mul_(-3)
+        elif change == "hook":
+            model.model.layers[2].self_attn.v_proj.register_forward_hook(lambda module, args, out: -4 * out)
+        else:
+            model.load_state_dict({name: -tensor for name, tensor in model.state_dict().items()}, assign=True)
+    expected = hf_greedy(model, prompt, 12, eos=None)
+    assert expected != before
+    assert generate(model, prompt, **kwargs, **REGIONAL).tokens == expected
+    assert engine.draft_steps[skip, CompileSettings("aot_eager", "regional")] is not old_step
+    assert draft_layers(model, skip) is not old_draft
+    assert generate(model, prompt, **kwargs).tokens == expected
+
+
+def test_an_unchanged_model_keeps_its_compiled_steps_across_calls():
+    """The check costs a walk over the modules once a call: an unchanged model keeps every step (and a hook added and
+    removed again between calls changes nothing)."""
+    model, prompt = tiny_model("llama", seed=3), [5, 9, 14, 3, 7]
+    kwargs = dict(skip=SkipSet.of([1], [], NUM_LAYERS), max_new_tokens=6, eos_token_id=None,
+                  policy=DraftPolicy(max_draft_tokens=3, adaptive=False, guard=False))
+    generate(model, prompt, **kwargs, **REGIONAL)
+    steps = dict(engine_for(model).steps)
+    model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out).remove()
+    assert generate(model, prompt, **kwargs, **REGIONAL).stats.compile_time_s == 0
+    assert all(engine_for(model).steps[key] is step for key, step in steps.items())

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -157,3 +159,26 @@ def test_unsupported_model_is_a_clear_error():
 
     with pytest.raises(ValueError, match="not a supported decoder"):
         decoder_layers(NoLayers())
+
+
+@pytest.mark.parametrize("change", ["layer", "norm", "sublayer"])
+def test_a_draft_path_is_made_again_when_a_module_it_copied_is_replaced(change):
+    """The draft path copies references to the model's layers, its decoder's children and their sublayers: after the
+    user replaces one, the draft runs the new one (zeroed-sublayer logits of the model as it now is)."""
+    from skipsearch.decode.families import zeroed_logits
+
+    model, ids, skip = tiny_model("llama", seed=2), torch.tensor([[3, 7, 11, 5]]), SkipSet.of([1], [2], 4)
+    draft_model(model, skip)(ids)
+    with torch.no_grad():
+        if change == "layer":
+            model.model.layers[3] = copy.deepcopy(model.model.layers[3])
+            model.model.layers[3].mlp.down_proj.weight.mul_(-3)
+        elif change == "norm":
+            model.model.norm = type(model.model.norm)(32)
+            model.model.norm.weight.copy_(torch.linspace(-2, 2, 32))
+        else:
+            model.model.layers[1].mlp = copy.deepcopy(model.model.layers[1].mlp)
+            model.model.layers[1].mlp.up_proj.weight.mul_(-3)
+        torch.testing.assert_close(draft_model(model, skip)(ids).logits, zeroed_logits(model, ids, skip))
+        with draft_mode(model, skip):
+            torch.testing.assert_close(model(ids).logits, zeroed_logits(model, ids, skip))

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch._inductor.config
 from torch import nn
+from torch.nn.modules import module as torch_module
 
 from . import adapter
 from .adapter import decoder_layers
@@ -41,7 +42,7 @@ from .attention import engine_attention
 from .kvcache import SpeculativeCache
 from .packed import packed_head
 from .regional import CompiledLayers, own_code, regional_view
-from .skipping import draft_model, forget_draft, head_source, model_with_head
+from .skipping import draft_model, forget_draft, forget_drafts, head_source, model_with_head
 from .skipset import SkipSet
 from .steps import PREFILL_WIDTHS, Prefill, Step, Steps, forward_at_position
 
@@ -87,6 +88,22 @@ class CompileSettings:
 
 
 
+def model_state(model: nn.Module) -> tuple[tuple, tuple]:
+    """What compiled steps bake in and a later call could not otherwise see change: (every module, in order, and every
+    parameter's and buffer's address: CUDA graphs and frozen graphs read those), and the forward hooks (dynamo guards
+    on none: hooks added after a compile were not run). Taken when steps are made, compared once a call (`_fit_cache`):
+    a module replaced (a new LM head, norm or layer), weights put in new memory (`load_state_dict(assign=True)`,
+    `resize_token_embeddings`) or hooks changed make the steps again."""
+    modules = tuple(model.modules())
+    addresses = tuple(tensor.data_ptr() for module in modules
+                      for tensor in (*module._parameters.values(), *module._buffers.values()) if tensor is not None)
+    hooks = tuple((i, tuple(module._forward_hooks), tuple(module._forward_pre_hooks), module.__dict__.get("forward"))
+                  for i, module in enumerate(modules)
+                  if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+    return ((modules, addresses),
+            (hooks, tuple(torch_module._global_forward_hooks), tuple(torch_module._global_forward_pre_hooks)))
+
+
 class Engine:
     """Compiled steps and the cache they write, per model; eager calls get a fresh, exactly sized cache instead.
     What drafting learns across calls is not kept here but in the caller's `controller.DraftMemory`."""
@@ -104,6 +121,8 @@ class Engine:
         self.verifier: nn.Module | None = None  # the eager verify step's model (`eager_verifier`)
         self.verifier_source: tuple | None = None  # the head it copied (`head_source`)
         self.attention = engine_attention(model)  # every step's attention function (attention.py)
+        self.state: tuple | None = None  # `model_state` when the steps were last made
+        self._state_due = False  # steps were made since `state` was taken
         self._kept_skip_sets = DRAFT_STEPS_KEPT
         self.fuse_projections = True  # inductor's regional steps fuse linears of one input (fused.py); set it first
         self._lock, self._holder = threading.Lock(), None  # `exclusive`
@@ -184,9 +203,12 @@ class Engine:
         for width in {verify_width, 1}:
             if (width, settings) not in self.verify_steps:
                 self.verify_steps[width, settings] = self._compiled_step(None, settings)
-        return Steps(cache, self._draft_step(skip, settings) if skip else None,
-                     self.verify_steps[verify_width, settings], self.verify_steps[1, settings],
-                     self._prefill(settings))
+        steps = Steps(cache, self._draft_step(skip, settings) if skip else None,
+                      self.verify_steps[verify_width, settings], self.verify_steps[1, settings],
+                      self._prefill(settings))
+        if self._state_due:  # after the steps are made: making them fuses linears, which moves their weights
+            self.state, self._state_due = model_state(self.model), False
+        return steps
 
     def eager_verifier(self) -> nn.Module:
         """The model as eager verification runs it (and the profiler times it): with its head packed where that
@@ -214,6 +236,7 @@ class Engine:
         compiled = self._layers_for(settings.backend)
         for width in PREFILL_WIDTHS:
             if (width, settings) not in self.prefill_steps:
+                self._state_due = True
                 view = regional_view(self.model, None, self.cache, compiled)
                 fn = functools.partial(forward_at_position, view, self.cache, logits_to_keep=self.prefill_row)
                 self.prefill_steps[width, settings] = Step(fn, self.cache, compiled=True, graph_pool=self.graph_pool,
@@ -238,6 +261,16 @@ class Engine:
 
     def _fit_cache(self, length: int) -> None:
         model, device = self.model, self.model.device
+        state = model_state(model) if self.state is not None else None
+        if state is not None and state != self.state:  # the steps (and the drafts' copies) run what the model had
+            if state[1][1:] != self.state[1][1:]:
+                self.layers.clear()  # global hooks run in every layer: every kind compiled again, with them
+            elif state[1] != self.state[1]:
+                for compiled in self.layers.values():  # a layer's hooks are in its kind (regional.layer_hooks)
+                    compiled.hooks_changed()
+            self.release_cache()
+            forget_drafts(model)
+            self.state = None
         if any([compiled.fusion_lost() for compiled in self.layers.values()]):  # a list: every one resets
             self.release_cache()  # its steps (on CUDA, graphs reading the fused weights' addresses) read the old ones
         if self.cache is None or not self.cache.matches(length, model.dtype, device):
@@ -276,6 +309,7 @@ class Engine:
 
     def _compiled_step(self, skip: SkipSet | None, settings: CompileSettings) -> Step:
         mode, cache = settings.resolved(self.model.device), self.cache
+        self._state_due = True
         if mode == "regional":
             compiled = self._layers_for(settings.backend)
             return Step(_step(regional_view(self.model, skip, cache, compiled), cache), cache, compiled=True,

@@ -44,12 +44,20 @@ _ENGINE_NUMBERS = itertools.count()
 
 class LayerKind(NamedTuple):
     """What a layer's compiled code depends on besides its width: the layer's class, its attention kind (full or
-    sliding) and which sublayers the draft skips (a draft layer is a copy of the model's, of the same class)."""
+    sliding), which sublayers the draft skips (a draft layer is a copy of the model's, of the same class) and the
+    forward hooks in it (`layer_hooks`: dynamo guards on none, so a layer with hooks of its own compiles apart)."""
 
     cls: type
     attention: str
     skip_attn: bool
     skip_mlp: bool
+    hooks: tuple = ()
+
+
+def layer_hooks(layer: nn.Module) -> tuple:
+    """The forward hooks and pre-hooks in `layer` (their handles' ids), by submodule; () where it has none."""
+    return tuple((name, tuple(module._forward_hooks), tuple(module._forward_pre_hooks))
+                 for name, module in layer.named_modules() if module._forward_hooks or module._forward_pre_hooks)
 
 
 class CompiledLayers:
@@ -98,6 +106,11 @@ class CompiledLayers:
         self.fused = FusedProjections()
         return True
 
+    def hooks_changed(self) -> None:
+        """Hooks were added or removed: fused again (a slice runs none of its linear's hooks; hooked linears fuse not)."""
+        if self.fused is not None:
+            self.fused = FusedProjections()
+
     def layer(self, layer: nn.Module) -> nn.Module:
         """`layer` as these functions run it: its linears of one input fused, where they fuse."""
         return layer if self.fused is None else self.fused.layer(layer)
@@ -123,6 +136,6 @@ def regional_view(model: nn.Module, skip: SkipSet | None, cache: SpeculativeCach
     keyword = adapter.cache_keyword(decoder_layers(model)[0])
     return model_with_layers(model, nn.ModuleList(
         layer if isinstance(layer, SkippedLayer) else
-        RegionalLayer(compiled.layer(layer), LayerKind(type(layer), cache.layer_types[i], i in skip.attn, i in skip.mlp),
-                      cache.layers[i], compiled, keyword)
+        RegionalLayer(compiled.layer(layer), LayerKind(type(layer), cache.layer_types[i], i in skip.attn, i in skip.mlp,
+                                                       layer_hooks(layer)), cache.layers[i], compiled, keyword)
         for i, layer in enumerate(layers)), skip.head)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -116,7 +117,10 @@ def _draft_layer(layer: nn.Module, skip_attn: bool, skip_mlp: bool, hidden_size:
 
 
 class _Memo(dict):
-    """A dict that a copy of its model gets empty, and a saved one not at all: made again from the copy's own layers."""
+    """A dict that a copy of its model gets empty, and a saved one not at all: made again from the copy's own layers.
+    `structure`: the modules its draft paths copied (`_structure`)."""
+
+    structure: tuple = ()
 
     def __deepcopy__(self, memo) -> _Memo:
         return _Memo()
@@ -135,9 +139,26 @@ def _draft_cache(model: nn.Module) -> dict:
     return memo
 
 
+def _structure(model: nn.Module) -> tuple:
+    """The modules the draft paths copy references to: the model's children, its decoder's, its layers and theirs."""
+    decoder, layers = model.get_decoder(), decoder_layers(model)
+    return (*model._modules.values(), *decoder._modules.values(), *layers,
+            *(child for layer in layers for child in layer._modules.values()))
+
+
+def _current_drafts(model: nn.Module) -> _Memo:
+    """The model's memo, emptied of its draft paths where a module they copied was replaced since (a new LM head, norm
+    or layer, set by the user): those would draft with the old one. Checked once a call, not once a token."""
+    memo, now = _draft_cache(model), _structure(model)
+    if len(now) != len(memo.structure) or not all(map(operator.is_, now, memo.structure)):
+        forget_drafts(model)
+        memo.structure = now
+    return memo
+
+
 def draft_layers(model: nn.Module, skip: SkipSet) -> nn.ModuleList:
     """The decoder layers of the draft path for `skip`, built once per set of skipped sublayers and model."""
-    memo, skip = _draft_cache(model), skip.sublayers
+    memo, skip = _current_drafts(model), skip.sublayers
     if ("layers", skip) not in memo:
         layers = supported_layers(model)
         skip.check_fits(len(layers))
@@ -215,7 +236,7 @@ def model_with_layers(model: nn.Module, layers: nn.ModuleList, head: DraftHead |
 def draft_model(model: nn.Module, skip: SkipSet) -> nn.Module:
     """A view of `model` that drafts with `skip` skipped (and its head trimmed): same parameters, built once per skip
     set."""
-    memo, head_name = _draft_cache(model), adapter.output_head(model)[0]
+    memo, head_name = _current_drafts(model), adapter.output_head(model)[0]
     view = memo.get(("model", skip))
     if view is None or (skip.head is not None and view._modules[head_name] is not trimmed_head(model, skip.head)):
         memo[("model", skip)] = view = model_with_layers(model, draft_layers(model, skip), skip.head)
@@ -227,6 +248,13 @@ def forget_draft(model: nn.Module, skip: SkipSet) -> None:
     memo = _draft_cache(model)
     memo.pop(("layers", skip.sublayers), None)
     memo.pop(("model", skip), None)
+
+
+def forget_drafts(model: nn.Module) -> None:
+    """Drop every draft path kept for `model` (made from modules it may no longer have)."""
+    memo = _draft_cache(model)
+    for key in [key for key in memo if isinstance(key, tuple)]:
+        del memo[key]
 
 
 @contextlib.contextmanager
