@@ -195,3 +195,27 @@ def test_a_saved_fused_model_fuses_again_in_place_and_a_hooked_linear_is_left_al
     loaded.model.layers[1].mlp.up_proj.register_forward_hook(lambda *args: None)
     view = fusion.layer(loaded.model.layers[1])
     assert isinstance(view.self_attn.k_proj, ProjectionSlice) and view.mlp is loaded.model.layers[1].mlp
+
+
+def test_the_fused_copies_of_evicted_draft_layers_die_with_them():
+    """What the fusion remembers of a draft path's layer copy (its children, for `intact`) holds the copy weakly: the
+    copies of a skip set the engine evicted die, and the entries with them (they had piled up, 66 for 36 sets)."""
+    import gc
+    import weakref
+
+    from skipsearch.decode.fused import FusedProjections
+    from skipsearch.decode.skipping import draft_layers, forget_draft
+
+    model, fusion, copies = tiny_model("llama", seed=1, num_layers=6), FusedProjections(), []
+    for attn in range(6):
+        for mlp in range(6):
+            skip = SkipSet.of([attn], [mlp], 6)
+            for layer in draft_layers(model, skip):  # what regional_view gives the fusion
+                fusion.layer(layer)
+                if not any(layer is own for own in model.model.layers):
+                    copies.append(weakref.ref(layer))
+            forget_draft(model, skip)  # what the engine's eviction does
+    del layer
+    gc.collect()
+    assert len(copies) == 66 and not any(ref() is not None for ref in copies)
+    assert len(fusion.layers) <= 6 and fusion.intact()

@@ -109,8 +109,12 @@ class Snapshot(NamedTuple):
     children: dict[str, nn.Module]
 
     def current(self) -> bool:
-        return self.module._modules.keys() == self.children.keys() and all(
-            self.module._modules[name] is child for name, child in self.children.items())
+        return _same_children(self.module, self.children)
+
+
+def _same_children(module: nn.Module, children: dict[str, nn.Module]) -> bool:
+    return module._modules.keys() == children.keys() and all(
+        module._modules[name] is child for name, child in children.items())
 
 
 def _plain_linear(module: nn.Module | None) -> bool:
@@ -173,7 +177,9 @@ class FusedProjections:
 
     def __init__(self):
         self.sublayers: dict[int, tuple[Snapshot, nn.Module]] = {}  # id(sublayer) -> its snapshot, its fused copy
-        self.layers: weakref.WeakKeyDictionary[nn.Module, Snapshot] = weakref.WeakKeyDictionary()
+        # layer -> its children when copied; held weakly, the children too (a draft path's copy of a layer dies with
+        # its skip set, and its entry with it: a value that held the layer kept every copy alive, `intact` walking all)
+        self.layers: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()
         self.groups: list[FusedGroup] = []
 
     def layer(self, layer: nn.Module) -> nn.Module:
@@ -186,7 +192,7 @@ class FusedProjections:
         swaps = {name: sub for name, sub in swaps.items() if sub is not getattr(layer, name)}
         if not swaps:
             return layer
-        self.layers[layer] = Snapshot(layer, dict(layer._modules))
+        self.layers[layer] = dict(layer._modules)
         view = copy.copy(layer)
         view._modules = {**layer._modules, **swaps}
         return view
@@ -196,7 +202,7 @@ class FusedProjections:
         sublayer copied (none replaced or wrapped since), and every group's linears reading the concatenated weights
         and biases (a model moved or cast has tensors of its own again)."""
         return (all(snapshot.current() for snapshot, _ in self.sublayers.values())
-                and all(snapshot.current() for snapshot in list(self.layers.values()))
+                and all(_same_children(layer, children) for layer, children in list(self.layers.items()))
                 and all(_reads(group) for group in self.groups))
 
     def _sublayer(self, sublayer: nn.Module, groups: tuple[tuple[str, ...], ...]) -> nn.Module:
