@@ -691,3 +691,25 @@ def test_an_unchanged_model_keeps_its_compiled_steps_across_calls():
     model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out).remove()
     assert generate(model, prompt, **kwargs, **REGIONAL).stats.compile_time_s == 0
     assert all(engine_for(model).steps[key] is step for key, step in steps.items())
+
+
+def test_a_calls_own_candidates_are_never_evicted_by_each_other():
+    """A call choosing among more sets than the engine keeps keeps the steps of all of them: its later calls compile
+    nothing (each candidate's step had evicted another's, and every call compiled again); a later call of fewer
+    sets brings the engine back to its bound."""
+    model, prompt = tiny_model("llama", seed=5, num_layers=6), [5, 9, 14, 3, 7, 11]
+    candidates = [SkipSet.of([a], [], 6) for a in range(6)] + [SkipSet.of([], [m], 6) for m in range(3)]
+    assert len(candidates) > DRAFT_STEPS_KEPT
+    kwargs = dict(max_new_tokens=8, policy=DraftPolicy(max_draft_tokens=2, adaptive=False, guard=False),
+                  eos_token_id=None, compile=True, compile_backend="aot_eager", compile_mode="default")
+    expected = hf_greedy(model, prompt, 8, eos=None)
+    assert generate(model, prompt, skip=candidates, **kwargs).tokens == expected
+    engine = engine_for(model)
+    steps = dict(engine.draft_steps)
+    assert len(steps) == len(candidates)
+    for _ in range(2):
+        out = generate(model, prompt, skip=candidates, **kwargs)
+        assert out.tokens == expected and out.stats.compile_time_s == 0
+    assert all(engine.draft_steps[key] is step for key, step in steps.items())
+    generate(model, prompt, skip=SkipSet.of([1], [1], 6), **kwargs)
+    assert len(engine.draft_steps) == DRAFT_STEPS_KEPT

@@ -124,6 +124,7 @@ class Engine:
         self.state: tuple | None = None  # `model_state` when the steps were last made
         self._state_due = False  # steps were made since `state` was taken
         self._kept_skip_sets = DRAFT_STEPS_KEPT
+        self.call_sets: set[SkipSet] = set()  # the skip sets the current call made steps for: none evicts another
         self.fuse_projections = True  # inductor's regional steps fuse linears of one input (fused.py); set it first
         self._lock, self._holder = threading.Lock(), None  # `exclusive`
 
@@ -181,6 +182,7 @@ class Engine:
     def cache_for(self, length: int, settings: CompileSettings | None) -> SpeculativeCache:
         """A cache of at least `length` slots: a fresh one of exactly that size for eager steps; for compiled steps
         the engine's own, whose buffers their graphs read (replaced, and the steps with it, when too small)."""
+        self.call_sets = set()  # a new call: its sets are those it asks steps for next
         if settings is None:
             return SpeculativeCache(self.model.config, length, self.model.device, self.model.dtype)
         self._fit_cache(length)
@@ -284,6 +286,7 @@ class Engine:
 
     def _draft_step(self, skip: SkipSet, settings: CompileSettings) -> Step:
         key, source = (skip, settings), head_source(*adapter.output_head(self.model)[1:])
+        self.call_sets.add(skip)
         # A trimmed head copied rows the model's head no longer has: the step is made again, but for frozen steps,
         # which hold every weight as compiled until `release_cache` (README).
         if (key in self.draft_steps and skip.head is not None and self.draft_sources.get(key) != source
@@ -302,10 +305,13 @@ class Engine:
         return step
 
     def _evict(self) -> None:
-        while len(self.draft_steps) > self._kept_skip_sets:
-            (old_skip, settings), _ = self.draft_steps.popitem(last=False)
-            self.draft_sources.pop((old_skip, settings), None)
-            forget_draft(self.model, old_skip)
+        """Free the least recently used sets' draft steps past the bound, but none of the current call's sets: a call
+        with more candidates than the bound keeps them all (each evicting another recompiled at every call)."""
+        evictable = [key for key in self.draft_steps if key[0] not in self.call_sets]
+        for key in evictable[: max(0, len(self.draft_steps) - self._kept_skip_sets)]:
+            del self.draft_steps[key]
+            self.draft_sources.pop(key, None)
+            forget_draft(self.model, key[0])
 
     def _compiled_step(self, skip: SkipSet | None, settings: CompileSettings) -> Step:
         mode, cache = settings.resolved(self.model.device), self.cache
