@@ -182,3 +182,32 @@ def test_a_draft_path_is_made_again_when_a_module_it_copied_is_replaced(change):
         torch.testing.assert_close(draft_model(model, skip)(ids).logits, zeroed_logits(model, ids, skip))
         with draft_mode(model, skip):
             torch.testing.assert_close(model(ids).logits, zeroed_logits(model, ids, skip))
+
+
+def test_the_eager_draft_paths_keep_the_latest_sets_and_the_current_calls():
+    """Eager calls over many skip sets keep the draft paths of the engine's bound of latest sets (and their trimmed
+    heads) and free older ones; a call choosing among more sets keeps all of them."""
+    import gc
+
+    from skipsearch.decode.engine import DRAFT_STEPS_KEPT, engine_for
+    from skipsearch.decode.loop import generate
+    from skipsearch.decode.policy import DraftPolicy
+    from skipsearch.decode.skipset import DraftHead
+
+    model = tiny_model("llama", seed=9, num_layers=6)
+    kwargs = dict(max_new_tokens=4, policy=DraftPolicy(max_draft_tokens=2, adaptive=False, guard=False),
+                  eos_token_id=None)
+    sets = [SkipSet.of([a], [m], 6, head=DraftHead(tuple(range(0, 90 - 6 * a - m)))) for a in range(6)
+            for m in range(6)]
+    for skip in sets:
+        generate(model, [5, 9, 14], skip=skip, **kwargs)
+    gc.collect()
+    memo = model.__dict__["_skipsearch_drafts"]
+    kept = [key[1] for key in memo if isinstance(key, tuple) and key[0] == "model"]
+    assert kept == sets[-DRAFT_STEPS_KEPT:]
+    assert len([key for key in memo if isinstance(key, tuple)]) == 2 * DRAFT_STEPS_KEPT
+    assert set(memo["heads"].keys()) == {skip.head for skip in sets[-DRAFT_STEPS_KEPT:]}  # older heads freed
+    engine_for(model).kept_skip_sets = 2  # the same bound as the compiled steps': lowering it frees at once
+    assert [key[1] for key in memo if isinstance(key, tuple) and key[0] == "model"] == sets[-2:]
+    generate(model, [5, 9, 14], skip=sets[:3], **kwargs)  # a choice among 3 sets, over a bound of 2
+    assert {key[1] for key in memo if isinstance(key, tuple) and key[0] == "layers"} == {s.sublayers for s in sets[:3]}

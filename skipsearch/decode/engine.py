@@ -42,7 +42,9 @@ from .attention import engine_attention
 from .kvcache import SpeculativeCache
 from .packed import packed_head
 from .regional import CompiledLayers, own_code, regional_view
-from .skipping import draft_model, forget_draft, forget_drafts, head_source, model_with_head
+# DRAFT_STEPS_KEPT: skip sets whose draft steps stay ready by default (Engine.kept_skip_sets); older ones are freed
+from .skipping import (DRAFT_STEPS_KEPT, draft_model, forget_draft, forget_drafts, head_source, keep_drafts,
+                       model_with_head)
 from .skipset import SkipSet
 from .steps import PREFILL_WIDTHS, Prefill, Step, Steps, forward_at_position
 
@@ -51,7 +53,6 @@ CACHE_BLOCK = 256  # capacities round up to this, so calls of similar lengths sh
 # CUDA graph. On a CPU the compiled chunks lost to one eager forward of the prompt, 0.55x (BENCHMARKS.md, "The compiled
 # prefill"), so a CPU prefills eagerly; tests and benchmarks/prefill.py add "cpu" to run the compiled prefill there.
 COMPILED_PREFILL_DEVICES = frozenset({"cuda"})
-DRAFT_STEPS_KEPT = 8  # skip sets whose draft steps stay ready by default (Engine.kept_skip_sets); older ones are freed
 
 
 # Batch-1 decoding on a CPU is matrix-vector products over the weights. MKL's, which inductor calls by default, stream
@@ -125,6 +126,7 @@ class Engine:
         self._state_due = False  # steps were made since `state` was taken
         self._kept_skip_sets = DRAFT_STEPS_KEPT
         self.call_sets: set[SkipSet] = set()  # the skip sets the current call made steps for: none evicts another
+        keep_drafts(model, self._kept_skip_sets, self.call_sets)  # the eager draft paths: the same bound
         self.fuse_projections = True  # inductor's regional steps fuse linears of one input (fused.py); set it first
         self._lock, self._holder = threading.Lock(), None  # `exclusive`
 
@@ -167,6 +169,7 @@ class Engine:
             raise ValueError(f"kept_skip_sets must be a whole number >= 1, got {count!r}")
         self._kept_skip_sets = count
         self._evict()
+        keep_drafts(self.model, count, self.call_sets)
 
     @property
     def steps(self) -> dict[tuple, Step]:
@@ -182,7 +185,7 @@ class Engine:
     def cache_for(self, length: int, settings: CompileSettings | None) -> SpeculativeCache:
         """A cache of at least `length` slots: a fresh one of exactly that size for eager steps; for compiled steps
         the engine's own, whose buffers their graphs read (replaced, and the steps with it, when too small)."""
-        self.call_sets = set()  # a new call: its sets are those it asks steps for next
+        self.call_sets.clear()  # a new call: its sets are those it asks steps for next
         if settings is None:
             return SpeculativeCache(self.model.config, length, self.model.device, self.model.dtype)
         self._fit_cache(length)
@@ -194,6 +197,8 @@ class Engine:
         (compiled for `verify_width` tokens; eager steps take any width) and the plain step. Compiled steps compile on
         their first call, so a plain step that is never called costs nothing. The preparation is split from the
         cache's so that a caller can prefill the cache before it knows which skip set to draft with (choice.py)."""
+        if skip:
+            self.call_sets.add(skip)
         if settings is None:
             draft = Step(_step(draft_model(self.model, skip), cache), cache, compiled=False,
                          attention=self.attention) if skip else None
@@ -286,7 +291,6 @@ class Engine:
 
     def _draft_step(self, skip: SkipSet, settings: CompileSettings) -> Step:
         key, source = (skip, settings), head_source(*adapter.output_head(self.model)[1:])
-        self.call_sets.add(skip)
         # A trimmed head copied rows the model's head no longer has: the step is made again, but for frozen steps,
         # which hold every weight as compiled until `release_cache` (README).
         if (key in self.draft_steps and skip.head is not None and self.draft_sources.get(key) != source

@@ -20,6 +20,7 @@ restored on exit). The original model is never changed outside `draft_mode`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import operator
@@ -116,11 +117,17 @@ def _draft_layer(layer: nn.Module, skip_attn: bool, skip_mlp: bool, hidden_size:
     return _with_modules(layer, swaps)
 
 
-class _Memo(dict):
+DRAFT_STEPS_KEPT = 8  # skip sets whose draft paths (and compiled draft steps: engine.py) stay ready by default
+
+
+class _Memo(collections.OrderedDict):
     """A dict that a copy of its model gets empty, and a saved one not at all: made again from the copy's own layers.
-    `structure`: the modules its draft paths copied (`_structure`)."""
+    `structure`: the modules its draft paths copied (`_structure`); `bound` and `pinned`: how many sets' draft paths
+    it keeps, least recently used out, and the sets it keeps besides (the engine's current call's: `keep_drafts`)."""
 
     structure: tuple = ()
+    bound: int = DRAFT_STEPS_KEPT
+    pinned: set | frozenset = frozenset()
 
     def __deepcopy__(self, memo) -> _Memo:
         return _Memo()
@@ -156,6 +163,23 @@ def _current_drafts(model: nn.Module) -> _Memo:
     return memo
 
 
+def keep_drafts(model: nn.Module, bound: int, pinned: set) -> None:
+    """Keep the draft paths of the `bound` latest skip sets of `model` and of those in `pinned` (the engine's set of
+    its current call's sets, read as it changes); frees older ones at once."""
+    memo = _draft_cache(model)
+    memo.bound, memo.pinned = bound, pinned
+    _trim(memo)
+
+
+def _trim(memo: _Memo, new: tuple | None = None) -> None:
+    """Drop the least recently used sets' draft paths past the bound, none of the pinned sets' nor `new` (a trimmed
+    head goes with the last path that drafts with it: `trimmed_head`)."""
+    for kind, pinned in (("layers", {skip.sublayers for skip in memo.pinned}), ("model", memo.pinned)):
+        keys = [key for key in memo if isinstance(key, tuple) and key[0] == kind]
+        for key in [key for key in keys if key[1] not in pinned and key != new][: max(0, len(keys) - memo.bound)]:
+            del memo[key]
+
+
 def draft_layers(model: nn.Module, skip: SkipSet) -> nn.ModuleList:
     """The decoder layers of the draft path for `skip`, built once per set of skipped sublayers and model."""
     memo, skip = _current_drafts(model), skip.sublayers
@@ -165,6 +189,8 @@ def draft_layers(model: nn.Module, skip: SkipSet) -> nn.ModuleList:
         hidden_size = model.config.get_text_config(decoder=True).hidden_size
         memo[("layers", skip)] = nn.ModuleList(_draft_layer(layer, i in skip.attn, i in skip.mlp, hidden_size)
                                                for i, layer in enumerate(layers))
+        _trim(memo, ("layers", skip))
+    memo.move_to_end(("layers", skip))
     return memo[("layers", skip)]
 
 
@@ -240,6 +266,8 @@ def draft_model(model: nn.Module, skip: SkipSet) -> nn.Module:
     view = memo.get(("model", skip))
     if view is None or (skip.head is not None and view._modules[head_name] is not trimmed_head(model, skip.head)):
         memo[("model", skip)] = view = model_with_layers(model, draft_layers(model, skip), skip.head)
+        _trim(memo, ("model", skip))
+    memo.move_to_end(("model", skip))
     return view
 
 
