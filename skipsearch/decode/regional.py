@@ -107,7 +107,8 @@ class CompiledLayers:
         return True
 
     def hooks_changed(self) -> None:
-        """Hooks were added or removed: fused again (a slice runs none of its linear's hooks; hooked linears fuse not)."""
+        """Hooks were added or removed: fused again (a slice runs none of its linear's hooks; a hooked linear is left
+        unfused)."""
         if self.fused is not None:
             self.fused = FusedProjections()
 
