@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -428,6 +429,86 @@ def test_gpu_sh_names_every_stage_it_runs():
     """The stages gpu.sh checks its arguments against are the ones its `case` runs."""
     listed = re.search(r'^STAGES="(.*?)"$', re.sub(r"\\\n", "", GPU_SH.read_text()), re.M | re.S)[1].split()
     assert sorted(listed) == sorted(gpu_sh_stages())
+
+
+def plan_calls() -> list[tuple[str, list[str], str]]:
+    """The calls gpu.sh's header plans, its lines "NAME, carry PATHS:  COMMAND": (name, paths carried, command), a
+    command's continued lines joined."""
+    header = re.sub(r"\\\n#\s*", " ", GPU_SH.read_text().split("\nset -uo pipefail", 1)[0])
+    return [(match[1], match[3].split(), match[4]) for match in
+            re.finditer(r"^#\s{2,}([a-z0-9 -]*call( \d+)?), carry ([^:]+):\s*(.*)$", header, re.M)]
+
+
+def test_gpu_sh_plans_calls_it_can_run():
+    """The header's plan as a lease runs it: each call's stages are ones gpu.sh takes, its variables ones it reads, its
+    carried paths ones gpu_prepare.sh makes. Every call of the next lease's plan carries the wheels: a machine gone cold
+    between calls starts bare, and gpu.sh there stops at "no wheels" without them. A call of gptfast carries gpt-fast.
+    The first call runs the CUDA tests before anything is timed."""
+    calls = plan_calls()
+    assert [name for name, _, _ in calls][:2] == ["call 1", "call 2"]
+    stages, read = set(gpu_sh_stages()), set(re.findall(r"\$\{(\w+):-", GPU_SH.read_text()))
+    made = {".whl", ".gptfast", ".gpu/gguf.aa", ".gpu/gguf.ab", ".gpu/gguf.ac"}
+    for name, carried, command in calls:
+        variables, run = re.fullmatch(r'((?:\w+=(?:"[^"]*"|\S+) +)*)bash benchmarks/gpu\.sh ([\w -]+)',
+                                      command).groups()
+        assert set(run.split()) <= stages and set(re.findall(r"(\w+)=", variables)) <= read, name
+        assert set(carried) <= made and ("gptfast" not in run.split() or ".gptfast" in carried), name
+        assert ".whl" in carried or not re.fullmatch(r"call \d+", name), name
+    first = calls[0][2].split("gpu.sh ")[1].split()
+    assert "cuda-tests" in first and set(first[: first.index("cuda-tests")]) <= {"info"}
+
+
+def test_profiles_time_the_shipped_shapes_most_needed_first():
+    """The profiles stage's shapes are the shipped profiles' (each once), the default model's and the 8B goal's first:
+    a call cut at its limit loses the last."""
+    shapes = re.search(r"PROFILE_SHAPES:-([^}]*)\}", GPU_SH.read_text())[1].split()
+    shipped = [path.stem for path in (ROOT / "skipsearch" / "profiles" / "nvidia-h200").glob("*.json")]
+    assert sorted(shapes) == sorted(shipped)
+    assert shapes[:2] == ["smollm2-135m", "llama-3-8b"]
+
+
+def test_every_command_of_a_stage_is_killed_where_its_timeout_does_not_end_it():
+    """`timeout N` alone sends one TERM: a process stuck in a CUDA call, or one holding the stage's pipe, outlives it,
+    and the stages after it never run. Every stage's command runs under `timeout -k 15 N`."""
+    found = re.findall(r"(?<![\w-])timeout +(\S+ \S+ \S+)", "\n".join(gpu_sh_stages().values()))  # not --timeout
+    assert len(found) >= 18 and all(re.fullmatch(r"-k 15 \d+", arguments) for arguments in found), found
+
+
+def test_gpu_carry_checks_each_planned_call_with_the_working_tree(tmp_path):
+    """gpu_prepare.sh's last step: each call of gpu.sh's plan, its carried paths and the working tree that travels
+    with every call (tracked files and untracked ones not ignored), against the run tool's 64 MiB a call."""
+    (tmp_path / "benchmarks").mkdir()
+    for name in ("gpu.sh", "gpu_carry.sh"):
+        shutil.copy(ROOT / "benchmarks" / name, tmp_path / "benchmarks")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / ".gitignore").write_text("/.whl/\n/.gpu/\n")
+    sizes = {".whl/w.whl": 20, "tree.bin": 3, ".gpu/gguf.aa": 38, ".gpu/gguf.ab": 38, ".gpu/gguf.ac": 18, ".gpu/no": 50}
+    for path, mib in sizes.items():
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        with open(tmp_path / path, "wb") as file:
+            file.truncate(mib << 20)
+
+    def checked() -> tuple[int, list[tuple[str, str, float, str]]]:
+        done = subprocess.run(["bash", "benchmarks/gpu_carry.sh"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=60)
+        rows = re.findall(r"^(.+?) +carry (.+?) +([\d.]+) MiB with the tree: (.*)$", done.stdout, re.M)
+        assert done.stdout.startswith("the working tree, with every call: "), done.stdout + done.stderr
+        return done.returncode, [(name, paths, float(mib), verdict) for name, paths, mib, verdict in rows]
+
+    status, rows = checked()
+    assert [(name, paths.split()) for name, paths, _, _ in rows] == [(name, paths) for name, paths, _ in plan_calls()]
+    by_name = {name: (mib, verdict) for name, _, mib, verdict in rows}
+    assert status == 0 and by_name["call 1"] == (pytest.approx(23, abs=0.1), "fits")
+    assert by_name["model call 1"] == (pytest.approx(61, abs=0.1), "fits")  # the wheels, a part, the tree
+    assert by_name["gpt-fast call"][1] == "fits; lacks .gptfast"  # listed, but no call of the next lease's plan
+    with open(tmp_path / "tree.bin", "wb") as file:  # untracked, not ignored: it travels with every call
+        file.truncate(10 << 20)
+    status, rows = checked()
+    assert status == 1 and {name: verdict for name, _, _, verdict in rows}["model call 1"] == \
+        "OVER the 64 MiB a call carries"
+    shutil.rmtree(tmp_path / ".whl")
+    status, rows = checked()
+    assert status == 1 and rows[0][3] == "fits; lacks .whl"
 
 
 def test_step_variants():  # stage "variants"

@@ -126,6 +126,7 @@ def test_profile_has_one_table_per_context_and_round_trips(tmp_path):
         assert costs.attn_s >= 0 and costs.mlp_s >= 0 and costs.rest_s >= 0
     assert profile.provenance["torch"] == torch.__version__ and profile.overheads == Overheads()
     assert profile.provenance["attention"] == "SDPA's own grouped query"  # the way a CPU's steps attend
+    assert profile.provenance["projections"] == "unfused: a GEMM a linear (eager steps)"
     profile.save(tmp_path / "p.json")
     saved = json.loads((tmp_path / "p.json").read_text())
     assert saved["version"] == 4 and [c["context_tokens"] for c in saved["contexts"]] == [64, 512]
@@ -440,6 +441,29 @@ def test_a_compiled_profile_times_the_engines_own_steps(monkeypatch):
     assert costs.verify_s == pytest.approx([11e-3, 12e-3, 13e-3])
     assert costs.attn_s == pytest.approx(1e-3) and costs.mlp_s == pytest.approx(0.5e-3)
     assert costs.rest_s == pytest.approx(11e-3 - 4 * 1.5e-3)
+    # How the timed steps ran their projections, read from the engine: 4 layers' query/key/value and gate/up groups.
+    assert profile.provenance["projections"].startswith("fused: 8 groups of linears of one input")
+
+
+def test_a_profile_says_whether_its_steps_fused_the_projections():
+    """A profile's provenance says how its steps ran a layer's linears of one input (a shipped GPU profile timed fused
+    steps or not): as the engine made them after the steps ran, without compiling anything here."""
+    from skipsearch.costs.profiler import projections_way
+    from skipsearch.decode.adapter import decoder_layers
+    from skipsearch.decode.engine import engine_for
+
+    fused, unfused = tiny_model(), tiny_model()
+    compiled = engine_for(fused)._layers_for("inductor")  # what a regional step runs: each layer's fused view
+    for layer in decoder_layers(fused):
+        compiled.layer(layer)
+    assert projections_way(fused, "regional") == ("fused: 8 groups of linears of one input (query, key, value; gate, "
+                                                  "up), one GEMM each (decode/fused.py)")
+    engine_for(unfused).fuse_projections = False
+    engine_for(unfused)._layers_for("inductor")
+    assert projections_way(unfused, "regional") == "unfused: a GEMM a linear (the engine's fuse_projections off)"
+    assert projections_way(fused, None) == "unfused: a GEMM a linear (eager steps)"
+    assert projections_way(fused, "reduce-overhead") == "unfused: a GEMM a linear (reduce-overhead steps)"
+    assert projections_way(fused, "frozen").startswith("not fused by the engine (frozen steps")
 
 
 def test_a_profile_times_the_engines_steps_only_while_it_holds_them():
@@ -530,6 +554,7 @@ def test_the_shipped_gpu_profiles_load_by_name_and_match_their_shapes():
         grouped = config.get("num_key_value_heads", config["num_attention_heads"]) < config["num_attention_heads"]
         ways = ("query heads folded", "SDPA's own grouped query") if grouped else ("SDPA, no grouped query",)
         assert profile.provenance["attention"].startswith(ways)  # how its steps attended, for whoever reads it
+        assert profile.provenance["projections"].startswith(("fused: ", "unfused: "))  # how its steps ran them
     with pytest.raises(ValueError, match="does not exist \\(shipped profiles: .*nvidia-h200/llama-3-8b"):
         CostProfile.load("nvidia-h200/no-such-shape")
 

@@ -81,13 +81,28 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def _provenance(model: torch.nn.Module) -> dict:
+def _provenance(model: torch.nn.Module, compile_mode: str | None = None) -> dict:
     import transformers
 
     return {"created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device_name": device_name(model.device), "torch": torch.__version__,
             "transformers": transformers.__version__, "torch_threads": torch.get_num_threads(),
-            "attention": attention_way(model)}
+            "attention": attention_way(model), "projections": projections_way(model, compile_mode)}
+
+
+def projections_way(model: torch.nn.Module, compile_mode: str | None) -> str:
+    """How the timed steps ran a layer's linears of one input, in words for a cost profile's provenance, read from
+    the engine after they ran: fused (one GEMM a group, decode/fused.py) in inductor's regional steps, unless the
+    engine's `fuse_projections` was off or nothing fused; else a GEMM a linear, or inductor's own concatenation."""
+    if compile_mode == "frozen":
+        return "not fused by the engine (frozen steps: inductor's freezing concatenates them where its pass applies)"
+    compiled = engine_for(model).layers.get("inductor") if compile_mode == "regional" else None
+    if compiled is not None and compiled.fused is not None and compiled.fused.groups:
+        return (f"fused: {len(compiled.fused.groups)} groups of linears of one input (query, key, value; gate, up), "
+                "one GEMM each (decode/fused.py)")
+    why = (f"{compile_mode or 'eager'} steps" if compile_mode != "regional" else
+           "the engine's fuse_projections off" if compiled is None or compiled.fused is None else "none fusible")
+    return f"unfused: a GEMM a linear ({why})"
 
 
 class NoisyMachine(ValueError):
@@ -200,7 +215,7 @@ def profile_costs(
             f"disagree: {problems[0]}{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; profile again "
             "when it is idle (other programs closed), or profile a quiet machine of this kind and give its file with "
             "--cost-profile")
-    profile = _profile(model, [r.costs(model.config.num_hidden_layers) for r in runs])
+    profile = _profile(model, [r.costs(model.config.num_hidden_layers) for r in runs], compile_mode)
     clipped = [c for r in runs for c in r.clipped(model.config.num_hidden_layers)]
     if calibrate:
         overheads, more = calibrated(model, profile, repeats, compile_mode, clock, show_progress)
@@ -211,11 +226,11 @@ def profile_costs(
 GPU_BUDGET_S = 60.0  # a profile's measuring again on a GPU stops after this: a shape's profile ends within minutes
 
 
-def _profile(model: torch.nn.Module, contexts: list[ContextCosts]) -> CostProfile:
+def _profile(model: torch.nn.Module, contexts: list[ContextCosts], compile_mode: str | None = None) -> CostProfile:
     weights = sublayer_weights(model)
     return CostProfile(device=str(model.device), dtype=str(model.dtype).removeprefix("torch."),
                        architecture=type(model).__name__, num_hidden_layers=model.config.num_hidden_layers,
-                       contexts=tuple(contexts), provenance=_provenance(model),
+                       contexts=tuple(contexts), provenance=_provenance(model, compile_mode),
                        attn_shares=_shares(weights.attn), mlp_shares=_shares(weights.mlp),
                        vocab_size=adapter.output_head(model)[1].shape[0])
 
