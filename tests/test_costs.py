@@ -593,3 +593,69 @@ def test_a_profiles_table_names_its_units_and_aligns_its_columns():
     assert len({len(header), *map(len, rows)}) == 1  # right-aligned under their headers
     assert [row.split()[:3] for row in rows] == [["16", "10000.000", "1000.000"], ["64", "18000.000", "3000.000"]]
     assert "draft-mode switch" not in "\n".join(lines)  # a profile made now switches nothing
+
+
+def stepped(verify_s):
+    """A profile whose verification costs step by width (a forward of 1.0, a draft skipping attention 0 and 1 0.9)."""
+    return synthetic(contexts=(ContextCosts(context_tokens=16, attn_s=0.05, mlp_s=0.05, rest_s=0.6,
+                                            verify_s=verify_s),))
+
+
+def test_a_lone_token_is_a_plain_step_never_padded():
+    """A round of one token (the guard's plain steps, a round with no room to draft) runs the plain step, never padded
+    (loop.py's `_verify`, `_plain_steps`), and `DecodeStats` records the tokens verified: priced at verify_s[0], a run
+    that never drafted predicts 1.0x however cheap a wider verification is (the audit's 1.053x)."""
+    profile = stepped([1.0, 0.95, 1.2, 1.3])
+    assert profile.verify_time(1) == 1.0 and profile.verify_time(2) == 0.95  # two tokens may be padded
+    never_drafted = DecodeStats(new_tokens=11, rounds=10, verify_sizes=Counter({1: 10}))
+    skip = SkipSet.of([0, 1], [], 4)
+    assert profile.predict_speedup(skip, never_drafted) == 1.0
+    assert profile.predict_speedup(skip, never_drafted, max_draft_tokens=3, compiled=True) == 1.0
+    from skipsearch.costs.profiler import format_profile
+
+    assert "padded" not in format_profile(profile)  # nor does the table say one token is
+    assert "verifying 2 tokens is padded" in format_profile(stepped([1.0, 1.2, 1.1, 1.3]))
+
+
+def test_eager_verification_pads_within_the_largest_round_compiled_to_it():
+    """The eager loop pads a verification to the cheapest width up to max_draft_tokens + 1 (`DraftController.width`);
+    the compiled verify step takes that width whatever the round's (`_verify`). Predictions price each so; without
+    `max_draft_tokens`, any measured width, as before."""
+    skip = SkipSet.of([0, 1], [], 4)  # a draft costs 0.6 + 2 * 0.05 + 4 * 0.05 = 0.9
+    cheap_at_4 = stepped([1.0, 1.2, 1.3, 1.1])
+    three = DecodeStats(new_tokens=9, rounds=4, drafted=8, accepted=4, verify_sizes=Counter({3: 4}))  # 2 a round
+    assert cheap_at_4.predict_speedup(skip, three, max_draft_tokens=2) == pytest.approx(8 / (4 * (2 * 0.9 + 1.3)))
+    assert cheap_at_4.predict_speedup(skip, three) == pytest.approx(8 / (4 * (2 * 0.9 + 1.1)))  # padded to 4
+    assert cheap_at_4.verify_time(3, widest=3) == 1.3 and cheap_at_4.verify_time(3, widest=4) == 1.1
+    dear_at_4 = stepped([1.0, 1.05, 1.1, 1.3])
+    two = DecodeStats(new_tokens=9, rounds=4, drafted=4, accepted=4, verify_sizes=Counter({2: 4}))
+    assert dear_at_4.predict_speedup(skip, two, max_draft_tokens=3) == pytest.approx(8 / (4 * (0.9 + 1.05)))
+    assert dear_at_4.predict_speedup(skip, two, max_draft_tokens=3, compiled=True) == pytest.approx(
+        8 / (4 * (0.9 + 1.3)))  # padded to 4 tokens, the compiled step's one width
+    assert dear_at_4.predict_speedup(skip, two, compiled=True) == pytest.approx(8 / (4 * (0.9 + 1.05)))  # widest: 2
+    assert dear_at_4.verify_time(2, widest=6, compiled=True) == pytest.approx(1.3 + 2 * 0.2)  # extrapolated
+
+
+def test_the_calibration_prices_its_rounds_at_the_widths_they_ran():
+    """The calibration decodes without a profile: eager, a round verifies its tokens alone (no padding); compiled,
+    at the largest round's width. Its residuals price each so: a decoder that pays nothing besides its forwards has
+    no overheads, however the widths step."""
+    from skipsearch.costs.calibration import _DRAFT_TOKENS, _calibration, _overheads
+
+    model = tiny_model()
+    profile = synthetic(contexts=(ContextCosts(context_tokens=8, attn_s=1e-3, mlp_s=1e-3, rest_s=2e-3,
+                                               verify_s=[10e-3, 14e-3, 12e-3, 13e-3, 16e-3]),))
+    _, skip, _ = _calibration(model, profile)
+    plain = DecodeStats(rounds=10, wall_time_s=10 * 10e-3, verify_contexts=Counter({(1, 8): 10}))
+    draft = profile.draft_s(skip, 8)
+
+    def drafted(verify_s):
+        return DecodeStats(rounds=5, drafted=5, wall_time_s=5 * (draft + verify_s),
+                           verify_contexts=Counter({(2, 8): 5}))
+
+    overheads, clipped = _overheads(profile, [(plain, drafted(14e-3))], model)
+    assert overheads.round_s == pytest.approx(0.0, abs=1e-12) and clipped == []
+    assert overheads.draft_token_s == pytest.approx(0.0, abs=1e-12)  # priced at 2 tokens' 14 ms, not 3 tokens' 12
+    assert _DRAFT_TOKENS + 1 == 5  # compiled: every drafting round verifies 5 tokens
+    overheads, clipped = _overheads(profile, [(plain, drafted(16e-3))], model, compiled=True)
+    assert overheads.draft_token_s == pytest.approx(0.0, abs=1e-12) and clipped == []

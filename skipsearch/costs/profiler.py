@@ -340,7 +340,8 @@ def format_profile(profile: CostProfile) -> str:
     lines.append(f"besides forwards: {ms(o.round_s)} per round; {switch}{ms(o.draft_token_s)} per drafted token, "
                  f"+{ms(o.adaptive_token_s)} when adaptive")
     widths = profile.contexts[0].envelope()
-    padded = [n for n in range(1, len(widths) + 1) if widths[n - 1] < profile.contexts[0].verify_s[n - 1]]
+    # A lone token is a plain step, never padded.
+    padded = [n for n in range(2, len(widths) + 1) if widths[n - 1] < profile.contexts[0].verify_s[n - 1]]
     if padded:
         lines.append(f"at context {profile.context_lengths[0]}, verifying {', '.join(map(str, padded))} tokens is "
                      "padded to a cheaper width (priced by the envelope)")

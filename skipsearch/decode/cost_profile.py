@@ -57,23 +57,28 @@ class ContextCosts:
     verify_s: list[float]  # verify_s[n - 1]: one full forward of n tokens
     head_s: float = 0.0  # the full LM head's share of rest_s, one token (0: not measured, trimming priced as free)
 
-    def verify_time(self, n_tokens: float) -> float:
-        """Time to verify `n_tokens`: the cheapest measured width at least as wide (hardware prices widths in steps, and
-        the loop pads to that width), interpolated between whole widths, extrapolated past the last."""
-        envelope = self.envelope()
+    def verify_time(self, n_tokens: float, widest: int | None = None, compiled: bool = False) -> float:
+        """Time to verify `n_tokens` as the decode loop runs it. One token is a plain step, never padded (verify_s[0]);
+        more are padded: compiled, to `widest` itself (max_draft_tokens + 1, the one width its verify step takes);
+        eager, to the cheapest measured width from n_tokens up to `widest` (None: any measured width), as the loop
+        pads with a profile (`DraftController.width`). Interpolated between whole widths, extrapolated past the last."""
         if n_tokens <= 1:
-            return envelope[0]
-        low = min(int(n_tokens), len(envelope))
-        if low == len(envelope):
-            slope = envelope[-1] - envelope[-2] if len(envelope) > 1 else 0.0
-            return envelope[-1] + max(0.0, slope) * (n_tokens - low)
+            return self.verify_s[0]
+        if compiled and widest is not None:
+            n_tokens = max(n_tokens, widest)
+        points = [self.verify_s[0], *self.envelope(widest)[1:]]
+        low = min(int(n_tokens), len(points))
+        if low == len(points):
+            slope = points[-1] - points[-2] if len(points) > 1 else 0.0
+            return points[-1] + max(0.0, slope) * (n_tokens - low)
         frac = n_tokens - low
-        return envelope[low - 1] * (1 - frac) + envelope[low] * frac
+        return points[low - 1] * (1 - frac) + points[low] * frac
 
-    def envelope(self) -> list[float]:
-        """envelope[n - 1]: the cheapest measured verification of n tokens or more; non-decreasing in n."""
+    def envelope(self, widest: int | None = None) -> list[float]:
+        """envelope[n - 1]: the cheapest measured verification of n tokens or more, up to `widest` tokens (None: every
+        measured width); non-decreasing in n."""
         cheapest, out = float("inf"), []
-        for cost in reversed(self.verify_s):
+        for cost in reversed(self.verify_s[:widest]):
             cheapest = min(cheapest, cost)
             out.append(cheapest)
         return out[::-1]
@@ -162,10 +167,12 @@ class CostProfile:
             return self.num_hidden_layers - len(skipped)
         return sum(shares) - sum(shares[i] for i in skipped)
 
-    def verify_time(self, n_tokens: float, context: float | None = None) -> float:
-        """Time to verify `n_tokens` with `context` tokens cached (the shortest profiled context by default)."""
+    def verify_time(self, n_tokens: float, context: float | None = None, *, widest: int | None = None,
+                    compiled: bool = False) -> float:
+        """Time to verify `n_tokens` with `context` tokens cached (the shortest profiled context by default), padded
+        as the loop pads within `widest` tokens, `compiled` or not (`ContextCosts.verify_time`)."""
         context = self.context_lengths[0] if context is None else context
-        return self._at(context, lambda c: c.verify_time(n_tokens))
+        return self._at(context, lambda c: c.verify_time(n_tokens, widest, compiled))
 
     def verify_measured(self, n_tokens: int, context: float | None = None) -> float:
         """A verification of exactly `n_tokens` as measured, out of order where widths step (`verify_time` prices it
@@ -177,16 +184,22 @@ class CostProfile:
     def switch_time(self, skip: SkipSet) -> float:
         return self.overheads.switch_s + self.overheads.switch_sublayer_s * skip.size
 
-    def predict_speedup(self, skip: SkipSet, stats: DecodeStats, adaptive: bool = False) -> float:
+    def predict_speedup(self, skip: SkipSet, stats: DecodeStats, adaptive: bool = False, *,
+                        max_draft_tokens: int | None = None, compiled: bool = False) -> float:
         """Plain-decoding time over self-speculative time for the decoding that `stats` describes.
 
-        Each round drafts (verified tokens - 1) tokens at its context length, then verifies them;
-        plain decoding spends one forward and one round per committed token, at the contexts
-        those tokens had. `adaptive`: the drafts paid adaptive drafting's confidence check.
+        Each round drafts (verified tokens - 1) tokens at its context length, then verifies them at the width the
+        loop runs (`verify_time`): a round of one token is a plain step; others are padded, `compiled` to
+        `max_draft_tokens` + 1 (without it, the stats' widest round), eager to the cheapest measured width up to
+        `max_draft_tokens` + 1 (without it, any measured width). Plain decoding spends one forward and one round per
+        committed token, at the contexts those tokens had. `adaptive`: the drafts paid adaptive drafting's
+        confidence check.
         """
         if stats.rounds == 0 or not skip.drafts:
             return 1.0
         rounds = stats.verify_contexts or {(n, self.context_lengths[0]): m for n, m in stats.verify_sizes.items()}
+        widest = (max_draft_tokens + 1 if max_draft_tokens is not None
+                  else max(n for n, _ in rounds) if compiled else None)
         o = self.overheads
         per_draft = o.draft_token_s + (o.adaptive_token_s if adaptive else 0.0)
         # Committed tokens per round (accepted + 1); the first token comes from the prefill in both.
@@ -195,7 +208,8 @@ class CostProfile:
         for (n_tokens, context), count in rounds.items():
             drafts = n_tokens - 1
             speculative += count * (drafts * (self.draft_s(skip, context) + per_draft)
-                                    + self.verify_time(n_tokens, context) + o.round_s
+                                    + self.verify_time(n_tokens, context, widest=widest, compiled=compiled)
+                                    + o.round_s
                                     + (self.switch_time(skip) if drafts else 0.0))
             plain += count * committed * (self.forward_at(context + (committed - 1) / 2) + o.round_s)
         return plain / speculative
