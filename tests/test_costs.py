@@ -392,6 +392,13 @@ def test_only_repeats_that_disagree_refuse_a_profile():
     assert any(re.search(r"full's 95% interval is \+-\d+% of it", p) for p in spread.problems())
     few_runs = runs([[10.0], [8.0]], {"full": [10.0], "no_attn": [7.0], "no_mlp": [8.0]})
     assert few_runs.problems() == []  # one run has no interval
+    # A head of one row no cheaper than the full one: the LM head's cost is clipped to 0, and said as the others are
+    # (the shipped qwen2.5-1.5b's at 32,758 tokens was, unsaid).
+    no_head = runs([[10.0], [10.5]], {"full": [10.0], "no_attn": [9.0], "no_mlp": [9.5], "one_row_head": [10.2]})
+    assert no_head.costs(num_layers=1).head_s == 0.0
+    assert no_head.clipped(num_layers=1) == ["at context 128, a language-model head cost of -0.200 ms, clipped to 0"]
+    head = runs([[10.0], [10.5]], {"full": [10.0], "no_attn": [9.0], "no_mlp": [9.5], "one_row_head": [9.0]})
+    assert head.costs(num_layers=1).head_s == pytest.approx(1e-3) and head.clipped(num_layers=1) == []
 
 
 def test_overheads_below_zero_are_clipped_and_said_a_little_below_is_zero():

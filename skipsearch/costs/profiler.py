@@ -151,11 +151,12 @@ class _ContextRuns:
         forward = statistics.median(self.verify[0] + self.one_token["full"])
         attn = (forward - statistics.median(self.one_token["no_attn"])) / num_layers
         mlp = (forward - statistics.median(self.one_token["no_mlp"])) / num_layers
-        found = [(part, value) for part, value in (("attention", attn), ("MLP", mlp),
-                                                   ("rest", forward - num_layers * (max(0, attn) + max(0, mlp))))
-                 if value <= 0]
+        parts = [("attention", attn), ("MLP", mlp), ("rest", forward - num_layers * (max(0, attn) + max(0, mlp)))]
+        one_row = self.one_token.get("one_row_head")
+        if one_row:  # the full LM head's share of the rest: the full forward less one with a head of one row
+            parts.append(("language-model head", forward - statistics.median(one_row)))
         return [f"at context {self.context_tokens}, a {part} cost of {value * 1e3:.3f} ms, clipped to 0"
-                for part, value in found]
+                for part, value in parts if value <= 0]
 
 
 @torch.inference_mode()
