@@ -128,8 +128,9 @@ def test_profile_has_one_table_per_context_and_round_trips(tmp_path):
     assert profile.provenance["attention"] == "SDPA's own grouped query"  # the way a CPU's steps attend
     profile.save(tmp_path / "p.json")
     saved = json.loads((tmp_path / "p.json").read_text())
-    assert saved["version"] == 4 and [c["context_tokens"] for c in saved["contexts"]] == [64, 512]
+    assert saved["version"] == 5 and [c["context_tokens"] for c in saved["contexts"]] == [64, 512]
     assert saved["vocab_size"] == 96 and all(c["head_s"] >= 0 for c in saved["contexts"])
+    assert saved["hidden_size"] == 32  # version 5: the hidden size, checked against a model's
     assert saved["attn_shares"] == [1.0] * 4 and saved["mlp_shares"] == [1.0] * 4  # alike in a dense model
     assert CostProfile.load(tmp_path / "p.json") == profile
     profile.check_model(model)
@@ -180,8 +181,8 @@ def test_old_single_context_profiles_still_load(tmp_path):
     profile = CostProfile.load(tmp_path / "old.json")
     assert profile.context_lengths == [128] and profile.overheads == Overheads()
     assert profile.forward_at(16) == profile.forward_at(4096) == 10.0  # one context: the same costs everywhere
-    (tmp_path / "new.json").write_text(json.dumps({**old, "version": 5}))
-    with pytest.raises(ValueError, match="version 5 is newer"):
+    (tmp_path / "new.json").write_text(json.dumps({**old, "version": 6}))
+    with pytest.raises(ValueError, match="version 6 is newer"):
         CostProfile.load(tmp_path / "new.json")
     h100 = CostProfile.load(Path(__file__).parent.parent / "benchmarks/results/h100-2026-11-22/profile-llama-2-7b.json")
     assert h100.mlp_shares == () and h100.draft_s(SkipSet.of([], [3], 32)) == h100.draft_s(SkipSet.of([], [30], 32))
@@ -551,7 +552,7 @@ def test_a_profile_refuses_a_model_of_another_shape_and_names_the_shipped_ones_t
     small = LlamaConfig(**{**config, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
                            "num_key_value_heads": 4})
     llama_2_7b = AutoModelForCausalLM.from_config(small)  # its shape's layers and vocabulary, tiny matrices
-    assert model_shape(llama_2_7b) == ("LlamaForCausalLM", 32, 32000)
+    assert model_shape(llama_2_7b) == ("LlamaForCausalLM", 32, 32000, 32)
     refusal = (r"with 32 layers and 128,256 tokens, not LlamaForCausalLM with 32 layers and 32,000 tokens "
                r"\(shipped profiles of its shape: nvidia-h200/llama-2-7b\)$")
     with pytest.raises(ValueError, match=refusal):
@@ -666,3 +667,21 @@ def test_the_calibration_prices_its_rounds_at_the_widths_they_ran():
     assert _DRAFT_TOKENS + 1 == 5  # compiled: every drafting round verifies 5 tokens
     overheads, clipped = _overheads(profile, [(plain, drafted(16e-3))], model, compiled=True)
     assert overheads.draft_token_s == pytest.approx(0.0, abs=1e-12) and clipped == []
+
+
+def test_a_profile_knows_the_hidden_size_and_checks_it_where_known():
+    """Version 5 holds the hidden size, compared with the model's; a profile of an earlier version (the shipped ones)
+    holds none, is not compared, and is written back as it was read."""
+    from skipsearch.decode.cost_profile import SHIPPED_PROFILES, shipped_profiles
+
+    model = positions_1024()  # 4 layers, 96 tokens, hidden size 32
+    wide = synthetic(vocab_size=96, hidden_size=64)
+    with pytest.raises(ValueError, match=r"^cost profile is for LlamaForCausalLM with 4 layers, hidden size 64 and 96 "
+                                         r"tokens, not LlamaForCausalLM with 4 layers, hidden size 32 and 96 tokens$"):
+        wide.check_model(model)
+    synthetic(vocab_size=96, hidden_size=32).check_model(model)
+    synthetic(vocab_size=96).check_model(model)  # unknown: not compared
+    assert wide.to_dict()["version"] == 5 and CostProfile.from_dict(json.loads(json.dumps(wide.to_dict()))) == wide
+    for name in shipped_profiles():
+        stored = json.loads((SHIPPED_PROFILES / f"{name}.json").read_text())
+        assert stored["version"] == 4 and json.loads(json.dumps(CostProfile.load(name).to_dict())) == stored

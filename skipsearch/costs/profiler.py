@@ -28,7 +28,7 @@ import torch
 
 from ..decode import adapter
 from ..decode.attention import attention_way
-from ..decode.cost_profile import ContextCosts, CostProfile
+from ..decode.cost_profile import ContextCosts, CostProfile, model_shape
 from ..decode.economics import sublayer_weights
 from ..decode.engine import CACHE_BLOCK, CompileSettings, engine_for
 from ..decode.kvcache import SpeculativeCache, cache_bytes
@@ -218,7 +218,7 @@ def _profile(model: torch.nn.Module, contexts: list[ContextCosts]) -> CostProfil
                        architecture=type(model).__name__, num_hidden_layers=model.config.num_hidden_layers,
                        contexts=tuple(contexts), provenance=_provenance(model),
                        attn_shares=_shares(weights.attn), mlp_shares=_shares(weights.mlp),
-                       vocab_size=adapter.output_head(model)[1].shape[0])
+                       vocab_size=adapter.output_head(model)[1].shape[0], hidden_size=model_shape(model)[3])
 
 
 def _shares(weights: Sequence[int]) -> tuple[float, ...]:

@@ -30,9 +30,12 @@ PROFILE_FORMAT = "skipsearch/cost-profile"
 SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 
 
-def model_shape(model: torch.nn.Module) -> tuple[str, int, int]:
-    """What a profile must match: the model's class, its layers and its vocabulary (0 where its config has none)."""
-    return type(model).__name__, model.config.num_hidden_layers, getattr(model.config, "vocab_size", 0) or 0
+def model_shape(model: torch.nn.Module) -> tuple[str, int, int, int]:
+    """What a profile must match: the model's class, its layers, its vocabulary and its hidden size (each of the last
+    two 0 where its config has none)."""
+    config = model.config
+    return (type(model).__name__, config.num_hidden_layers, getattr(config, "vocab_size", 0) or 0,
+            getattr(config, "hidden_size", 0) or 0)
 
 
 def shipped_profiles() -> list[str]:
@@ -41,9 +44,10 @@ def shipped_profiles() -> list[str]:
     return sorted(f"{path.parent.name}/{path.stem}" for path in SHIPPED_PROFILES.glob("*/*.json"))
 
 
-# 4 added the LM head's cost and the vocabulary (a trimmed draft head is priced by its rows); 3 each layer's sublayer
-# shares; 2 (no shares) reads as all alike, 3 as a head that trimming does not make cheaper
-PROFILE_VERSION = 4
+# 5 added the hidden size (checked against the model's where known); 4 the LM head's cost and the vocabulary (a
+# trimmed draft head is priced by its rows); 3 each layer's sublayer shares; 2 (no shares) reads as all alike, 3 as a
+# head that trimming does not make cheaper, 4 and before as a hidden size unknown (not checked)
+PROFILE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,7 @@ class CostProfile:
     attn_shares: tuple[float, ...] = ()
     mlp_shares: tuple[float, ...] = ()
     vocab_size: int = 0  # the LM head's rows, which `head_s` reads (0: not measured)
+    hidden_size: int = 0  # checked against a model's where known (0: unknown, as before version 5)
 
     def __post_init__(self) -> None:
         if not self.contexts:
@@ -216,8 +221,12 @@ class CostProfile:
 
     def to_dict(self) -> dict:
         """The JSON form: version 2's where the profile has no sublayer shares (read from a version-2 file), version
-        3's where it has no head cost, so that a stored profile is written back as it was; version 4 with both."""
+        3's where it has no head cost, version 4's where it has no hidden size, so that a stored profile is written
+        back as it was; version 5 with all."""
         data = {**asdict(self), "contexts": [asdict(c) for c in self.contexts]}
+        if self.hidden_size:
+            return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
+        del data["hidden_size"]
         if not self.vocab_size:
             del data["vocab_size"]
             for context in data["contexts"]:
@@ -227,7 +236,7 @@ class CostProfile:
         if not self.attn_shares and not self.mlp_shares:
             del data["attn_shares"], data["mlp_shares"]
             return {"format": PROFILE_FORMAT, "version": 2, **data}
-        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
+        return {"format": PROFILE_FORMAT, "version": 4, **data}
 
     @classmethod
     def from_dict(cls, data: dict) -> CostProfile:
@@ -239,7 +248,7 @@ class CostProfile:
         if version == 1:
             single = {k: data.pop(k) for k in ("context_tokens", "attn_s", "mlp_s", "rest_s", "verify_s")}
             return cls(**data, contexts=(ContextCosts(**single),))
-        if version not in (2, 3, PROFILE_VERSION):
+        if version not in (2, 3, 4, PROFILE_VERSION):
             raise ValueError(f"cost profile version {version} is newer than this skipsearch reads ({PROFILE_VERSION})")
         contexts = tuple(ContextCosts(**c) for c in data.pop("contexts"))
         overheads = Overheads(**data.pop("overheads", {}))
@@ -267,22 +276,25 @@ class CostProfile:
             raise ValueError(f"{path}: {error}") from None
 
     def check_model(self, model: torch.nn.Module) -> None:
-        """A ValueError where `model` is not of this profile's shape (architecture, layers, and the vocabulary where
-        the profile has one), naming the shipped profiles of the model's shape."""
-        architecture, layers, vocab = shape = model_shape(model)
+        """A ValueError where `model` is not of this profile's shape (architecture, layers, and the vocabulary and
+        hidden size where the profile has them), naming the shipped profiles of the model's shape."""
+        architecture, layers, vocab, hidden = shape = model_shape(model)
         if self.fits(*shape):
             return
+        width = f", hidden size {self.hidden_size:,}" if self.hidden_size else ""
         tokens = f" and {self.vocab_size:,} tokens" if self.vocab_size else ""
         matching = ", ".join(name for name in shipped_profiles() if CostProfile.load(name).fits(*shape))
-        raise ValueError(f"cost profile is for {self.architecture} with {self.num_hidden_layers} layers{tokens}, not "
-                         f"{architecture} with {layers} layers and {vocab:,} tokens"
+        theirs = f", hidden size {hidden:,}" if width else ""
+        raise ValueError(f"cost profile is for {self.architecture} with {self.num_hidden_layers} layers{width}"
+                         f"{tokens}, not {architecture} with {layers} layers{theirs} and {vocab:,} tokens"
                          + (f" (shipped profiles of its shape: {matching})" if matching else ""))
 
-    def fits(self, architecture: str, layers: int, vocab: int) -> bool:
-        """Whether the profile prices a model of this shape; a vocabulary unknown on either side (a profile before
-        version 4, a config without one) is not compared."""
+    def fits(self, architecture: str, layers: int, vocab: int, hidden: int = 0) -> bool:
+        """Whether the profile prices a model of this shape; a vocabulary or hidden size unknown on either side (a
+        profile before version 4, or 5, a config without one) is not compared."""
         same_vocabulary = not self.vocab_size or not vocab or self.vocab_size == vocab
-        return (self.architecture, self.num_hidden_layers) == (architecture, layers) and same_vocabulary
+        same_width = not self.hidden_size or not hidden or self.hidden_size == hidden
+        return (self.architecture, self.num_hidden_layers) == (architecture, layers) and same_vocabulary and same_width
 
     def label(self) -> str:
         """The device and dtype, and the overheads the profile lacks, for whoever reads a prediction made with it."""
