@@ -685,3 +685,28 @@ def test_a_profile_knows_the_hidden_size_and_checks_it_where_known():
     for name in shipped_profiles():
         stored = json.loads((SHIPPED_PROFILES / f"{name}.json").read_text())
         assert stored["version"] == 4 and json.loads(json.dumps(CostProfile.load(name).to_dict())) == stored
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p["contexts"].append(dict(p["contexts"][0])), "contexts: context_tokens 128 appears more than once"),
+    (lambda p: p["contexts"][1].update(verify_s=[]), r"context 512: verify_s is empty"),
+    (lambda p: p["contexts"][0].update(attn_s=-1e-3), r"context 128: attn_s is -0.001, not a finite cost at least 0"),
+    (lambda p: p["contexts"][0].update(head_s=float("nan")), r"context 128: head_s is nan, not a finite cost"),
+    (lambda p: p["contexts"][0]["verify_s"].__setitem__(2, float("inf")), r"context 128: verify_s\[2\] is inf"),
+    (lambda p: p["contexts"][0]["verify_s"].__setitem__(0, 0.0),
+     r"context 128: verify_s\[0\] is 0.0, not a finite cost above 0"),
+    (lambda p: p["contexts"][0].update(context_tokens=0), r"context 0: context_tokens must be a positive number"),
+    (lambda p: p["overheads"].update(round_s=float("nan")), r"overheads: round_s is nan, not a finite number"),
+    (lambda p: p["mlp_shares"].__setitem__(3, -1.0), r"mlp_shares\[3\] is -1.0, not a finite share at least 0"),
+])
+def test_a_profile_whose_figures_are_not_costs_is_refused_in_one_line(tmp_path, change, message):
+    """Repeated context lengths (a division by zero later), no verification (an index error), costs negative or not
+    finite: refused at loading, in one line naming the file and the field."""
+    from skipsearch.decode.cost_profile import SHIPPED_PROFILES
+
+    data = json.loads((SHIPPED_PROFILES / "nvidia-h200/smollm2-135m.json").read_text())
+    change(data)
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'bad.json'))}: {message}") as raised:
+        CostProfile.load(tmp_path / "bad.json")
+    assert len(str(raised.value).splitlines()) == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,6 +62,19 @@ class ContextCosts:
     verify_s: list[float]  # verify_s[n - 1]: one full forward of n tokens
     head_s: float = 0.0  # the full LM head's share of rest_s, one token (0: not measured, trimming priced as free)
 
+    def __post_init__(self) -> None:
+        """A ValueError naming the field where a cost is not one: a context length that is not positive, no
+        verification, a cost that is negative or not finite (a verification's must be above 0)."""
+        where = f"context {self.context_tokens!r}"
+        if not self.context_tokens > 0:
+            raise ValueError(f"{where}: context_tokens must be a positive number of tokens")
+        if not self.verify_s:
+            raise ValueError(f"{where}: verify_s is empty (it needs one cost a width, from one token)")
+        for name in ("attn_s", "mlp_s", "rest_s", "head_s"):
+            check_cost(f"{where}: {name}", getattr(self, name))
+        for index, cost in enumerate(self.verify_s):
+            check_cost(f"{where}: verify_s[{index}]", cost, above_zero=True)
+
     def verify_time(self, n_tokens: float, widest: int | None = None, compiled: bool = False) -> float:
         """Time to verify `n_tokens` as the decode loop runs it. One token is a plain step, never padded (verify_s[0]);
         more are padded: compiled, to `widest` itself (max_draft_tokens + 1, the one width its verify step takes);
@@ -88,6 +102,12 @@ class ContextCosts:
         return out[::-1]
 
 
+def check_cost(name: str, value: float, above_zero: bool = False, what: str = "cost") -> None:
+    """A ValueError naming `name` unless `value` is finite and at least 0 (above 0 with `above_zero`)."""
+    if not math.isfinite(value) or value < 0 or (above_zero and value == 0):
+        raise ValueError(f"{name} is {value!r}, not a finite {what} {'above' if above_zero else 'at least'} 0")
+
+
 @dataclass(frozen=True)
 class Overheads:
     """What decoding pays besides forwards, in seconds (zero in profiles that did not measure it).
@@ -105,6 +125,11 @@ class Overheads:
     switch_sublayer_s: float = 0.0
     draft_token_s: float = 0.0  # per drafted token besides its forward: picking it, loop bookkeeping
     adaptive_token_s: float = 0.0  # per drafted token cut by confidence (a CPU's adaptive rounds): the softmax, its read
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():  # below zero is an older profile's residual; NaN or inf none
+            if not math.isfinite(value):
+                raise ValueError(f"overheads: {name} is {value!r}, not a finite number of seconds")
 
 
 @dataclass(frozen=True)
@@ -125,13 +150,23 @@ class CostProfile:
     hidden_size: int = 0  # checked against a model's where known (0: unknown, as before version 5)
 
     def __post_init__(self) -> None:
+        """Contexts sorted; a ValueError naming the field where the profile's figures cannot price anything
+        (`ContextCosts` and `Overheads` check their own)."""
         if not self.contexts:
             raise ValueError("a cost profile needs at least one context length")
         object.__setattr__(self, "contexts", tuple(sorted(self.contexts, key=lambda c: c.context_tokens)))
+        lengths = self.context_lengths
+        repeated = sorted({length for length in lengths if lengths.count(length) > 1})
+        if repeated:
+            raise ValueError(f"contexts: context_tokens {', '.join(map(str, repeated))} "
+                             f"{'appears' if len(repeated) == 1 else 'appear'} more than once (each context length "
+                             "is profiled once)")
         for name in ("attn_shares", "mlp_shares"):
             shares = tuple(getattr(self, name))
             if shares and len(shares) != self.num_hidden_layers:
                 raise ValueError(f"{name} has {len(shares)} entries for {self.num_hidden_layers} layers")
+            for layer, share in enumerate(shares):
+                check_cost(f"{name}[{layer}]", share, what="share")
             object.__setattr__(self, name, shares)
 
     @property
