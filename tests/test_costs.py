@@ -348,12 +348,20 @@ def test_noise_that_passes_is_measured_again_until_the_figures_settle():
     assert costs.verify_s == sorted(costs.verify_s) and costs.rest_s > 0
 
 
-def test_a_time_budget_bounds_the_profile_to_fewer_contexts():
-    """On a GPU a shape gets a budget of wall time: past it no longer context is begun and nothing is measured again."""
+def test_a_time_budget_bounds_measuring_again_not_the_first_round():
+    """On a GPU a shape gets a budget of wall time for measuring again (README: no context begun again "past 60 s
+    after the first round"): the first round measures every context whatever the budget, so none is left out; past
+    the budget nothing is measured again."""
+    from skipsearch.costs.profiler import NoisyMachine
+
     model = tiny_model()
     profile = profile_costs(model, contexts=(8, 16, 32), max_verify_tokens=3, repeats=2, calibrate=False,
                             clock=VirtualTimer(model), budget_s=0.0)
-    assert profile.context_lengths == [8]
+    assert profile.context_lengths == [8, 16, 32]
+    noisy = VirtualTimer(model, noise=0.02)
+    with pytest.raises(NoisyMachine, match=r"after 1 rounds of 6 timed runs"):
+        profile_costs(model, contexts=(8, 16), max_verify_tokens=3, repeats=6, calibrate=False, clock=noisy,
+                      budget_s=0.0)
 
 
 def test_a_machine_too_noisy_to_profile_is_said_in_one_line():

@@ -171,11 +171,11 @@ def profile_costs(
     runs, and the decoding runs of the calibration are compiled alike; without, the eager forwards.
 
     Repetition decides noise: while repeats of a measurement disagree (`_ContextRuns.problems`), all are measured
-    again and pooled with the runs before, up to `attempts` rounds or, after the first, `budget_s` seconds of wall
-    time (default: `GPU_BUDGET_S` on CUDA, unbounded on a CPU), which also stops longer contexts from being begun
-    (the profile then has fewer); then `NoisyMachine` says what did not settle. Costs
-    out of order by width are priced as measured, and parts or overheads below zero are clipped to 0 and listed in
-    the provenance ("clipped"). `clock` (default `time.perf_counter`) times the forwards.
+    again and pooled with the runs before (`_measure`), up to `attempts` rounds or `budget_s` seconds of wall time
+    after the first round, which measures every context whatever the budget (default: `GPU_BUDGET_S` on CUDA,
+    unbounded on a CPU); then `NoisyMachine` says what did not settle. Costs out of order by width are priced as
+    measured, and parts or overheads below zero are clipped to 0 and listed in the provenance ("clipped"). `clock`
+    (default `time.perf_counter`) times the forwards.
     """
     clock = clock or time.perf_counter
     contexts = sorted(set(contexts or default_contexts(model, max_verify_tokens)))
@@ -186,21 +186,7 @@ def profile_costs(
     kinds = _draft_kinds(model.config.num_hidden_layers)
     runs = [_ContextRuns(c, [[] for _ in range(max_verify_tokens)], {name: [] for name in kinds}) for c in contexts]
     budget_s = budget_s if budget_s is not None else GPU_BUDGET_S if model.device.type == "cuda" else math.inf
-    started, problems = time.perf_counter(), []
-    for attempt in range(attempts):
-        with engine_for(model).exclusive():  # its compiled steps write the engine's cache; eager, it swaps layers
-            _time_forwards(model, runs, repeats, clock, warm=attempt == 0, show_progress=show_progress,
-                           compile_mode=compile_mode, deadline=started + budget_s)
-        runs = [r for r in runs if r.verify[0]]  # past the budget, longer contexts were left out: fewer contexts
-        problems = [p for r in runs for p in r.problems()]
-        if not problems or time.perf_counter() - started > budget_s:
-            break
-    if problems:
-        raise NoisyMachine(
-            f"this machine is too noisy to profile: after {attempt + 1} rounds of {repeats} timed runs, repeats "
-            f"disagree: {problems[0]}{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; profile again "
-            "when it is idle (other programs closed), or profile a quiet machine of this kind and give its file with "
-            "--cost-profile")
+    _measure(model, runs, repeats, clock, attempts, budget_s, show_progress, compile_mode)
     profile = _profile(model, [r.costs(model.config.num_hidden_layers) for r in runs])
     clipped = [c for r in runs for c in r.clipped(model.config.num_hidden_layers)]
     if calibrate:
@@ -209,7 +195,32 @@ def profile_costs(
     return replace(profile, provenance={**profile.provenance, "clipped": clipped}) if clipped else profile
 
 
-GPU_BUDGET_S = 60.0  # a profile's measuring again on a GPU stops after this: a shape's profile ends within minutes
+# A profile's measuring again on a GPU begins no context after this, counted from the end of its first round (which
+# measures every context): a shape's profile ends within minutes.
+GPU_BUDGET_S = 60.0
+
+
+def _measure(model: torch.nn.Module, runs: list[_ContextRuns], repeats: int, clock: Callable[[], float],
+             attempts: int, budget_s: float, show_progress: bool, compile_mode: str | None) -> None:
+    """Time every measurement at every context into `runs`, then, while repeats disagree, all of them again, up to
+    `attempts` rounds; past `budget_s` after the first round no context is begun again (those left keep the runs they
+    have). A `NoisyMachine` where repeats still disagree."""
+    deadline, problems = math.inf, []
+    for attempt in range(attempts):
+        with engine_for(model).exclusive():  # its compiled steps write the engine's cache; eager, it swaps layers
+            _time_forwards(model, runs, repeats, clock, warm=attempt == 0, show_progress=show_progress,
+                           compile_mode=compile_mode, deadline=deadline)
+        if attempt == 0:
+            deadline = time.perf_counter() + budget_s  # the budget is for measuring again
+        problems = [p for r in runs for p in r.problems()]
+        if not problems or time.perf_counter() > deadline:
+            break
+    if problems:
+        raise NoisyMachine(
+            f"this machine is too noisy to profile: after {attempt + 1} rounds of {repeats} timed runs, repeats "
+            f"disagree: {problems[0]}{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; profile again "
+            "when it is idle (other programs closed), or profile a quiet machine of this kind and give its file with "
+            "--cost-profile")
 
 
 def _profile(model: torch.nn.Module, contexts: list[ContextCosts]) -> CostProfile:
@@ -261,7 +272,7 @@ def _time_forwards(model: torch.nn.Module, runs: list[_ContextRuns], repeats: in
                    warm: bool, show_progress: bool, compile_mode: str | None = None, deadline: float = math.inf
                    ) -> None:
     """Add `repeats` timed runs of every measurement, at every context length, to `runs`, from the shortest; past
-    `deadline` (wall time) no further context is begun."""
+    `deadline` (wall time) no further context is begun (the first always is)."""
     from tqdm.auto import tqdm
 
     device = model.device
