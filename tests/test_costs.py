@@ -271,6 +271,8 @@ def test_profile_config_only_and_the_folder_without_weights(capsys, tmp_path, ti
     code, out, _ = run(capsys, "profile", "--model", folder / "config.json", "--config-only", "--contexts", "8,32",
                        "--repeats", 1, "--output", tmp_path / "p.json", "--no-progress")
     assert code == 0 and re.search(r"^ +8 .*\n +32 ", out, re.MULTILINE)
+    # One timed run a measurement has no interval to judge noise by: the profile says so, and the command prints it.
+    assert "noise: not checked (1 repeat: telling noise takes 5 or more)" in out.splitlines()
     profile = CostProfile.load(tmp_path / "p.json")
     assert profile.context_lengths == [8, 32] and profile.provenance["weights"].startswith("random")
     with pytest.raises(SystemExit) as exit_info:
@@ -718,3 +720,18 @@ def test_a_profile_whose_figures_are_not_costs_is_refused_in_one_line(tmp_path, 
     with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'bad.json'))}: {message}") as raised:
         CostProfile.load(tmp_path / "bad.json")
     assert len(str(raised.value).splitlines()) == 1
+
+
+def test_a_profile_of_few_repeats_says_its_noise_was_not_checked():
+    """Under 5 timed runs a measurement there is no interval to judge noise by: the profile is made, and its
+    provenance and table say the noise was not checked; from 5 on nothing is said."""
+    from skipsearch.costs.profiler import format_profile
+
+    model = tiny_model()
+    few = profile_costs(model, contexts=(8,), max_verify_tokens=2, repeats=2, calibrate=False,
+                        clock=VirtualTimer(model))
+    assert few.provenance["noise"] == "not checked (2 repeats: telling noise takes 5 or more)"
+    assert "noise: not checked (2 repeats: telling noise takes 5 or more)" in format_profile(few).splitlines()
+    enough = profile_costs(model, contexts=(8,), max_verify_tokens=2, repeats=5, calibrate=False,
+                           clock=VirtualTimer(model))
+    assert "noise" not in enough.provenance and "noise" not in format_profile(enough)

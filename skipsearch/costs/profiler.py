@@ -173,7 +173,8 @@ def profile_costs(
     Repetition decides noise: while repeats of a measurement disagree (`_ContextRuns.problems`), all are measured
     again and pooled with the runs before (`_measure`), up to `attempts` rounds or `budget_s` seconds of wall time
     after the first round, which measures every context whatever the budget (default: `GPU_BUDGET_S` on CUDA,
-    unbounded on a CPU); then `NoisyMachine` says what did not settle. Costs out of order by width are priced as
+    unbounded on a CPU); then `NoisyMachine` says what did not settle. Fewer than 5 `repeats` give no interval to
+    judge: the provenance says the noise was not checked ("noise"). Costs out of order by width are priced as
     measured, and parts or overheads below zero are clipped to 0 and listed in the provenance ("clipped"). `clock`
     (default `time.perf_counter`) times the forwards.
     """
@@ -192,7 +193,11 @@ def profile_costs(
     if calibrate:
         overheads, more = calibrated(model, profile, repeats, compile_mode, clock, show_progress)
         profile, clipped = replace(profile, overheads=overheads), clipped + more
-    return replace(profile, provenance={**profile.provenance, "clipped": clipped}) if clipped else profile
+    notes = {"clipped": clipped} if clipped else {}
+    if repeats < _MIN_RUNS_FOR_INTERVAL:
+        notes["noise"] = (f"not checked ({repeats} repeat{'s' if repeats != 1 else ''}: telling noise takes "
+                          f"{_MIN_RUNS_FOR_INTERVAL} or more)")
+    return replace(profile, provenance={**profile.provenance, **notes}) if notes else profile
 
 
 # A profile's measuring again on a GPU begins no context after this, counted from the end of its first round (which
@@ -358,6 +363,8 @@ def format_profile(profile: CostProfile) -> str:
         lines.append(f"at context {profile.context_lengths[0]}, verifying {', '.join(map(str, padded))} tokens is "
                      "padded to a cheaper width (priced by the envelope)")
     lines.extend(f"clipped: {note}" for note in profile.provenance.get("clipped", []))
+    if "noise" in profile.provenance:
+        lines.append(f"noise: {profile.provenance['noise']}")
     return "\n".join(lines)
 
 
