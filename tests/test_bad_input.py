@@ -113,6 +113,12 @@ def workspace(tmp_path, tiny_model_dir):
     for name in ("deep.json", "deep.jsonl"):
         (tmp_path / name).write_text(DEEP + "\n")
     (tmp_path / "number-prompt.jsonl").write_text('{"prompt": "one"}\n{"prompt": 2}\n')
+    from skipsearch.decode.cost_profile import SHIPPED_PROFILES
+
+    profile = json.loads((SHIPPED_PROFILES / "nvidia-h200/smollm2-135m.json").read_text())
+    (tmp_path / "repeated-contexts.json").write_text(json.dumps({**profile, "contexts": profile["contexts"] * 2}))
+    (tmp_path / "nan-cost.json").write_text(json.dumps({**profile, "contexts": [
+        {**profile["contexts"][0], "mlp_s": float("nan")}]}))
     shutil.copy(tmp_path / "plain.db", tmp_path / "damaged.db")
     damage_a_page(tmp_path / "damaged.db")
     from optuna.storages.journal import JournalFileBackend
@@ -214,6 +220,11 @@ CASES = [
     (["optimize", "--dataset", "{dir}/deep.json"], "dataset .*deep.json.: nested too deeply"),  # a document
     (["optimize", "--objective", "modeled", "--cost-profile", "{dir}/deep.json"], "cost profile .*: nested too deeply"),
     (["bench", "--cost-profile", "{dir}/deep.json"], "cost profile .*deep.json.: nested too deeply"),
+    # a cost profile whose figures are not costs: refused as it loads, naming the file and the field
+    (["bench", "--cost-profile", "{dir}/repeated-contexts.json"],
+     r"repeated-contexts.json: contexts: context_tokens 128, 512, 2048, 8182 appear more than once"),
+    (["optimize", "--objective", "modeled", "--cost-profile", "{dir}/nan-cost.json"],
+     r"nan-cost.json: context 128: mlp_s is nan, not a finite cost at least 0$"),
     (["profile", "--config-only", "--model", "{dir}/deep.json"], "model config .*deep.json.: nested too deeply"),
     (["generate", "--prompt", "hi", "--model", "{bad}/deep-config"], "config.json.: nested too deeply.*: download"),
     (["generate", "--prompt", "hi", "--model", "{bad}/cut-weights"], "model.safetensors. is damaged or cut short"),

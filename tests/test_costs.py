@@ -129,8 +129,9 @@ def test_profile_has_one_table_per_context_and_round_trips(tmp_path):
     assert profile.provenance["projections"] == "unfused: a GEMM a linear (eager steps)"
     profile.save(tmp_path / "p.json")
     saved = json.loads((tmp_path / "p.json").read_text())
-    assert saved["version"] == 4 and [c["context_tokens"] for c in saved["contexts"]] == [64, 512]
+    assert saved["version"] == 5 and [c["context_tokens"] for c in saved["contexts"]] == [64, 512]
     assert saved["vocab_size"] == 96 and all(c["head_s"] >= 0 for c in saved["contexts"])
+    assert saved["hidden_size"] == 32  # version 5: the hidden size, checked against a model's
     assert saved["attn_shares"] == [1.0] * 4 and saved["mlp_shares"] == [1.0] * 4  # alike in a dense model
     assert CostProfile.load(tmp_path / "p.json") == profile
     profile.check_model(model)
@@ -181,8 +182,8 @@ def test_old_single_context_profiles_still_load(tmp_path):
     profile = CostProfile.load(tmp_path / "old.json")
     assert profile.context_lengths == [128] and profile.overheads == Overheads()
     assert profile.forward_at(16) == profile.forward_at(4096) == 10.0  # one context: the same costs everywhere
-    (tmp_path / "new.json").write_text(json.dumps({**old, "version": 5}))
-    with pytest.raises(ValueError, match="version 5 is newer"):
+    (tmp_path / "new.json").write_text(json.dumps({**old, "version": 6}))
+    with pytest.raises(ValueError, match="version 6 is newer"):
         CostProfile.load(tmp_path / "new.json")
     h100 = CostProfile.load(Path(__file__).parent.parent / "benchmarks/results/h100-2026-11-22/profile-llama-2-7b.json")
     assert h100.mlp_shares == () and h100.draft_s(SkipSet.of([], [3], 32)) == h100.draft_s(SkipSet.of([], [30], 32))
@@ -271,6 +272,8 @@ def test_profile_config_only_and_the_folder_without_weights(capsys, tmp_path, ti
     code, out, _ = run(capsys, "profile", "--model", folder / "config.json", "--config-only", "--contexts", "8,32",
                        "--repeats", 1, "--output", tmp_path / "p.json", "--no-progress")
     assert code == 0 and re.search(r"^ +8 .*\n +32 ", out, re.MULTILINE)
+    # One timed run a measurement has no interval to judge noise by: the profile says so, and the command prints it.
+    assert "noise: not checked (1 repeat: telling noise takes 5 or more)" in out.splitlines()
     profile = CostProfile.load(tmp_path / "p.json")
     assert profile.context_lengths == [8, 32] and profile.provenance["weights"].startswith("random")
     with pytest.raises(SystemExit) as exit_info:
@@ -348,12 +351,20 @@ def test_noise_that_passes_is_measured_again_until_the_figures_settle():
     assert costs.verify_s == sorted(costs.verify_s) and costs.rest_s > 0
 
 
-def test_a_time_budget_bounds_the_profile_to_fewer_contexts():
-    """On a GPU a shape gets a budget of wall time: past it no longer context is begun and nothing is measured again."""
+def test_a_time_budget_bounds_measuring_again_not_the_first_round():
+    """On a GPU a shape gets a budget of wall time for measuring again (README: no context begun again "past 60 s
+    after the first round"): the first round measures every context whatever the budget, so none is left out; past
+    the budget nothing is measured again."""
+    from skipsearch.costs.profiler import NoisyMachine
+
     model = tiny_model()
     profile = profile_costs(model, contexts=(8, 16, 32), max_verify_tokens=3, repeats=2, calibrate=False,
                             clock=VirtualTimer(model), budget_s=0.0)
-    assert profile.context_lengths == [8]
+    assert profile.context_lengths == [8, 16, 32]
+    noisy = VirtualTimer(model, noise=0.02)
+    with pytest.raises(NoisyMachine, match=r"after 1 rounds of 6 timed runs"):
+        profile_costs(model, contexts=(8, 16), max_verify_tokens=3, repeats=6, calibrate=False, clock=noisy,
+                      budget_s=0.0)
 
 
 def test_a_machine_too_noisy_to_profile_is_said_in_one_line():
@@ -393,6 +404,13 @@ def test_only_repeats_that_disagree_refuse_a_profile():
     assert any(re.search(r"full's 95% interval is \+-\d+% of it", p) for p in spread.problems())
     few_runs = runs([[10.0], [8.0]], {"full": [10.0], "no_attn": [7.0], "no_mlp": [8.0]})
     assert few_runs.problems() == []  # one run has no interval
+    # A head of one row no cheaper than the full one: the LM head's cost is clipped to 0, and said as the others are
+    # (the shipped qwen2.5-1.5b's at 32,758 tokens was, unsaid).
+    no_head = runs([[10.0], [10.5]], {"full": [10.0], "no_attn": [9.0], "no_mlp": [9.5], "one_row_head": [10.2]})
+    assert no_head.costs(num_layers=1).head_s == 0.0
+    assert no_head.clipped(num_layers=1) == ["at context 128, a language-model head cost of -0.200 ms, clipped to 0"]
+    head = runs([[10.0], [10.5]], {"full": [10.0], "no_attn": [9.0], "no_mlp": [9.5], "one_row_head": [9.0]})
+    assert head.costs(num_layers=1).head_s == pytest.approx(1e-3) and head.clipped(num_layers=1) == []
 
 
 def test_overheads_below_zero_are_clipped_and_said_a_little_below_is_zero():
@@ -569,7 +587,7 @@ def test_a_profile_refuses_a_model_of_another_shape_and_names_the_shipped_ones_t
     small = LlamaConfig(**{**config, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
                            "num_key_value_heads": 4})
     llama_2_7b = AutoModelForCausalLM.from_config(small)  # its shape's layers and vocabulary, tiny matrices
-    assert model_shape(llama_2_7b) == ("LlamaForCausalLM", 32, 32000)
+    assert model_shape(llama_2_7b) == ("LlamaForCausalLM", 32, 32000, 32)
     refusal = (r"with 32 layers and 128,256 tokens, not LlamaForCausalLM with 32 layers and 32,000 tokens "
                r"\(shipped profiles of its shape: nvidia-h200/llama-2-7b\)$")
     with pytest.raises(ValueError, match=refusal):
@@ -618,3 +636,127 @@ def test_a_profiles_table_names_its_units_and_aligns_its_columns():
     assert len({len(header), *map(len, rows)}) == 1  # right-aligned under their headers
     assert [row.split()[:3] for row in rows] == [["16", "10000.000", "1000.000"], ["64", "18000.000", "3000.000"]]
     assert "draft-mode switch" not in "\n".join(lines)  # a profile made now switches nothing
+
+
+def stepped(verify_s):
+    """A profile whose verification costs step by width (a forward of 1.0, a draft skipping attention 0 and 1 0.9)."""
+    return synthetic(contexts=(ContextCosts(context_tokens=16, attn_s=0.05, mlp_s=0.05, rest_s=0.6,
+                                            verify_s=verify_s),))
+
+
+def test_a_lone_token_is_a_plain_step_never_padded():
+    """A round of one token (the guard's plain steps, a round with no room to draft) runs the plain step, never padded
+    (loop.py's `_verify`, `_plain_steps`), and `DecodeStats` records the tokens verified: priced at verify_s[0], a run
+    that never drafted predicts 1.0x however cheap a wider verification is (the audit's 1.053x)."""
+    profile = stepped([1.0, 0.95, 1.2, 1.3])
+    assert profile.verify_time(1) == 1.0 and profile.verify_time(2) == 0.95  # two tokens may be padded
+    never_drafted = DecodeStats(new_tokens=11, rounds=10, verify_sizes=Counter({1: 10}))
+    skip = SkipSet.of([0, 1], [], 4)
+    assert profile.predict_speedup(skip, never_drafted) == 1.0
+    assert profile.predict_speedup(skip, never_drafted, max_draft_tokens=3, compiled=True) == 1.0
+    from skipsearch.costs.profiler import format_profile
+
+    assert "padded" not in format_profile(profile)  # nor does the table say one token is
+    assert "verifying 2 tokens is padded" in format_profile(stepped([1.0, 1.2, 1.1, 1.3]))
+
+
+def test_eager_verification_pads_within_the_largest_round_compiled_to_it():
+    """The eager loop pads a verification to the cheapest width up to max_draft_tokens + 1 (`DraftController.width`);
+    the compiled verify step takes that width whatever the round's (`_verify`). Predictions price each so; without
+    `max_draft_tokens`, any measured width, as before."""
+    skip = SkipSet.of([0, 1], [], 4)  # a draft costs 0.6 + 2 * 0.05 + 4 * 0.05 = 0.9
+    cheap_at_4 = stepped([1.0, 1.2, 1.3, 1.1])
+    three = DecodeStats(new_tokens=9, rounds=4, drafted=8, accepted=4, verify_sizes=Counter({3: 4}))  # 2 a round
+    assert cheap_at_4.predict_speedup(skip, three, max_draft_tokens=2) == pytest.approx(8 / (4 * (2 * 0.9 + 1.3)))
+    assert cheap_at_4.predict_speedup(skip, three) == pytest.approx(8 / (4 * (2 * 0.9 + 1.1)))  # padded to 4
+    assert cheap_at_4.verify_time(3, widest=3) == 1.3 and cheap_at_4.verify_time(3, widest=4) == 1.1
+    dear_at_4 = stepped([1.0, 1.05, 1.1, 1.3])
+    two = DecodeStats(new_tokens=9, rounds=4, drafted=4, accepted=4, verify_sizes=Counter({2: 4}))
+    assert dear_at_4.predict_speedup(skip, two, max_draft_tokens=3) == pytest.approx(8 / (4 * (0.9 + 1.05)))
+    assert dear_at_4.predict_speedup(skip, two, max_draft_tokens=3, compiled=True) == pytest.approx(
+        8 / (4 * (0.9 + 1.3)))  # padded to 4 tokens, the compiled step's one width
+    assert dear_at_4.predict_speedup(skip, two, compiled=True) == pytest.approx(8 / (4 * (0.9 + 1.05)))  # widest: 2
+    assert dear_at_4.verify_time(2, widest=6, compiled=True) == pytest.approx(1.3 + 2 * 0.2)  # extrapolated
+
+
+def test_the_calibration_prices_its_rounds_at_the_widths_they_ran():
+    """The calibration decodes without a profile: eager, a round verifies its tokens alone (no padding); compiled,
+    at the largest round's width. Its residuals price each so: a decoder that pays nothing besides its forwards has
+    no overheads, however the widths step."""
+    from skipsearch.costs.calibration import _DRAFT_TOKENS, _calibration, _overheads
+
+    model = tiny_model()
+    profile = synthetic(contexts=(ContextCosts(context_tokens=8, attn_s=1e-3, mlp_s=1e-3, rest_s=2e-3,
+                                               verify_s=[10e-3, 14e-3, 12e-3, 13e-3, 16e-3]),))
+    _, skip, _ = _calibration(model, profile)
+    plain = DecodeStats(rounds=10, wall_time_s=10 * 10e-3, verify_contexts=Counter({(1, 8): 10}))
+    draft = profile.draft_s(skip, 8)
+
+    def drafted(verify_s):
+        return DecodeStats(rounds=5, drafted=5, wall_time_s=5 * (draft + verify_s),
+                           verify_contexts=Counter({(2, 8): 5}))
+
+    overheads, clipped = _overheads(profile, [(plain, drafted(14e-3))], model)
+    assert overheads.round_s == pytest.approx(0.0, abs=1e-12) and clipped == []
+    assert overheads.draft_token_s == pytest.approx(0.0, abs=1e-12)  # priced at 2 tokens' 14 ms, not 3 tokens' 12
+    assert _DRAFT_TOKENS + 1 == 5  # compiled: every drafting round verifies 5 tokens
+    overheads, clipped = _overheads(profile, [(plain, drafted(16e-3))], model, compiled=True)
+    assert overheads.draft_token_s == pytest.approx(0.0, abs=1e-12) and clipped == []
+
+
+def test_a_profile_knows_the_hidden_size_and_checks_it_where_known():
+    """Version 5 holds the hidden size, compared with the model's; a profile of an earlier version (the shipped ones)
+    holds none, is not compared, and is written back as it was read."""
+    from skipsearch.decode.cost_profile import SHIPPED_PROFILES, shipped_profiles
+
+    model = positions_1024()  # 4 layers, 96 tokens, hidden size 32
+    wide = synthetic(vocab_size=96, hidden_size=64)
+    with pytest.raises(ValueError, match=r"^cost profile is for LlamaForCausalLM with 4 layers, hidden size 64 and 96 "
+                                         r"tokens, not LlamaForCausalLM with 4 layers, hidden size 32 and 96 tokens$"):
+        wide.check_model(model)
+    synthetic(vocab_size=96, hidden_size=32).check_model(model)
+    synthetic(vocab_size=96).check_model(model)  # unknown: not compared
+    assert wide.to_dict()["version"] == 5 and CostProfile.from_dict(json.loads(json.dumps(wide.to_dict()))) == wide
+    for name in shipped_profiles():
+        stored = json.loads((SHIPPED_PROFILES / f"{name}.json").read_text())
+        assert stored["version"] == 4 and json.loads(json.dumps(CostProfile.load(name).to_dict())) == stored
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda p: p["contexts"].append(dict(p["contexts"][0])), "contexts: context_tokens 128 appears more than once"),
+    (lambda p: p["contexts"][1].update(verify_s=[]), r"context 512: verify_s is empty"),
+    (lambda p: p["contexts"][0].update(attn_s=-1e-3), r"context 128: attn_s is -0.001, not a finite cost at least 0"),
+    (lambda p: p["contexts"][0].update(head_s=float("nan")), r"context 128: head_s is nan, not a finite cost"),
+    (lambda p: p["contexts"][0]["verify_s"].__setitem__(2, float("inf")), r"context 128: verify_s\[2\] is inf"),
+    (lambda p: p["contexts"][0]["verify_s"].__setitem__(0, 0.0),
+     r"context 128: verify_s\[0\] is 0.0, not a finite cost above 0"),
+    (lambda p: p["contexts"][0].update(context_tokens=0), r"context 0: context_tokens must be a positive number"),
+    (lambda p: p["overheads"].update(round_s=float("nan")), r"overheads: round_s is nan, not a finite number"),
+    (lambda p: p["mlp_shares"].__setitem__(3, -1.0), r"mlp_shares\[3\] is -1.0, not a finite share at least 0"),
+])
+def test_a_profile_whose_figures_are_not_costs_is_refused_in_one_line(tmp_path, change, message):
+    """Repeated context lengths (a division by zero later), no verification (an index error), costs negative or not
+    finite: refused at loading, in one line naming the file and the field."""
+    from skipsearch.decode.cost_profile import SHIPPED_PROFILES
+
+    data = json.loads((SHIPPED_PROFILES / "nvidia-h200/smollm2-135m.json").read_text())
+    change(data)
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'bad.json'))}: {message}") as raised:
+        CostProfile.load(tmp_path / "bad.json")
+    assert len(str(raised.value).splitlines()) == 1
+
+
+def test_a_profile_of_few_repeats_says_its_noise_was_not_checked():
+    """Under 5 timed runs a measurement there is no interval to judge noise by: the profile is made, and its
+    provenance and table say the noise was not checked; from 5 on nothing is said."""
+    from skipsearch.costs.profiler import format_profile
+
+    model = tiny_model()
+    few = profile_costs(model, contexts=(8,), max_verify_tokens=2, repeats=2, calibrate=False,
+                        clock=VirtualTimer(model))
+    assert few.provenance["noise"] == "not checked (2 repeats: telling noise takes 5 or more)"
+    assert "noise: not checked (2 repeats: telling noise takes 5 or more)" in format_profile(few).splitlines()
+    enough = profile_costs(model, contexts=(8,), max_verify_tokens=2, repeats=5, calibrate=False,
+                           clock=VirtualTimer(model))
+    assert "noise" not in enough.provenance and "noise" not in format_profile(enough)

@@ -38,7 +38,9 @@ def add_profile_flags(prof: argparse.ArgumentParser) -> None:
                       help="build --model from its config alone (a folder with config.json, a config .json file or "
                            "a Hub name, whose weights are not fetched) with random weights: costs do not depend "
                            "on the weights' values")
-    prof.add_argument("--repeats", type=positive_int, default=20, help="timed runs per measurement (median)")
+    prof.add_argument("--repeats", type=positive_int, default=20,
+                      help="timed runs per measurement (median); under 5 the noise is not checked, which the profile "
+                           "says")
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_flags(prof).add_argument(
         "--compile", action="store_true",

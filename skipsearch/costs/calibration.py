@@ -26,7 +26,7 @@ def calibrated(model: torch.nn.Module, profile: CostProfile, repeats: int, compi
     what the view costs besides its forwards is in the residuals."""
     timed = replace(profile, overheads=Overheads(adaptive_token_s=_confidence_read_s(model, clock)))
     decodes = _decoding_runs(model, timed, max(1, min(repeats, 5)), compile_mode, show_progress)
-    return _overheads(timed, decodes, model)
+    return _overheads(timed, decodes, model, compiled=compile_mode is not None)
 
 
 def _confidence_read_s(model: torch.nn.Module, clock: Callable[[], float], runs: int = 200) -> float:
@@ -86,18 +86,25 @@ def _decoding_runs(model: torch.nn.Module, profile: CostProfile, repeats: int, c
     return decodes[1:]  # the first warmed up
 
 
-def _overheads(profile: CostProfile, decodes: list[tuple[DecodeStats, DecodeStats]], model: torch.nn.Module
-               ) -> tuple[Overheads, list[str]]:
+def _overheads(profile: CostProfile, decodes: list[tuple[DecodeStats, DecodeStats]], model: torch.nn.Module,
+               compiled: bool = False) -> tuple[Overheads, list[str]]:
     """What the real decoder pays besides the profiled forwards (residuals of `decodes` over them, at the shortest
     profiled context): plain decoding gives the per-round cost, fixed drafting the per-drafted-token cost. A residual
     below zero cannot be a cost: it is clipped to 0, and said (the second value) where beyond noise."""
-    _, skip, _ = _calibration(model, profile)
+    _, skip, policy = _calibration(model, profile)
+
+    def verification(n_tokens: int, at: int) -> float:
+        """As the runs verified (they decode without a profile): a plain step or, eager, the tokens alone; compiled,
+        padded to the widest round's width."""
+        if compiled:
+            return profile.verify_time(n_tokens, at, widest=policy.max_draft_tokens + 1, compiled=True)
+        return profile.verify_measured(n_tokens, at)
 
     def forwards(stats: DecodeStats, skip_set: SkipSet) -> float:
         """The profiled forwards of the rounds in `stats` (and an older profile's switches: cost_profile.py)."""
         total = 0.0
         for (n_tokens, at), count in stats.verify_contexts.items():
-            total += count * (profile.verify_time(n_tokens, at) + (n_tokens - 1) * profile.draft_s(skip_set, at)
+            total += count * (verification(n_tokens, at) + (n_tokens - 1) * profile.draft_s(skip_set, at)
                               + (profile.switch_time(skip_set) if n_tokens > 1 else 0.0))
         return total
 

@@ -28,7 +28,7 @@ import torch
 
 from ..decode import adapter
 from ..decode.attention import attention_way
-from ..decode.cost_profile import ContextCosts, CostProfile
+from ..decode.cost_profile import ContextCosts, CostProfile, model_shape
 from ..decode.economics import sublayer_weights
 from ..decode.engine import CACHE_BLOCK, CompileSettings, engine_for
 from ..decode.kvcache import SpeculativeCache, cache_bytes
@@ -166,11 +166,12 @@ class _ContextRuns:
         forward = statistics.median(self.verify[0] + self.one_token["full"])
         attn = (forward - statistics.median(self.one_token["no_attn"])) / num_layers
         mlp = (forward - statistics.median(self.one_token["no_mlp"])) / num_layers
-        found = [(part, value) for part, value in (("attention", attn), ("MLP", mlp),
-                                                   ("rest", forward - num_layers * (max(0, attn) + max(0, mlp))))
-                 if value <= 0]
+        parts = [("attention", attn), ("MLP", mlp), ("rest", forward - num_layers * (max(0, attn) + max(0, mlp)))]
+        one_row = self.one_token.get("one_row_head")
+        if one_row:  # the full LM head's share of the rest: the full forward less one with a head of one row
+            parts.append(("language-model head", forward - statistics.median(one_row)))
         return [f"at context {self.context_tokens}, a {part} cost of {value * 1e3:.3f} ms, clipped to 0"
-                for part, value in found]
+                for part, value in parts if value <= 0]
 
 
 @torch.inference_mode()
@@ -185,11 +186,12 @@ def profile_costs(
     runs, and the decoding runs of the calibration are compiled alike; without, the eager forwards.
 
     Repetition decides noise: while repeats of a measurement disagree (`_ContextRuns.problems`), all are measured
-    again and pooled with the runs before, up to `attempts` rounds or, after the first, `budget_s` seconds of wall
-    time (default: `GPU_BUDGET_S` on CUDA, unbounded on a CPU), which also stops longer contexts from being begun
-    (the profile then has fewer); then `NoisyMachine` says what did not settle. Costs
-    out of order by width are priced as measured, and parts or overheads below zero are clipped to 0 and listed in
-    the provenance ("clipped"). `clock` (default `time.perf_counter`) times the forwards.
+    again and pooled with the runs before (`_measure`), up to `attempts` rounds or `budget_s` seconds of wall time
+    after the first round, which measures every context whatever the budget (default: `GPU_BUDGET_S` on CUDA,
+    unbounded on a CPU); then `NoisyMachine` says what did not settle. Fewer than 5 `repeats` give no interval to
+    judge: the provenance says the noise was not checked ("noise"). Costs out of order by width are priced as
+    measured, and parts or overheads below zero are clipped to 0 and listed in the provenance ("clipped"). `clock`
+    (default `time.perf_counter`) times the forwards.
     """
     clock = clock or time.perf_counter
     contexts = sorted(set(contexts or default_contexts(model, max_verify_tokens)))
@@ -200,14 +202,38 @@ def profile_costs(
     kinds = _draft_kinds(model.config.num_hidden_layers)
     runs = [_ContextRuns(c, [[] for _ in range(max_verify_tokens)], {name: [] for name in kinds}) for c in contexts]
     budget_s = budget_s if budget_s is not None else GPU_BUDGET_S if model.device.type == "cuda" else math.inf
-    started, problems = time.perf_counter(), []
+    _measure(model, runs, repeats, clock, attempts, budget_s, show_progress, compile_mode)
+    profile = _profile(model, [r.costs(model.config.num_hidden_layers) for r in runs], compile_mode)
+    clipped = [c for r in runs for c in r.clipped(model.config.num_hidden_layers)]
+    if calibrate:
+        overheads, more = calibrated(model, profile, repeats, compile_mode, clock, show_progress)
+        profile, clipped = replace(profile, overheads=overheads), clipped + more
+    notes = {"clipped": clipped} if clipped else {}
+    if repeats < _MIN_RUNS_FOR_INTERVAL:
+        notes["noise"] = (f"not checked ({repeats} repeat{'s' if repeats != 1 else ''}: telling noise takes "
+                          f"{_MIN_RUNS_FOR_INTERVAL} or more)")
+    return replace(profile, provenance={**profile.provenance, **notes}) if notes else profile
+
+
+# A profile's measuring again on a GPU begins no context after this, counted from the end of its first round (which
+# measures every context): a shape's profile ends within minutes.
+GPU_BUDGET_S = 60.0
+
+
+def _measure(model: torch.nn.Module, runs: list[_ContextRuns], repeats: int, clock: Callable[[], float],
+             attempts: int, budget_s: float, show_progress: bool, compile_mode: str | None) -> None:
+    """Time every measurement at every context into `runs`, then, while repeats disagree, all of them again, up to
+    `attempts` rounds; past `budget_s` after the first round no context is begun again (those left keep the runs they
+    have). A `NoisyMachine` where repeats still disagree."""
+    deadline, problems = math.inf, []
     for attempt in range(attempts):
         with engine_for(model).exclusive():  # its compiled steps write the engine's cache; eager, it swaps layers
             _time_forwards(model, runs, repeats, clock, warm=attempt == 0, show_progress=show_progress,
-                           compile_mode=compile_mode, deadline=started + budget_s)
-        runs = [r for r in runs if r.verify[0]]  # past the budget, longer contexts were left out: fewer contexts
+                           compile_mode=compile_mode, deadline=deadline)
+        if attempt == 0:
+            deadline = time.perf_counter() + budget_s  # the budget is for measuring again
         problems = [p for r in runs for p in r.problems()]
-        if not problems or time.perf_counter() - started > budget_s:
+        if not problems or time.perf_counter() > deadline:
             break
     if problems:
         raise NoisyMachine(
@@ -215,15 +241,6 @@ def profile_costs(
             f"disagree: {problems[0]}{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}; profile again "
             "when it is idle (other programs closed), or profile a quiet machine of this kind and give its file with "
             "--cost-profile")
-    profile = _profile(model, [r.costs(model.config.num_hidden_layers) for r in runs], compile_mode)
-    clipped = [c for r in runs for c in r.clipped(model.config.num_hidden_layers)]
-    if calibrate:
-        overheads, more = calibrated(model, profile, repeats, compile_mode, clock, show_progress)
-        profile, clipped = replace(profile, overheads=overheads), clipped + more
-    return replace(profile, provenance={**profile.provenance, "clipped": clipped}) if clipped else profile
-
-
-GPU_BUDGET_S = 60.0  # a profile's measuring again on a GPU stops after this: a shape's profile ends within minutes
 
 
 def _profile(model: torch.nn.Module, contexts: list[ContextCosts], compile_mode: str | None = None) -> CostProfile:
@@ -232,7 +249,7 @@ def _profile(model: torch.nn.Module, contexts: list[ContextCosts], compile_mode:
                        architecture=type(model).__name__, num_hidden_layers=model.config.num_hidden_layers,
                        contexts=tuple(contexts), provenance=_provenance(model, compile_mode),
                        attn_shares=_shares(weights.attn), mlp_shares=_shares(weights.mlp),
-                       vocab_size=adapter.output_head(model)[1].shape[0])
+                       vocab_size=adapter.output_head(model)[1].shape[0], hidden_size=model_shape(model)[3])
 
 
 def _shares(weights: Sequence[int]) -> tuple[float, ...]:
@@ -275,7 +292,7 @@ def _time_forwards(model: torch.nn.Module, runs: list[_ContextRuns], repeats: in
                    warm: bool, show_progress: bool, compile_mode: str | None = None, deadline: float = math.inf
                    ) -> None:
     """Add `repeats` timed runs of every measurement, at every context length, to `runs`, from the shortest; past
-    `deadline` (wall time) no further context is begun."""
+    `deadline` (wall time) no further context is begun (the first always is)."""
     from tqdm.auto import tqdm
 
     device = model.device
@@ -355,11 +372,14 @@ def format_profile(profile: CostProfile) -> str:
     lines.append(f"besides forwards: {ms(o.round_s)} per round; {switch}{ms(o.draft_token_s)} per drafted token, "
                  f"+{ms(o.adaptive_token_s)} when adaptive")
     widths = profile.contexts[0].envelope()
-    padded = [n for n in range(1, len(widths) + 1) if widths[n - 1] < profile.contexts[0].verify_s[n - 1]]
+    # A lone token is a plain step, never padded.
+    padded = [n for n in range(2, len(widths) + 1) if widths[n - 1] < profile.contexts[0].verify_s[n - 1]]
     if padded:
         lines.append(f"at context {profile.context_lengths[0]}, verifying {', '.join(map(str, padded))} tokens is "
                      "padded to a cheaper width (priced by the envelope)")
     lines.extend(f"clipped: {note}" for note in profile.provenance.get("clipped", []))
+    if "noise" in profile.provenance:
+        lines.append(f"noise: {profile.provenance['noise']}")
     return "\n".join(lines)
 
 

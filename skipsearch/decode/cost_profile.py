@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,9 +31,12 @@ PROFILE_FORMAT = "skipsearch/cost-profile"
 SHIPPED_PROFILES = Path(__file__).resolve().parent.parent / "profiles"
 
 
-def model_shape(model: torch.nn.Module) -> tuple[str, int, int]:
-    """What a profile must match: the model's class, its layers and its vocabulary (0 where its config has none)."""
-    return type(model).__name__, model.config.num_hidden_layers, getattr(model.config, "vocab_size", 0) or 0
+def model_shape(model: torch.nn.Module) -> tuple[str, int, int, int]:
+    """What a profile must match: the model's class, its layers, its vocabulary and its hidden size (each of the last
+    two 0 where its config has none)."""
+    config = model.config
+    return (type(model).__name__, config.num_hidden_layers, getattr(config, "vocab_size", 0) or 0,
+            getattr(config, "hidden_size", 0) or 0)
 
 
 def shipped_profiles() -> list[str]:
@@ -41,9 +45,10 @@ def shipped_profiles() -> list[str]:
     return sorted(f"{path.parent.name}/{path.stem}" for path in SHIPPED_PROFILES.glob("*/*.json"))
 
 
-# 4 added the LM head's cost and the vocabulary (a trimmed draft head is priced by its rows); 3 each layer's sublayer
-# shares; 2 (no shares) reads as all alike, 3 as a head that trimming does not make cheaper
-PROFILE_VERSION = 4
+# 5 added the hidden size (checked against the model's where known); 4 the LM head's cost and the vocabulary (a
+# trimmed draft head is priced by its rows); 3 each layer's sublayer shares; 2 (no shares) reads as all alike, 3 as a
+# head that trimming does not make cheaper, 4 and before as a hidden size unknown (not checked)
+PROFILE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -57,26 +62,50 @@ class ContextCosts:
     verify_s: list[float]  # verify_s[n - 1]: one full forward of n tokens
     head_s: float = 0.0  # the full LM head's share of rest_s, one token (0: not measured, trimming priced as free)
 
-    def verify_time(self, n_tokens: float) -> float:
-        """Time to verify `n_tokens`: the cheapest measured width at least as wide (hardware prices widths in steps, and
-        the loop pads to that width), interpolated between whole widths, extrapolated past the last."""
-        envelope = self.envelope()
-        if n_tokens <= 1:
-            return envelope[0]
-        low = min(int(n_tokens), len(envelope))
-        if low == len(envelope):
-            slope = envelope[-1] - envelope[-2] if len(envelope) > 1 else 0.0
-            return envelope[-1] + max(0.0, slope) * (n_tokens - low)
-        frac = n_tokens - low
-        return envelope[low - 1] * (1 - frac) + envelope[low] * frac
+    def __post_init__(self) -> None:
+        """A ValueError naming the field where a cost is not one: a context length that is not positive, no
+        verification, a cost that is negative or not finite (a verification's must be above 0)."""
+        where = f"context {self.context_tokens!r}"
+        if not self.context_tokens > 0:
+            raise ValueError(f"{where}: context_tokens must be a positive number of tokens")
+        if not self.verify_s:
+            raise ValueError(f"{where}: verify_s is empty (it needs one cost a width, from one token)")
+        for name in ("attn_s", "mlp_s", "rest_s", "head_s"):
+            check_cost(f"{where}: {name}", getattr(self, name))
+        for index, cost in enumerate(self.verify_s):
+            check_cost(f"{where}: verify_s[{index}]", cost, above_zero=True)
 
-    def envelope(self) -> list[float]:
-        """envelope[n - 1]: the cheapest measured verification of n tokens or more; non-decreasing in n."""
+    def verify_time(self, n_tokens: float, widest: int | None = None, compiled: bool = False) -> float:
+        """Time to verify `n_tokens` as the decode loop runs it. One token is a plain step, never padded (verify_s[0]);
+        more are padded: compiled, to `widest` itself (max_draft_tokens + 1, the one width its verify step takes);
+        eager, to the cheapest measured width from n_tokens up to `widest` (None: any measured width), as the loop
+        pads with a profile (`DraftController.width`). Interpolated between whole widths, extrapolated past the last."""
+        if n_tokens <= 1:
+            return self.verify_s[0]
+        if compiled and widest is not None:
+            n_tokens = max(n_tokens, widest)
+        points = [self.verify_s[0], *self.envelope(widest)[1:]]
+        low = min(int(n_tokens), len(points))
+        if low == len(points):
+            slope = points[-1] - points[-2] if len(points) > 1 else 0.0
+            return points[-1] + max(0.0, slope) * (n_tokens - low)
+        frac = n_tokens - low
+        return points[low - 1] * (1 - frac) + points[low] * frac
+
+    def envelope(self, widest: int | None = None) -> list[float]:
+        """envelope[n - 1]: the cheapest measured verification of n tokens or more, up to `widest` tokens (None: every
+        measured width); non-decreasing in n."""
         cheapest, out = float("inf"), []
-        for cost in reversed(self.verify_s):
+        for cost in reversed(self.verify_s[:widest]):
             cheapest = min(cheapest, cost)
             out.append(cheapest)
         return out[::-1]
+
+
+def check_cost(name: str, value: float, above_zero: bool = False, what: str = "cost") -> None:
+    """A ValueError naming `name` unless `value` is finite and at least 0 (above 0 with `above_zero`)."""
+    if not math.isfinite(value) or value < 0 or (above_zero and value == 0):
+        raise ValueError(f"{name} is {value!r}, not a finite {what} {'above' if above_zero else 'at least'} 0")
 
 
 @dataclass(frozen=True)
@@ -97,6 +126,11 @@ class Overheads:
     draft_token_s: float = 0.0  # per drafted token besides its forward: picking it, loop bookkeeping
     adaptive_token_s: float = 0.0  # per drafted token cut by confidence (a CPU's adaptive rounds): the softmax, its read
 
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():  # below zero is an older profile's residual; NaN or inf none
+            if not math.isfinite(value):
+                raise ValueError(f"overheads: {name} is {value!r}, not a finite number of seconds")
+
 
 @dataclass(frozen=True)
 class CostProfile:
@@ -113,15 +147,26 @@ class CostProfile:
     attn_shares: tuple[float, ...] = ()
     mlp_shares: tuple[float, ...] = ()
     vocab_size: int = 0  # the LM head's rows, which `head_s` reads (0: not measured)
+    hidden_size: int = 0  # checked against a model's where known (0: unknown, as before version 5)
 
     def __post_init__(self) -> None:
+        """Contexts sorted; a ValueError naming the field where the profile's figures cannot price anything
+        (`ContextCosts` and `Overheads` check their own)."""
         if not self.contexts:
             raise ValueError("a cost profile needs at least one context length")
         object.__setattr__(self, "contexts", tuple(sorted(self.contexts, key=lambda c: c.context_tokens)))
+        lengths = self.context_lengths
+        repeated = sorted({length for length in lengths if lengths.count(length) > 1})
+        if repeated:
+            raise ValueError(f"contexts: context_tokens {', '.join(map(str, repeated))} "
+                             f"{'appears' if len(repeated) == 1 else 'appear'} more than once (each context length "
+                             "is profiled once)")
         for name in ("attn_shares", "mlp_shares"):
             shares = tuple(getattr(self, name))
             if shares and len(shares) != self.num_hidden_layers:
                 raise ValueError(f"{name} has {len(shares)} entries for {self.num_hidden_layers} layers")
+            for layer, share in enumerate(shares):
+                check_cost(f"{name}[{layer}]", share, what="share")
             object.__setattr__(self, name, shares)
 
     @property
@@ -162,10 +207,12 @@ class CostProfile:
             return self.num_hidden_layers - len(skipped)
         return sum(shares) - sum(shares[i] for i in skipped)
 
-    def verify_time(self, n_tokens: float, context: float | None = None) -> float:
-        """Time to verify `n_tokens` with `context` tokens cached (the shortest profiled context by default)."""
+    def verify_time(self, n_tokens: float, context: float | None = None, *, widest: int | None = None,
+                    compiled: bool = False) -> float:
+        """Time to verify `n_tokens` with `context` tokens cached (the shortest profiled context by default), padded
+        as the loop pads within `widest` tokens, `compiled` or not (`ContextCosts.verify_time`)."""
         context = self.context_lengths[0] if context is None else context
-        return self._at(context, lambda c: c.verify_time(n_tokens))
+        return self._at(context, lambda c: c.verify_time(n_tokens, widest, compiled))
 
     def verify_measured(self, n_tokens: int, context: float | None = None) -> float:
         """A verification of exactly `n_tokens` as measured, out of order where widths step (`verify_time` prices it
@@ -177,16 +224,22 @@ class CostProfile:
     def switch_time(self, skip: SkipSet) -> float:
         return self.overheads.switch_s + self.overheads.switch_sublayer_s * skip.size
 
-    def predict_speedup(self, skip: SkipSet, stats: DecodeStats, adaptive: bool = False) -> float:
+    def predict_speedup(self, skip: SkipSet, stats: DecodeStats, adaptive: bool = False, *,
+                        max_draft_tokens: int | None = None, compiled: bool = False) -> float:
         """Plain-decoding time over self-speculative time for the decoding that `stats` describes.
 
-        Each round drafts (verified tokens - 1) tokens at its context length, then verifies them;
-        plain decoding spends one forward and one round per committed token, at the contexts
-        those tokens had. `adaptive`: the drafts paid adaptive drafting's confidence check.
+        Each round drafts (verified tokens - 1) tokens at its context length, then verifies them at the width the
+        loop runs (`verify_time`): a round of one token is a plain step; others are padded, `compiled` to
+        `max_draft_tokens` + 1 (without it, the stats' widest round), eager to the cheapest measured width up to
+        `max_draft_tokens` + 1 (without it, any measured width). Plain decoding spends one forward and one round per
+        committed token, at the contexts those tokens had. `adaptive`: the drafts paid adaptive drafting's
+        confidence check.
         """
         if stats.rounds == 0 or not skip.drafts:
             return 1.0
         rounds = stats.verify_contexts or {(n, self.context_lengths[0]): m for n, m in stats.verify_sizes.items()}
+        widest = (max_draft_tokens + 1 if max_draft_tokens is not None
+                  else max(n for n, _ in rounds) if compiled else None)
         o = self.overheads
         per_draft = o.draft_token_s + (o.adaptive_token_s if adaptive else 0.0)
         # Committed tokens per round (accepted + 1); the first token comes from the prefill in both.
@@ -195,15 +248,20 @@ class CostProfile:
         for (n_tokens, context), count in rounds.items():
             drafts = n_tokens - 1
             speculative += count * (drafts * (self.draft_s(skip, context) + per_draft)
-                                    + self.verify_time(n_tokens, context) + o.round_s
+                                    + self.verify_time(n_tokens, context, widest=widest, compiled=compiled)
+                                    + o.round_s
                                     + (self.switch_time(skip) if drafts else 0.0))
             plain += count * committed * (self.forward_at(context + (committed - 1) / 2) + o.round_s)
         return plain / speculative
 
     def to_dict(self) -> dict:
         """The JSON form: version 2's where the profile has no sublayer shares (read from a version-2 file), version
-        3's where it has no head cost, so that a stored profile is written back as it was; version 4 with both."""
+        3's where it has no head cost, version 4's where it has no hidden size, so that a stored profile is written
+        back as it was; version 5 with all."""
         data = {**asdict(self), "contexts": [asdict(c) for c in self.contexts]}
+        if self.hidden_size:
+            return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
+        del data["hidden_size"]
         if not self.vocab_size:
             del data["vocab_size"]
             for context in data["contexts"]:
@@ -213,7 +271,7 @@ class CostProfile:
         if not self.attn_shares and not self.mlp_shares:
             del data["attn_shares"], data["mlp_shares"]
             return {"format": PROFILE_FORMAT, "version": 2, **data}
-        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **data}
+        return {"format": PROFILE_FORMAT, "version": 4, **data}
 
     @classmethod
     def from_dict(cls, data: dict) -> CostProfile:
@@ -225,7 +283,7 @@ class CostProfile:
         if version == 1:
             single = {k: data.pop(k) for k in ("context_tokens", "attn_s", "mlp_s", "rest_s", "verify_s")}
             return cls(**data, contexts=(ContextCosts(**single),))
-        if version not in (2, 3, PROFILE_VERSION):
+        if version not in (2, 3, 4, PROFILE_VERSION):
             raise ValueError(f"cost profile version {version} is newer than this skipsearch reads ({PROFILE_VERSION})")
         contexts = tuple(ContextCosts(**c) for c in data.pop("contexts"))
         overheads = Overheads(**data.pop("overheads", {}))
@@ -253,22 +311,25 @@ class CostProfile:
             raise ValueError(f"{path}: {error}") from None
 
     def check_model(self, model: torch.nn.Module) -> None:
-        """A ValueError where `model` is not of this profile's shape (architecture, layers, and the vocabulary where
-        the profile has one), naming the shipped profiles of the model's shape."""
-        architecture, layers, vocab = shape = model_shape(model)
+        """A ValueError where `model` is not of this profile's shape (architecture, layers, and the vocabulary and
+        hidden size where the profile has them), naming the shipped profiles of the model's shape."""
+        architecture, layers, vocab, hidden = shape = model_shape(model)
         if self.fits(*shape):
             return
+        width = f", hidden size {self.hidden_size:,}" if self.hidden_size else ""
         tokens = f" and {self.vocab_size:,} tokens" if self.vocab_size else ""
         matching = ", ".join(name for name in shipped_profiles() if CostProfile.load(name).fits(*shape))
-        raise ValueError(f"cost profile is for {self.architecture} with {self.num_hidden_layers} layers{tokens}, not "
-                         f"{architecture} with {layers} layers and {vocab:,} tokens"
+        theirs = f", hidden size {hidden:,}" if width else ""
+        raise ValueError(f"cost profile is for {self.architecture} with {self.num_hidden_layers} layers{width}"
+                         f"{tokens}, not {architecture} with {layers} layers{theirs} and {vocab:,} tokens"
                          + (f" (shipped profiles of its shape: {matching})" if matching else ""))
 
-    def fits(self, architecture: str, layers: int, vocab: int) -> bool:
-        """Whether the profile prices a model of this shape; a vocabulary unknown on either side (a profile before
-        version 4, a config without one) is not compared."""
+    def fits(self, architecture: str, layers: int, vocab: int, hidden: int = 0) -> bool:
+        """Whether the profile prices a model of this shape; a vocabulary or hidden size unknown on either side (a
+        profile before version 4, or 5, a config without one) is not compared."""
         same_vocabulary = not self.vocab_size or not vocab or self.vocab_size == vocab
-        return (self.architecture, self.num_hidden_layers) == (architecture, layers) and same_vocabulary
+        same_width = not self.hidden_size or not hidden or self.hidden_size == hidden
+        return (self.architecture, self.num_hidden_layers) == (architecture, layers) and same_vocabulary and same_width
 
     def label(self) -> str:
         """The device and dtype, and the overheads the profile lacks, for whoever reads a prediction made with it."""
