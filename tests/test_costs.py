@@ -235,11 +235,11 @@ def test_bad_profiles_are_clear_errors(tmp_path):
 def test_projection_lines_are_labelled_predictions():
     stats = DecodeStats(new_tokens=14, rounds=5, drafted=10, accepted=8, verify_sizes=Counter({3: 5}))
     skip = SkipSet.of([0, 1], [], 4)
-    lines = projection_lines([("gpu.json [cuda, bfloat16]", synthetic())], [("attn 0, 1", skip, stats)])
+    lines = projection_lines([("gpu.json [cuda, bfloat16]", synthetic())], [("attn 0, 1", skip, stats)], 8)
     assert lines[0] == "PREDICTION (cost model, not measured) on gpu.json [cuda, bfloat16]:"
     assert f"{synthetic().predict_speedup(skip, stats):.2f}x" in lines[1] and "acceptance 0.80" in lines[1]
     # A run that drafted nothing (every prompt ended at its first token) has no acceptance to predict from.
-    [_, line] = projection_lines([("gpu.json", synthetic())], [("attn 0, 1", skip, DecodeStats(new_tokens=2))])
+    [_, line] = projection_lines([("gpu.json", synthetic())], [("attn 0, 1", skip, DecodeStats(new_tokens=2))], 8)
     assert "drafted nothing" in line
 
 
@@ -287,7 +287,9 @@ def test_project_with_prints_and_stores_predictions(capsys, tmp_path, tiny_model
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     contexts = tuple(ContextCosts(context_tokens=c, attn_s=0.001, mlp_s=0.001, rest_s=0.002, verify_s=[0.01, 0.0101])
                      for c in (16, 256))
-    projected = synthetic(contexts=contexts, device="cuda", dtype="bfloat16", provenance={"device_name": "Some GPU"})
+    # Timed eager steps, as this bench runs: its own prediction and the projection price alike.
+    projected = synthetic(contexts=contexts, device="cuda", dtype="bfloat16",
+                          provenance={"device_name": "Some GPU", "steps": "eager"})
     projected.save(tmp_path / "gpu.json")
     save_skip_config(SkipConfig(model=ModelInfo.of(model, "tiny"), skip=SkipSet.of([1], [2], 4),
                                 draft=DraftPolicy(max_draft_tokens=2, adaptive=False)), tmp_path / "c.json")
@@ -760,3 +762,19 @@ def test_a_profile_of_few_repeats_says_its_noise_was_not_checked():
     enough = profile_costs(model, contexts=(8,), max_verify_tokens=2, repeats=5, calibrate=False,
                            clock=VirtualTimer(model))
     assert "noise" not in enough.provenance and "noise" not in format_profile(enough)
+
+
+def test_a_profile_prices_verification_as_the_steps_it_timed_pad_it():
+    """Predictions for a profile's device (modeled studies, projections) pad verification as its steps do: compiled
+    where it timed compiled steps (its provenance's `steps`; a CUDA profile without one: the profiler's steps there)."""
+    assert synthetic(device="cuda:0").compiled_steps and not synthetic(device="cpu").compiled_steps
+    assert synthetic(device="cpu", provenance={"steps": "regional"}).compiled_steps
+    assert not synthetic(device="cuda:0", provenance={"steps": "eager"}).compiled_steps
+    contexts = tuple(ContextCosts(context_tokens=c, attn_s=0.001, mlp_s=0.001, rest_s=0.002,
+                                  verify_s=[0.01, 0.011, 0.012, 0.013, 0.02]) for c in (16, 256))
+    gpu = synthetic(contexts=contexts, device="cuda:0")
+    stats = DecodeStats(rounds=4, accepted=4, drafted=8, new_tokens=9, verify_sizes={3: 4})
+    [_, line] = projection_lines([("gpu.json", gpu)], [("attn 0, 1", SkipSet.of([0, 1], [], 4), stats)], 4)
+    padded = gpu.predict_speedup(SkipSet.of([0, 1], [], 4), stats, max_draft_tokens=4, compiled=True)
+    assert f"predicted {padded:.2f}x" in line
+    assert padded < gpu.predict_speedup(SkipSet.of([0, 1], [], 4), stats, max_draft_tokens=4)  # width 5 costs more

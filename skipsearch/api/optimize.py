@@ -327,7 +327,7 @@ def _projections(study: optuna.Study, run: _Prepared, max_new_tokens: int, top: 
         measured.append((f"trial {trial.number}, {trial.skip}{figure}", trial.skip, stats))
     if not measured:
         return ["--project-with: no completed trial skips anything, nothing to project"]
-    return projection_lines(run.projections, measured)
+    return projection_lines(run.projections, measured, run.policy.max_draft_tokens)
 
 
 def _first_trials(files: list[NamedSkipSet], model: ModelInfo, space: SearchSpace, published: bool,

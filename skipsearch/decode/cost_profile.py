@@ -331,6 +331,14 @@ class CostProfile:
         same_width = not self.hidden_size or not hidden or self.hidden_size == hidden
         return (self.architecture, self.num_hidden_layers) == (architecture, layers) and same_vocabulary and same_width
 
+    @property
+    def compiled_steps(self) -> bool:
+        """Whether the profile timed compiled steps, and so whether decoding priced on its device pads verification as
+        they do: its provenance's `steps` (what `profile` ran), else whether it is CUDA's (where the profiler times the
+        steps decoding runs: regional, as CUDA graphs)."""
+        steps = self.provenance.get("steps")
+        return self.device.startswith("cuda") if steps is None else steps != "eager"
+
     def label(self) -> str:
         """The device and dtype, and the overheads the profile lacks, for whoever reads a prediction made with it."""
         name = self.provenance.get("device_name")

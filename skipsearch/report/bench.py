@@ -172,12 +172,13 @@ class Measured:
     prompts: list[list[int]]
     runs: dict[str, Runs]
     guarded: dict[str, bool | None]
+    compiled: bool = False  # skipsearch's rows ran compiled steps
 
     def subset(self, prompts: list[int]) -> Measured:
         """The runs of the prompts at `prompts` alone (a category's), still paired run by run."""
         return Measured([self.prompts[i] for i in prompts],
                         {name: run.subset(prompts, len(self.prompts)) for name, run in self.runs.items()},
-                        self.guarded)
+                        self.guarded, self.compiled)
 
 
 def measure_methods(
@@ -200,7 +201,7 @@ def measure_methods(
         for label, policy in config_decoders(config).items():
             methods[label] = skipsearch_decoder(model, max_new_tokens, eos, skip, policy, compile=compile)
             guarded[label] = policy.guard if config.skip.drafts or config.others else None
-    return Measured(prompts, timed_runs(methods, prompts, repeats, model.device, show_progress), guarded)
+    return Measured(prompts, timed_runs(methods, prompts, repeats, model.device, show_progress), guarded, compile)
 
 
 def bench_rows(model: torch.nn.Module, measured: Measured, config: SkipConfig | None = None,
@@ -231,13 +232,15 @@ def bench_rows(model: torch.nn.Module, measured: Measured, config: SkipConfig | 
                 row.mean_accepted_tokens = stats.mean_accepted_tokens
             if profile is not None and predicts and name != "skipsearch plain":
                 row.predicted_speedup = profile.predict_speedup(
-                    config.skip, stats, adaptive=cuts_rounds(config.draft.adaptive, model.device))
+                    config.skip, stats, adaptive=cuts_rounds(config.draft.adaptive, model.device),
+                    max_draft_tokens=config.draft.max_draft_tokens, compiled=measured.compiled)
             # The guard chooses by this machine's timings: another device's projection prices the unguarded rounds
             # alone, with the confidence reads that device's adaptive rounds would pay.
             if project_with and predicts and row.guarded is False:
-                adaptive = config.draft.adaptive
+                adaptive, most = config.draft.adaptive, config.draft.max_draft_tokens
                 row.projected_speedups = {
-                    label: other.predict_speedup(config.skip, stats, adaptive=cuts_rounds(adaptive, other.device))
+                    label: other.predict_speedup(config.skip, stats, adaptive=cuts_rounds(adaptive, other.device),
+                                                 max_draft_tokens=most, compiled=other.compiled_steps)
                     for label, other in project_with}
         rows.append(row)
     return rows

@@ -41,9 +41,9 @@ def load_projections(paths: Sequence[str | Path], model: torch.nn.Module) -> lis
 
 
 def projection_lines(projections: Sequence[tuple[str, CostProfile]],
-                     measured: Sequence[tuple[str, SkipSet, DecodeStats]]) -> list[str]:
+                     measured: Sequence[tuple[str, SkipSet, DecodeStats]], max_draft_tokens: int) -> list[str]:
     """Predicted speedups over plain decoding of each measured skip set on each projected device, from untimed rounds
-    (`decode_stats`), which no confidence read cut."""
+    (`decode_stats`), which no confidence read cut, verified as that device's steps pad them (`compiled_steps`)."""
     lines = []
     for label, profile in projections:
         lines.append(f"PREDICTION (cost model, not measured) on {label}:")
@@ -51,6 +51,8 @@ def projection_lines(projections: Sequence[tuple[str, CostProfile]],
             if stats.acceptance_rate is None:  # nothing drafted (every prompt ended at once): nothing to price
                 lines.append(f"  {name}: drafted nothing in this run, so no acceptance to predict from")
                 continue
-            lines.append(f"  {name}: predicted {profile.predict_speedup(skip, stats):.2f}x over "
-                         f"plain decoding at this run's acceptance {stats.acceptance_rate:.2f}")
+            speedup = profile.predict_speedup(skip, stats, max_draft_tokens=max_draft_tokens,
+                                              compiled=profile.compiled_steps)
+            lines.append(f"  {name}: predicted {speedup:.2f}x over plain decoding at this run's acceptance "
+                         f"{stats.acceptance_rate:.2f}")
     return lines

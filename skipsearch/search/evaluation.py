@@ -225,5 +225,8 @@ class Evaluator:
     def _predict(self, skip: SkipSet, stats: DecodeStats) -> float | None:
         if self.profile is None:
             return None
-        cut = self.timed and cuts_rounds(self.policy.adaptive, self.model.device)  # untimed rounds are never cut
-        return self.profile.predict_speedup(skip, stats, adaptive=cut)
+        # Timed: this run's rounds as they ran here. Untimed (modeled): as the profile's device runs them, uncut.
+        cut = self.timed and cuts_rounds(self.policy.adaptive, self.model.device)
+        compiled = self.compile if self.timed else self.profile.compiled_steps
+        return self.profile.predict_speedup(skip, stats, adaptive=cut, max_draft_tokens=self.policy.max_draft_tokens,
+                                            compiled=compiled)
