@@ -105,8 +105,8 @@ def test_a_modeled_prediction_over_one_prompt_bounds_nothing_and_prices_no_cut(m
                                          verify_s=[9.0, 9.2, 9.4, 9.6]))
     charged = []
     real = CostProfile.predict_speedup
-    monkeypatch.setattr(CostProfile, "predict_speedup",
-                        lambda self, skip, stats, adaptive=False, **kw: charged.append(adaptive) or real(self, skip, stats))
+    monkeypatch.setattr(CostProfile, "predict_speedup", lambda self, skip, stats, adaptive=False, **kw:
+                        charged.append(adaptive) or real(self, skip, stats, **kw))
     evaluator = make_evaluator()
     evaluator.profile, evaluator.timed, evaluator.prompts = profile, False, PROMPTS[:1]
     evaluator.policy = DraftPolicy(max_draft_tokens=3, adaptive=True)
