@@ -92,13 +92,10 @@ def generate(
     (`drafting_skip`); several sets: the prefill chooses one or plain decoding (choice.py). `cost_profile` prices
     rounds (and pads verifications to the cheapest width) until the rounds' own times take over (controller.py).
     `memory`: what the controller learned in earlier calls (plain speed, back-offs), updated in place; None: nothing.
-    `timed=False`: the controller reads no clock. Rounds are planned from `cost_profile`'s prices (else the weights'
-    shares) and the acceptance seen, with no cut inside a round and no guard verdict, so that greedy decoding takes
-    the same rounds on any machine, busy or quiet (what modeled studies and projections price).
-    `generator` seeds sampling, on the model's device. `compile` runs the draft and verify forwards compiled
-    (`compile_backend`, `compile_mode`: engine.py's modes; CUDA graphs by default on CUDA), kept on the model for
-    later calls, one at a time a model (`Engine.exclusive`); in the regional mode on CUDA the prefill runs compiled
-    too, at a few padded widths. `hooks` put logits processing, stopping and streaming in the caller's hands."""
+    `timed=False`: no clock read, the same rounds on any machine (`_Run.timed`). `generator` seeds sampling, on the
+    model's device. `compile` runs the draft and verify forwards compiled (`compile_backend`, `compile_mode`:
+    engine.py's modes; CUDA graphs on CUDA), kept on the model, one call at a time (`Engine.exclusive`); the regional
+    mode on CUDA compiles the prefill too. `hooks`: logits processing, stopping and streaming, in the caller's hands."""
     prompt = check_prompt(model, input_ids)  # before any work: each a TypeError or ValueError saying what is wrong
     check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling, cost_profile)
     candidates = drafting_sets(skip, policy)
@@ -168,7 +165,10 @@ class _Run:
     profile: CostProfile | None  # prices rounds at first (None: the share of the weights a draft reads)
     choosing: dict[SkipSet | None, Steps] | None  # several skip sets: the prefill chooses among these steps
     bounds: tuple[int, ...]  # forward lengths no verification crosses (`checks.forward_bounds`)
-    timed: bool  # the controller learns from the rounds' wall times and cuts rounds by them (`generate`'s `timed`)
+    # The controller learns from the rounds' wall times and cuts rounds by them. Untimed, it reads no clock: rounds are
+    # planned from the profile's prices (else the weights' shares) and the acceptance seen, with no cut and no guard
+    # verdict, so greedy decoding takes the same rounds on any machine, busy or quiet (modeled studies, projections).
+    timed: bool
 
 
 @dataclass(frozen=True)
