@@ -34,9 +34,17 @@ def rounds_at(acceptance: float, drafts: int, context: int, rounds: int = 1000) 
     return stats
 
 
+def speedup_at(profile: CostProfile, skip: SkipSet, acceptance: float, drafts: int, context: int) -> float:
+    """The predicted speedup of decoding that drafts `drafts` tokens a round (its `max_draft_tokens`), verified as the
+    profile's steps run: compiled steps verify at that one width, as measured; eager ones at the cheapest width up to
+    it."""
+    return profile.predict_speedup(skip, rounds_at(acceptance, drafts, context), max_draft_tokens=drafts,
+                                   compiled=profile.compiled_steps)
+
+
 def best_speedup(profile: CostProfile, skip: SkipSet, acceptance: float, context: int) -> tuple[float, int]:
     """The predicted speedup at the best draft length (1-8), and that length."""
-    return max((profile.predict_speedup(skip, rounds_at(acceptance, k, context)), k) for k in range(1, 9))
+    return max((speedup_at(profile, skip, acceptance, k, context), k) for k in range(1, 9))
 
 
 def skip_sets(num_layers: int) -> dict[str, SkipSet]:

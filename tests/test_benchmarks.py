@@ -680,6 +680,10 @@ def test_projection():  # not a stage: predictions from the shipped GPU profiles
     skip = next(iter(projection.skip_sets(40).values()))
     speedups = [projection.best_speedup(profile, skip, a, 512)[0] for a in projection.ACCEPTANCE]
     assert speedups == sorted(speedups) and speedups[0] < 1.0 < speedups[-1]  # too dear at 0.6, paying at 0.95
+    # Drafting one token a round, the loop verifies two, never the cheaper three this profile measured at 128.
+    assert profile.contexts[0].verify_s[2] < profile.contexts[0].verify_s[1] and profile.compiled_steps
+    unbounded = profile.predict_speedup(skip, projection.rounds_at(0.9, 1, 128))  # padded to any measured width
+    assert projection.speedup_at(profile, skip, 0.9, 1, 128) < unbounded
     out = run_script("benchmarks/projection.py", "--shapes", "llama-3-8b", "--head-rows", 16384)
     assert "PREDICTED speedup over compiled plain decoding" in out and "head of 16,384 rows" in out
     rows = re.findall(r"^\| (0\.\d\d) \|( [\d.]+x \(k=\d\) \|){4}$", out, re.M)

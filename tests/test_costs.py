@@ -413,6 +413,11 @@ def test_only_repeats_that_disagree_refuse_a_profile():
     assert no_head.clipped(num_layers=1) == ["at context 128, a language-model head cost of -0.200 ms, clipped to 0"]
     head = runs([[10.0], [10.5]], {"full": [10.0], "no_attn": [9.0], "no_mlp": [9.5], "one_row_head": [9.0]})
     assert head.costs(num_layers=1).head_s == pytest.approx(1e-3) and head.clipped(num_layers=1) == []
+    # A head dearer than all the rest holds (forward less its sublayers): priced at the rest, and said.
+    capped = runs([[10.0], [10.5]], {"full": [10.0], "no_attn": [6.0], "no_mlp": [6.5], "one_row_head": [7.0]})
+    assert capped.costs(num_layers=1).head_s == pytest.approx(2.5e-3)
+    assert capped.clipped(num_layers=1) == [
+        "at context 128, a language-model head cost of 3.000 ms, capped at the rest's 2.500 ms"]
 
 
 def test_overheads_below_zero_are_clipped_and_said_a_little_below_is_zero():

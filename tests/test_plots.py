@@ -129,6 +129,21 @@ def test_plain_decodings_trial_is_not_counted_as_decoded_nor_drawn_as_a_search_e
     plt.close(fig)
 
 
+def test_speedup_plot_of_a_modeled_study_names_the_device_its_profile_prices():
+    """A modeled study decodes here but its speedups are predictions for its cost profile's device: the title said
+    this machine's name."""
+    from skipsearch.decode.cost_profile import CostProfile
+
+    study = synthetic_study("modeled", n=4)
+    label = {**study.user_attrs[STUDY_ATTR], "device": "cpu", "device_name": "Intel Xeon"}
+    study.set_user_attr(STUDY_ATTR, {**label, "cost_profile": CostProfile.load("nvidia-h200/llama-2-7b").to_dict()})
+    title = plots.speedup_vs_skipped(study).axes[0].get_title()
+    assert title.startswith("synthetic predicted for NVIDIA H200: speedup vs skipped share"), title
+    study.set_user_attr(STUDY_ATTR, {**label, "objective": "speedup"})
+    assert plots.speedup_vs_skipped(study).axes[0].get_title().startswith("synthetic on Intel Xeon: speedup")
+    plt.close("all")
+
+
 @pytest.mark.parametrize("objective", ["speed_x_acceptance", "pareto"])
 def test_history_ticks_are_whole_trial_numbers(objective):
     fig = plots.history(synthetic_study(objective, n=5))  # few trials: matplotlib would tick 0.5, 1.5, ...

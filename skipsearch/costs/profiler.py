@@ -162,16 +162,23 @@ class _ContextRuns:
         return found
 
     def clipped(self, num_layers: int) -> list[str]:
-        """Parts the medians put at or below zero, which `costs` clips to 0: facts of the device, reported."""
+        """Parts the medians put at or below zero, which `costs` clips to 0, and a head above the rest, which it caps
+        there: facts of the device, reported."""
         forward = statistics.median(self.verify[0] + self.one_token["full"])
         attn = (forward - statistics.median(self.one_token["no_attn"])) / num_layers
         mlp = (forward - statistics.median(self.one_token["no_mlp"])) / num_layers
-        parts = [("attention", attn), ("MLP", mlp), ("rest", forward - num_layers * (max(0, attn) + max(0, mlp)))]
+        rest = forward - num_layers * (max(0, attn) + max(0, mlp))
+        parts = [("attention", attn), ("MLP", mlp), ("rest", rest)]
         one_row = self.one_token.get("one_row_head")
-        if one_row:  # the full LM head's share of the rest: the full forward less one with a head of one row
-            parts.append(("language-model head", forward - statistics.median(one_row)))
-        return [f"at context {self.context_tokens}, a {part} cost of {value * 1e3:.3f} ms, clipped to 0"
-                for part, value in parts if value <= 0]
+        head = forward - statistics.median(one_row) if one_row else None
+        if head is not None:  # the full LM head's share of the rest: the full forward less one with a head of one row
+            parts.append(("language-model head", head))
+        found = [f"at context {self.context_tokens}, a {part} cost of {value * 1e3:.3f} ms, clipped to 0"
+                 for part, value in parts if value <= 0]
+        if head is not None and head > max(0.0, rest):  # the head is part of the rest, so `costs` caps it there
+            found.append(f"at context {self.context_tokens}, a language-model head cost of {head * 1e3:.3f} ms, "
+                         f"capped at the rest's {max(0.0, rest) * 1e3:.3f} ms")
+        return found
 
 
 @torch.inference_mode()

@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 
 from ..io.files import write_output
 from ..search.ranking import quoted_speedup, ranked
-from ..search.records import (ConfirmedCandidate, Ratio, TrialRecord, decoded_trials, read_confirmation,
+from ..search.records import (ConfirmedCandidate, Ratio, StudyLabel, TrialRecord, decoded_trials, read_confirmation,
                               study_label)
 from ..search.space import HEAD_PARAM
 from .export import dataset_choices, decide
@@ -110,6 +110,16 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
     return fig
 
 
+def _where(label: StudyLabel) -> str:
+    """Where the speedups a study plots hold: the device it decoded on, or, where its trials were priced with a cost
+    profile (`--objective modeled`), the profile's device, which is seldom this one."""
+    if label.objective != "modeled":
+        return f"on {label.device_name or label.device or ''}"
+    profile = label.cost_profile
+    device = profile and (profile.provenance.get("device_name") or profile.device)
+    return f"predicted for {device}" if device else "predicted by a cost profile"
+
+
 def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
     """Every decoded skip set's speedup from its trial, and the confirmed candidates with their intervals."""
     label = study_label(study)
@@ -158,7 +168,7 @@ def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:
                 ha="center", va="center", fontsize=9, bbox={"facecolor": "white", "edgecolor": "gray"})
     ax.set_xlabel("skipped share of all sublayers (0 to 1)")
     ax.set_ylabel(("predicted" if label.objective == "modeled" else "measured") + " speedup (x plain decoding)")
-    ax.set_title(f"{study.study_name} on {label.device_name or label.device or ''}: speedup vs skipped share\n"
+    ax.set_title(f"{study.study_name} {_where(label)}: speedup vs skipped share\n"
                  + textwrap.fill(title, 90), fontsize=9)  # a long verdict wrapped, not cut at the figure's edges
     # Below the axes: inside, "best" still covered points or intervals wherever they filled the frame.
     legend = ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, fontsize=8)
