@@ -310,12 +310,13 @@ def test_project_with_prints_and_stores_predictions(capsys, tmp_path, tiny_model
                        "--allow-first-last", "--min-match", 0, "--project-with", tmp_path / "gpu.json")
     assert code == 0 and "PREDICTION (cost model, not measured) on" in out
     assert re.search(r"trial \d+, attn=.* predicted \d+\.\d\dx over plain decoding", out)
-    # A modeled study times nothing: each set is quoted with the speedup its study predicted here, never "nan".
+    # A modeled study times nothing: each set is quoted with the speedup its study predicted for its profile's device
+    # (this "Some GPU", not the machine it decoded on), never "nan".
     code, out, _ = run(capsys, "optimize", "--model", tiny_model_dir, "--num-prompts", 2, "--max-new-tokens", 4,
                        "--n-trials", 3, "--studies-dir", tmp_path / "studies", "--study-name", "modeled", "--no-plots",
                        "--no-progress", "--allow-first-last", "--min-match", 0, "--objective", "modeled",
                        "--cost-profile", tmp_path / "gpu.json", "--project-with", tmp_path / "gpu.json")
-    assert code == 0 and re.search(r"trial \d+, attn=.* \(predicted here \d+\.\d\dx\): predicted \d+\.\d\dx", out)
+    assert code == 0 and re.search(r"trial \d+, attn=.* \(predicted for Some GPU \d+\.\d\dx\): predicted \d+\.\d\dx", out)
     assert "measured here" not in out and "nan" not in out
 
 

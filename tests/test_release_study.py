@@ -1,7 +1,8 @@
 """Studies written by skipsearch 0.1.0 (commit f3a5ff2, tests/fixtures/make_release_studies.py) still load, and
-export, summarize and judge as that release did. One deliberate change since: a trial the pre-screen stopped is
+export, summarize and judge as that release did. Two deliberate changes since: a trial the pre-screen stopped is
 exported with no score (that release wrote the pre-screen's estimate as one) and a verdict that says why
-(release_studies.expected.json, trials 5 and 9 of "unconfirmed")."""
+(release_studies.expected.json, trials 5 and 9 of "unconfirmed"); a modeled study's verdicts name the device its cost
+profile prices, and its configs' `search.predicted_for` records it ("modeled")."""
 
 import json
 import re

@@ -315,9 +315,10 @@ def _open_storage(s: OptimizeSettings) -> tuple[optuna.storages.BaseStorage, Hea
 
 def _projections(study: optuna.Study, run: _Prepared, max_new_tokens: int, top: int = 3) -> list[str]:
     """The best measured skip sets' predicted speedups with other devices' profiles (`--project-with`)."""
-    model, objective = run.loaded.model, study_label(study).objective
-    # A modeled study times nothing: its figure here is the cost model's, and says so.
-    here = "predicted here" if objective == "modeled" else "measured here"
+    model, label = run.loaded.model, study_label(study)
+    objective = label.objective
+    # A modeled study times nothing: its figure is the cost model's for its profile's device, and says so.
+    here = "measured here" if label.predicted_for is None else f"predicted for {label.predicted_for}"
     measured = []
     for trial in ranked(study)[:top]:
         stats = decode_stats(model, run.prompts, trial.skip, run.policy, max_new_tokens,

@@ -101,6 +101,7 @@ class ConfigSearch:
     device: str | None = None
     device_name: str | None = None
     dtype: str | None = None
+    predicted_for: str | None = None  # a modeled study's: the device its cost profile prices, whose figures these are
     confirm_repeats: int | None = None
     created_at: str | None = None  # when the config was exported, ISO 8601 in UTC
     categories: list[str] | None = None

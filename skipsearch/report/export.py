@@ -50,10 +50,10 @@ class Decision:
         return self.chosen is not None
 
 
-def _figure(figures: Figures, objective: str) -> str:
-    speedup = quoted_speedup(figures, objective)
-    if objective == "modeled":
-        basis = f"predicted by the cost model from acceptance over {figures.prompts} prompts"
+def _figure(figures: Figures, label: StudyLabel) -> str:
+    speedup = quoted_speedup(figures, label.objective)
+    if label.predicted_for is not None:
+        basis = f"predicted for {label.predicted_for} by the cost model from acceptance over {figures.prompts} prompts"
     elif figures.paired_runs < 2:
         return f"{speedup.estimate:.2f}x as fast as plain decoding (measured, one paired run: no interval)"
     else:
@@ -79,7 +79,8 @@ def decide(study: optuna.Study, dataset: str | None = None) -> Decision:
 
 
 def _decide_by(confirmation: Confirmation, study: optuna.Study, dataset: str | None) -> Decision:
-    objective = study_label(study).objective
+    label = study_label(study)
+    objective = label.objective
 
     def speedup(candidate: ConfirmedCandidate) -> Ratio | None:
         return quoted_speedup(candidate.figures, objective)
@@ -94,14 +95,15 @@ def _decide_by(confirmation: Confirmation, study: optuna.Study, dataset: str | N
         return Decision(None, None, "no skip set that drafts was decoded to be confirmed (the pre-screen stopped "
                                     "each, or its trial failed): plain decoding is exported")
     best = fastest_confirmed(candidates, objective)
-    passing = [c for c in candidates if speedup(c).low > 1.0]
+    passing = [c for c in candidates if speedup(c).low is not None and speedup(c).low > 1.0]  # None: a damaged record
     if passing:
         chosen = best_confirmed(passing)
         return Decision(chosen, best, (
-            f"skip set of trial {chosen.trial} ({chosen.skip}) decodes {_figure(chosen.figures, objective)}; "
+            f"skip set of trial {chosen.trial} ({chosen.skip}) decodes {_figure(chosen.figures, label)}; "
             f"acceptance {chosen.figures.acceptance_rate:.2f}, {chosen.skipped} sublayers skipped"))
-    text = (f"no skip set was confirmed faster than plain decoding on this model and device: the best, trial "
-            f"{best.trial} ({best.skip}), decodes {_figure(best.figures, objective)}")
+    where = " and device" if label.predicted_for is None else f", as predicted for {label.predicted_for}"
+    text = (f"no skip set was confirmed faster than plain decoding on this model{where}: the best, trial "
+            f"{best.trial} ({best.skip}), decodes {_figure(best.figures, label)}")
     if speedup(best).estimate > 1.0 and objective != "modeled" and best.figures.paired_runs < 2:
         text += ", so it cannot be told apart from plain decoding: confirm with more prompts or --confirm-repeats"
     elif speedup(best).estimate > 1.0:
@@ -164,7 +166,7 @@ def config_from_trial(study: optuna.Study, trial: TrialRecord) -> SkipConfig:
     if confirmed is not None:  # the confirmation's figures are the better-measured ones
         metrics = _metrics(label.objective, confirmed.score, confirmed.figures, confirmed=True,
                            verdict=f"trial {trial.number} exported on request; its confirmation measured "
-                                   f"{_figure(confirmed.figures, label.objective)}")
+                                   f"{_figure(confirmed.figures, label)}")
     elif trial.screened_out is not None:  # its value is the pre-screen's estimate, on another scale than a score
         metrics = _metrics(label.objective, None, Figures(), confirmed=False,
                            verdict=f"trial {trial.number} exported on request: the pre-screen stopped it "
@@ -265,7 +267,7 @@ def _search_settings(study: optuna.Study, label: StudyLabel, trial_number: int |
     return ConfigSearch(
         study_name=study.study_name, trial_number=trial_number, sampler=label.sampler, dataset=label.dataset,
         num_prompts=label.num_prompts, max_new_tokens=label.max_new_tokens, device=label.device,
-        device_name=label.device_name, dtype=label.dtype,
+        device_name=label.device_name, dtype=label.dtype, predicted_for=label.predicted_for,
         confirm_repeats=None if confirmation is None else confirmation.repeats,
         created_at=datetime.now(timezone.utc).isoformat(),
     )

@@ -215,6 +215,15 @@ class StudyLabel:
     compile: bool | None = None  # whether its trials ran compiled (regional) steps; None: an older release's study
 
     @property
+    def predicted_for(self) -> str | None:
+        """The device a modeled study's speedups are predictions for (its cost profile's, seldom the one it decoded
+        on); None in a study that measures its speedups."""
+        if self.objective != "modeled":
+            return None
+        profile = self.cost_profile
+        return (profile.provenance.get("device_name") or profile.device) if profile is not None else "a cost profile"
+
+    @property
     def datasets(self) -> tuple[str, ...]:
         """The datasets whose prompts the trials decode, in order."""
         return (self.dataset,) if isinstance(self.dataset, str) else tuple(self.dataset or ())
