@@ -420,6 +420,9 @@ API_CASES = [
      r"not by contrastive search \(penalty_alpha=0.6\)"),
     ("a temperature that overflows", _generate(sampling_options=dict(do_sample=True, temperature=1e-45)), ValueError,
      r"temperature must be a finite number >= 0.0001, got 1e-45: lower samples as greedy decoding does"),
+    # transformers hands a callable no synced_gpus (it is a parameter of `_sample`'s too): read from generate's frame
+    ("custom_generate with synced_gpus", _custom_generate(synced_gpus=True), ValueError,
+     "self_speculative does not support synced_gpus"),
     ("custom_generate with a temperature that overflows", _custom_generate(do_sample=True, temperature=1e-45),
      ValueError, r"samples with temperature >= 0.0001, got 1e-45"),
     ("a study of 2 new tokens", lambda m: StudySettings(study_name="s", storage="sqlite:///unused.db",

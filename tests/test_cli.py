@@ -62,6 +62,8 @@ def test_generate_reads_a_config(capsys, tmp_path, tiny_model_dir):
         (["--config", "/nonexistent/best.json"], "does not exist"),
         (["--config", "x.json", "--skip-mlp", "1"], "either --config or --skip-attn"),
         (["--skip-attn", "1", "--max-draft-tokens", "0"], "drafts nothing, so the skip set would never be used"),
+        (["--temperature", "0.7", "--top-k", "5"], r"error: --temperature, --top-k shape sampling: add --do-sample"),
+        (["--do-sample", "--memory", "m.json"], "--do-sample plans its rounds without them .* give one or the other"),
     ],
 )
 def test_generate_bad_input_is_one_line_and_exit_2(capsys, tiny_model_dir, argv, message):
@@ -71,6 +73,24 @@ def test_generate_bad_input_is_one_line_and_exit_2(capsys, tiny_model_dir, argv,
     _, err = capsys.readouterr()
     assert exit_info.value.code == 2
     assert len(err.strip().splitlines()) == 1 and re.search(message, err)
+
+
+def test_generate_samples_the_same_text_from_one_seed_on_a_busy_clock(capsys, tiny_model_dir, monkeypatch):
+    """Each draft draws random numbers, so rounds planned by the clock gave one --seed other tokens run to run."""
+    import itertools
+    import random
+
+    from skipsearch.decode import loop as decoding
+
+    def sampled(seed: int, noise: int) -> list[int]:
+        draws, now = random.Random(noise), itertools.count()
+        monkeypatch.setattr(decoding, "ROUND_CLOCK", lambda: next(now) * 1e-3 + draws.expovariate(20.0))
+        code, out, _ = run(capsys, "generate", "--model", tiny_model_dir, "--prompt", "hello there", "--json",
+                           "--max-new-tokens", 40, "--skip-attn", "1,2", "--do-sample", "--seed", seed)
+        assert code == 0
+        return json.loads(out)["token_ids"]
+
+    assert sampled(3, noise=1) == sampled(3, noise=2) != sampled(4, noise=1)
 
 
 def optimize_args(model_dir, studies, *extra, n_trials=4):

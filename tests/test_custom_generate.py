@@ -297,6 +297,30 @@ def test_sampling_with_a_seed_is_reproducible_and_one_token_sampling_equals_plai
     assert out.tolist() == plain.tolist() and speculative.stats.drafted > speculative.stats.accepted > 0
 
 
+def test_a_reproducible_callable_samples_the_same_tokens_from_one_seed_on_a_busy_clock(monkeypatch):
+    """By default a callable's rounds follow the clock and what its earlier calls learned, and each draft draws random
+    numbers: one seed gave other tokens call to call. `reproducible=True` plans rounds from neither."""
+    import itertools
+    import random
+
+    from skipsearch.decode import loop as decoding
+
+    model = MODELS["qwen2"]
+    options = dict(do_sample=True, temperature=0.9, max_new_tokens=40, eos_token_id=None, pad_token_id=0)
+
+    def sampled(speculative, noise: int) -> list[int]:
+        draws, now = random.Random(noise), itertools.count()
+        monkeypatch.setattr(decoding, "ROUND_CLOCK", lambda: next(now) * 1e-3 + draws.expovariate(20.0))
+        torch.manual_seed(3)
+        return model.generate(PROMPT, custom_generate=speculative, **options).tolist()
+
+    skip = SkipSet.of([2], [0], NUM_LAYERS)
+    reproducible = self_speculative(skip, DraftPolicy(), reproducible=True)
+    assert sampled(reproducible, noise=1) == sampled(reproducible, noise=2) == sampled(reproducible, noise=1)
+    timed = self_speculative(skip, DraftPolicy())
+    assert len({str(sampled(timed, noise)) for noise in (1, 2, 3)}) > 1  # what the option is for
+
+
 def test_threads_sharing_one_callable_count_every_call(monkeypatch):
     """One callable shared by threads: its statistics add up every call (adding reads and writes each field; a
     thread switch in between lost the other thread's call)."""

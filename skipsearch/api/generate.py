@@ -34,7 +34,7 @@ class GenerateSettings(ModelOptions, DraftOptions):
     autoregressive: bool = False
     max_new_tokens: int = 128
     do_sample: bool = False
-    temperature: float = 1.0
+    temperature: float | None = None  # None: 1.0 when sampling
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
@@ -59,6 +59,7 @@ def generate_text(settings: GenerateSettings) -> Generation:
         raise ValueError("--autoregressive decodes plainly: it takes no --config, --skip-attn or --skip-mlp")
     if not s.prompt.strip():
         raise ValueError("--prompt is empty: give the text to answer")
+    _check_sampling(s)
     if s.max_draft_tokens == 0 and (s.config or s.skip_attn or s.skip_mlp):
         raise ValueError("--max-draft-tokens 0 drafts nothing, so the skip set would never be used: give it >= 1, "
                          "or decode plainly with --autoregressive")
@@ -66,7 +67,8 @@ def generate_text(settings: GenerateSettings) -> Generation:
     stored = _stored_memory(s.memory)  # before the model loads, which can take minutes
     for path in s.config or ():  # a broken file too; whether it fits the model is checked once that is loaded
         load_skip_config(path)
-    sampling = Sampling(do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    sampling = Sampling(do_sample=s.do_sample, temperature=1.0 if s.temperature is None else s.temperature,
+                        top_k=s.top_k, top_p=s.top_p)
     loaded = s.load()
     learned_by = f"{_model_name(s.model, loaded)} on {loaded.device} ({loaded.model.dtype})"
     if stored is not None:
@@ -81,6 +83,7 @@ def generate_text(settings: GenerateSettings) -> Generation:
         loaded.model, prompt_ids, skip=skip, max_new_tokens=s.max_new_tokens, policy=policy,
         sampling=sampling, eos_token_id=loaded.model.generation_config.eos_token_id, generator=generator,
         compile=s.compile, cost_profile=profile, memory=memory,
+        timed=not s.do_sample,  # rounds planned by the clock would give one --seed other tokens run to run
     )
     if s.memory is not None:  # writable, and with room, as checked before decoding
         memory.save(s.memory, learned_by)
@@ -90,6 +93,17 @@ def generate_text(settings: GenerateSettings) -> Generation:
     used = choice.skip if choice else drafting[0] if drafting else None
     text = loaded.tokenizer.decode(output.tokens, skip_special_tokens=True)
     return Generation(text, output, used, _choice_text(choice, labels))
+
+
+def _check_sampling(s: GenerateSettings) -> None:
+    """Sampling's flags without --do-sample would be ignored, and --memory would be too with it: say so."""
+    given = [flag for flag, value in (("--temperature", s.temperature), ("--top-k", s.top_k), ("--top-p", s.top_p))
+             if value is not None]
+    if given and not s.do_sample:
+        raise ValueError(f"{', '.join(given)} shape sampling: add --do-sample (without it decoding is greedy)")
+    if s.do_sample and s.memory is not None:
+        raise ValueError("--memory keeps what this machine's timings taught the guard, and --do-sample plans its "
+                         "rounds without them so that --seed gives the same text every run: give one or the other")
 
 
 def _stored_memory(path: Path | None) -> tuple[DraftMemory, str] | None:

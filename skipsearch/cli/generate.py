@@ -72,10 +72,13 @@ def add_generate_flags(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--autoregressive", action="store_true", help="decode plainly through the same loop")
     gen.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most")
     gen.add_argument("--do-sample", action="store_true", help="sample (speculative rejection sampling) instead of greedy")
-    gen.add_argument("--temperature", type=temperature_value, default=1.0, help="sampling temperature")
+    gen.add_argument("--temperature", type=temperature_value, default=None,
+                     help="sampling temperature, with --do-sample (default: 1.0)")
     gen.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
     gen.add_argument("--top-p", type=nucleus_mass, default=None, help="nucleus sampling mass")
-    gen.add_argument("--seed", type=seed_value, default=0, help="sampling seed")
+    gen.add_argument("--seed", type=seed_value, default=0,
+                     help="sampling seed: with --do-sample, the same seed gives the same text every run (its rounds "
+                          "are then planned without the clock, so the guard never falls back to plain decoding)")
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics as JSON")
     gen.add_argument("--memory", type=Path, default=None, metavar="FILE",
                      help="what the guard learned in earlier runs (plain speed, when each skip set drafts again), "

@@ -53,13 +53,15 @@ class SelfSpeculative:
     """A `custom_generate` callable for transformers' `generate`; `stats` sums the decode statistics of its calls, and
     `memory` is what the draft controller learned across them (plain speed, back-offs: controller.py), which the
     caller may reset or persist. Threads may share one: its statistics add up every call, and what it learns is
-    learned from all of them."""
+    learned from all of them. `reproducible`: each call plans its rounds without the clock and without `memory`, so
+    that a seed (`torch.manual_seed`) samples the same tokens every call."""
 
     def __init__(self, skip: SkipSet | tuple[SkipSet, ...], policy: DraftPolicy, config: SkipConfig | None = None,
                  tokenizer: Any = None, compile: bool = False, compile_backend: str = "inductor",
-                 cost_profile: CostProfile | None = None):
+                 cost_profile: CostProfile | None = None, reproducible: bool = False):
         self.skip, self.policy, self.config, self.tokenizer = skip, policy, config, tokenizer
         self.compile, self.compile_backend, self.cost_profile = compile, compile_backend, cost_profile
+        self.reproducible = reproducible
         self.stats = DecodeStats()
         self.memory = DraftMemory()
 
@@ -73,6 +75,7 @@ class SelfSpeculative:
         # The caller of this call is generate (depth 1), which hands a callable no streamer of its own.
         streamer = streamer if streamer is not None else adapter.generate_argument("streamer", depth=1)
         assistant = adapter.generate_argument("assistant_model", depth=1)
+        synced_gpus = synced_gpus or bool(adapter.generate_argument("synced_gpus", depth=1))  # never handed either
         prompt_length = input_ids.shape[1]
         try:  # every refusal inside: a consumer thread of TextIteratorStreamer waits for `end()` either way
             if assistant is not None:
@@ -88,7 +91,9 @@ class SelfSpeculative:
                 hooks=DecodeHooks(process=_processing(logits_processor), stop=_stopping(stopping_criteria),
                                   commit=(lambda tokens: streamer.put(torch.tensor(tokens))) if streamer else None),
                 compile=self.compile, compile_backend=self.compile_backend, cost_profile=self.cost_profile,
-                memory=self.memory,
+                # Sampling draws random numbers per draft, so rounds planned by the clock or by what earlier calls
+                # learned would give a seed other tokens each call.
+                memory=DraftMemory() if self.reproducible else self.memory, timed=not self.reproducible,
             )
         finally:
             if streamer is not None:
@@ -132,7 +137,7 @@ _COUNTING = threading.Lock()
 
 def self_speculative(
     config: Configs | Sequence[Configs], policy: DraftPolicy | None = None, *, tokenizer: Any = None,
-    compile: bool = False, cost_profile: CostProfile | None = None,
+    compile: bool = False, cost_profile: CostProfile | None = None, reproducible: bool = False,
 ) -> SelfSpeculative:
     """A `custom_generate` callable: `model.generate(**inputs, custom_generate=self_speculative(config))`.
 
@@ -142,7 +147,9 @@ def self_speculative(
     (choice.py; `stats.choices` says which), pricing drafts with `cost_profile` when given. A skip
     config's own draft policy is used unless `policy` is given. `tokenizer` is needed only for
     `stop_strings`. `compile` runs the draft and verify steps compiled, as `generate(..., compile=True)`
-    does: the first call per skip set compiles.
+    does: the first call per skip set compiles. `reproducible=True`: sampling after `torch.manual_seed(n)` gives the
+    same tokens every call (rounds planned without the clock or what earlier calls learned, so the run-time guard
+    never falls back to plain decoding); by default a seed fixes the distribution's draws but not the rounds.
     """
     skips, configs = _skip_sets(config)
     combined = combine_skip_configs(configs, same_draft=policy is None) if configs else None
@@ -151,7 +158,7 @@ def self_speculative(
             skip.check_fits(combined.model.num_hidden_layers)
     policy = policy or (combined.draft if combined is not None else DraftPolicy())
     return SelfSpeculative(skips[0] if len(skips) == 1 else skips, policy, combined, tokenizer, compile,
-                           cost_profile=cost_profile)
+                           cost_profile=cost_profile, reproducible=reproducible)
 
 
 def _skip_sets(given: Configs | Sequence[Configs]) -> tuple[tuple[SkipSet, ...], list[SkipConfig]]:
