@@ -1,8 +1,9 @@
+import datetime
 import json
 
 import pytest
 
-from skipsearch.io.data import load_prompts
+from skipsearch.io.data import load_prompts, load_rows
 
 
 def test_builtin_prompts_are_selected_deterministically_by_seed():
@@ -172,3 +173,54 @@ def test_one_json_lines_row_saved_as_json_is_one_record(tmp_path):
     assert load_prompts(str(tmp_path / "turns.json"), field="turns", num_prompts=None) == ["hi"]
     (tmp_path / "columns.json").write_text('{"prompt": ["a", "b"], "n": [1, 2]}')  # all lists: still columns
     assert sorted(load_prompts(str(tmp_path / "columns.json"), num_prompts=None)) == ["a", "b"]
+
+
+def _hub_rows(monkeypatch, rows):
+    """datasets.load_dataset answering with `rows`, an in-memory dataset, as a Hub dataset's split would be."""
+    import datasets
+
+    monkeypatch.setattr("skipsearch.io.models.hub_unreachable", lambda: None)
+    monkeypatch.setattr(datasets, "load_dataset", lambda *_, **__: rows)
+
+
+@pytest.mark.parametrize("value, message", [
+    (datetime.datetime(2024, 5, 1, 12, 30), r"row 1: 'prompt' is a datetime \(\"datetime.datetime\(2024, 5, 1, 12, 30"),
+    (b"\x89PNG" * 40, r"row 1: 'prompt' is a bytes \(\"b'\\\\x89PNG.*\.\.\.\), not text or a list of turns$"),
+    ([{"bytes": b"\x89PNG", "path": None}], r"row 1: 'prompt': turn 1 is a dict \(\{\"bytes\": \"b'.*\), not text$"),
+])
+def test_a_hub_column_json_cannot_hold_is_refused_in_one_line(monkeypatch, value, message):
+    """A Hub column of datetimes, bytes or images (a dict of bytes) is quoted by its repr, not raised on by json."""
+    import datasets
+
+    _hub_rows(monkeypatch, datasets.Dataset.from_dict({"prompt": [value]}))
+    with pytest.raises(ValueError, match=message) as refused:
+        load_prompts("someone/odd", num_prompts=None)
+    assert "\n" not in str(refused.value) and len(str(refused.value)) < 160
+
+
+def test_a_hub_class_label_category_is_read_as_its_name(monkeypatch):
+    import datasets
+
+    features = datasets.Features({"prompt": datasets.Value("string"),
+                                  "category": datasets.ClassLabel(names=["open_qa", "creative_writing"])})
+    _hub_rows(monkeypatch, datasets.Dataset.from_dict({"prompt": ["a", "b", "c"], "category": [0, 1, 1]}, features))
+    rows = load_rows("someone/labelled", num_prompts=None)
+    assert sorted((row.turns[0], row.category) for row in rows) == [("a", "open_qa"), ("b", "creative_writing"),
+                                                                   ("c", "creative_writing")]
+
+
+def test_a_non_utf8_json_file_is_refused_naming_it(tmp_path):
+    (tmp_path / "latin.json").write_bytes(b'[{"prompt": "caf\xe9"}]')
+    with pytest.raises(ValueError, match=r"dataset '.*latin.json' is not UTF-8 text \(byte 16\)$"):
+        load_prompts(str(tmp_path / "latin.json"))
+
+
+def test_a_json_document_saved_as_jsonl_is_read_as_one(tmp_path):
+    path = tmp_path / "pretty.jsonl"
+    path.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=2))
+    assert sorted(load_prompts(str(path), num_prompts=None)) == ["a", "b"]
+    path.write_text(json.dumps({"prompt": "one"}, indent=2))  # one object, pretty-printed
+    assert load_prompts(str(path), num_prompts=None) == ["one"]
+    path.write_text(json.dumps([{"prompt": "a"}, {"prompt": "b"}], indent=2)[:-3])  # neither: the lines' error
+    with pytest.raises(ValueError, match="line 1: not valid JSON"):
+        load_prompts(str(path), num_prompts=None)

@@ -93,14 +93,50 @@ def test_the_draw_is_stratified_and_seeded():
     ('{"turns": ["a", ""], "category": "qa"}', r"line 2: 'turns': turn 2 is empty"),
     ('{"turns": ["a", 3], "category": "qa"}', r"line 2: 'turns': turn 2 is a number \(3\), not text"),
     ('{"turns": {"a": 1}, "category": "qa"}', r"line 2: 'turns' is a dict .*not text or a list of turns"),
-    ('{"turns": ["a"]}', r"line 2: no 'category' field"),
-    ('{"turns": ["a"], "category": 7}', r"line 2: a number in its 'category' field"),
+    # A category field named is refused in a row without text in it, saying what the row has instead.
+    ('{"turns": ["a"]}', r"line 2: no 'category' field \(a category is read from each row"),
+    ('{"turns": ["a"], "category": null}', r"line 2: a null 'category' field \("),
+    ('{"turns": ["a"], "category": " "}', r"line 2: an empty 'category' field \("),
+    ('{"turns": ["a"], "category": 7}', r"line 2: a number \(7\) in its 'category' field \("),
 ])
 def test_bad_rows_are_refused_naming_the_row(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"turns": ["fine"], "category": "qa"}\n' + line + "\n")
     with pytest.raises(ValueError, match=message):
-        load_rows(str(path), field="turns", num_prompts=None)
+        load_rows(str(path), field="turns", num_prompts=None, category_field="category")
+
+
+@pytest.mark.parametrize("line, why", [
+    ('{"turns": ["a"]}', "line 2 has no 'category' field"),
+    ('{"turns": ["a"], "category": null}', "line 2 has a null 'category' field"),
+    ('{"turns": ["a"], "category": 7}', "line 2 has a number (7) in its 'category' field"),
+])
+def test_a_category_field_read_unnamed_is_left_out_where_a_row_has_none(tmp_path, line, why):
+    """No flag asked for categories: a row without one draws the dataset unstratified, with a note, not refused."""
+    path = tmp_path / "some.jsonl"
+    path.write_text('{"turns": ["fine"], "category": "qa"}\n' + line + "\n")
+    notes = []
+    rows = load_rows(str(path), field="turns", num_prompts=None, note=notes.append)
+    assert [row.category for row in rows] == [None, None] and len(notes) == 1
+    assert why in notes[0] and "drawn without categories" in notes[0] and "\n" not in notes[0]
+
+
+def test_more_categories_than_prompts_draws_unstratified_unless_the_field_is_named(tmp_path):
+    path = tmp_path / "eight.jsonl"  # as databricks-dolly-15k: 8 categories, more than the default 4 prompts
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "category": f"c{i % 8}"}) + "\n" for i in range(16)))
+    notes = []
+    rows = load_rows(str(path), num_prompts=4, note=notes.append)
+    assert len(rows) == 4 and {row.category for row in rows} == {None}
+    assert len(notes) == 1 and "its 8 categories are more than the 4 prompts asked for" in notes[0]
+    assert {row.category for row in load_rows(str(path), num_prompts=8, note=notes.append)} == {f"c{i}" for i in
+                                                                                                 range(8)}
+    assert len(notes) == 1  # enough prompts: stratified, no note
+    with pytest.raises(ValueError, match="cannot represent the dataset's 8 categories .*--category-field none"):
+        load_rows(str(path), num_prompts=4, category_field="category")
+    # --category-field none: no categories, and nothing to note
+    assert {row.category for row in load_rows(str(path), num_prompts=None, category_field="none",
+                                              note=notes.append)} == {None}
+    assert len(notes) == 1
 
 
 def test_a_conversation_goes_through_the_chat_template_or_joins_as_text(default_model):
@@ -306,7 +342,9 @@ def _a_stop_keeps_the_categories_an_earlier_run_studied(capsys, tmp_path, model,
 
 @pytest.mark.parametrize("extra, message", [
     (["--per-category", "--num-prompts", "3"], "category 'translation' has 2 prompts, fewer than --num-prompts 3"),
-    (["--num-prompts", "5"], "--num-prompts 5 cannot represent the dataset's 6 categories"),
+    (["--num-prompts", "5", "--category-field", "category"],
+     "--num-prompts 5 cannot represent the dataset's 6 categories"),
+    (["--per-category", "--category-field", "none"], "--per-category needs the rows' categories"),
     (["--category-field", "task"], "has no field 'task'"),
     (["--field", "question_id"], r"'question_id' is a number"),
 ])
@@ -340,3 +378,13 @@ def test_the_split_script_keeps_held_out_prompts_out_of_calibration(tmp_path):
                             "--output-dir", str(tmp_path / "no")], capture_output=True, text=True, env=env)
     assert short.returncode == 2 and "category 'translation' has 3 prompts" in short.stderr
     assert not (tmp_path / "no").exists()
+
+
+def test_per_category_refuses_a_row_without_a_category_naming_it(capsys, tmp_path, tiny_model_dir):
+    """A study per category needs every row's category: one read without the flag is required, as if named."""
+    path = spec_bench_file(tmp_path)
+    path.write_text(path.read_text() + json.dumps({"category": None, "turns": ["no category"]}) + "\n")
+    code, _, err = run(capsys, "optimize", "--model", tiny_model_dir, "--dataset", path, "--field", "turns",
+                       "--studies-dir", tmp_path / "studies", "--per-category", "--num-prompts", 1)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "line 15: a null 'category' field" in err, err
+    assert not (tmp_path / "studies").exists()

@@ -48,7 +48,7 @@ class BenchSettings(ModelOptions):
     max_new_tokens: int = 48
     raw: bool = False
     compile: bool = False
-    category_field: str | None = None  # None: "category" where the rows have it
+    category_field: str | None = None  # None: "category" where the rows have it; "none": no categories
     too_long: str = "refuse"  # or "skip": a prompt the model's context cannot hold
 
 

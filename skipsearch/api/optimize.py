@@ -15,7 +15,7 @@ from ..decode.cost_profile import CostProfile
 from ..decode.policy import DraftPolicy
 from ..decode.skipset import SkipSet
 from ..io import models
-from ..io.data import BUILTIN, PromptRow, draw_per_category, load_rows
+from ..io.data import BUILTIN, CATEGORY_FIELD, NO_CATEGORIES, PromptRow, draw_per_category, load_rows
 from ..io.files import check_output_folder
 from ..report.export import (categories_confirmed, category_config, dataset_verdicts, decided_config, export_trial,
                               exported_text, verdict)
@@ -69,7 +69,7 @@ class OptimizeSettings(ModelOptions, DraftOptions, StudyOptions):
     no_plots: bool = False
     no_progress: bool = False
     compile: bool = False
-    category_field: str | None = None  # None: "category" where the rows have it
+    category_field: str | None = None  # None: "category" where the rows have it; "none": no categories
     too_long: str = "refuse"  # or "skip": a prompt the model's context cannot hold
     per_category: bool = False  # one study per category (--num-prompts each), their winners exported together
 
@@ -241,7 +241,9 @@ def _ranking_prompts(s: OptimizeSettings, datasets: list[str], calibration: list
     order, that are not calibration prompts, so that the trials measure a head's acceptance on prompts its ranking
     never saw (ranked on the calibration prompts themselves, every head holds their greedy tokens: acceptance 1)."""
     chosen = {row.turns for row in calibration}
-    every = [load_rows(d, s.field, s.split, None, s.seed, s.category_field) for d in datasets]
+    # The calibration prompts' draw said already when categories are left out.
+    every = [load_rows(d, s.field, s.split, None, s.seed, s.category_field, note=lambda line: None)
+             for d in datasets]
     others = [row for rows in itertools.zip_longest(*every) for row in rows if row is not None
               and row.turns not in chosen][: s.head_prompts]
     if not others:
@@ -291,7 +293,11 @@ def _study_prompts(s: OptimizeSettings) -> tuple[list[str], list[PromptRow], lis
     if s.per_category:
         if len(datasets) > 1:
             raise ValueError("--per-category takes one --dataset (its rows' categories make the studies)")
-        every = load_rows(datasets[0], s.field, s.split, None, s.seed, s.category_field)
+        if s.category_field == NO_CATEGORIES:
+            raise ValueError(f"--per-category needs the rows' categories: --category-field {NO_CATEGORIES} leaves "
+                             "them out")
+        # Named, so that a row without a category is refused naming it, not left out of a study per category.
+        every = load_rows(datasets[0], s.field, s.split, None, s.seed, s.category_field or CATEGORY_FIELD)
         return datasets, [row for group in draw_per_category(every, s.num_prompts, s.seed).values()
                           for row in group], None
     drawn = [load_rows(d, s.field, s.split, s.num_prompts, s.seed, s.category_field) for d in datasets]

@@ -215,7 +215,9 @@ def add_prompt_flags(parser: argparse.ArgumentParser, num_prompts: int, max_new_
     data.add_argument("--raw", action="store_true", help="tokenize prompts as is, without the chat template")
     data.add_argument("--category-field", default=None, metavar="NAME",
                       help="the field naming each prompt's category, which every row must then have; the draw takes "
-                           "prompts of every category in turn (default: 'category' where the rows have it)")
+                           "prompts of every category in turn; 'none': no categories (default: 'category' where the "
+                           "rows have it, left out with a note where a row has none or there are more categories "
+                           "than --num-prompts)")
     data.add_argument("--too-long", choices=("refuse", "skip"), default="refuse",
                       help="a prompt whose answers do not fit the model's context (checked before any decoding): "
                            "refuse the run, or skip that prompt with a line saying so")

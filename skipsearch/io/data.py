@@ -1,7 +1,8 @@
 """Calibration prompts through `datasets`: the built-in set, a local JSON/JSONL file, or a Hub dataset.
 
 A prompt field may hold text or a list of user turns (a conversation, as Spec-Bench's `turns`); a `category` field
-(or another, named) is kept with each prompt, and then the draw is stratified: every category is represented.
+(or another, named) is kept with each prompt, and then the draw is stratified: every category is represented. A
+`category` field read without being named is left out, with a note, where it cannot stratify the draw.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import contextlib
 import json
 import random
 import re
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from .files import read_json
 BUILTIN = "builtin"
 BUILTIN_PATH = Path(__file__).parent.parent / "prompts" / "builtin.jsonl"
 CATEGORY_FIELD = "category"  # read without a flag when the rows have it
+NO_CATEGORIES = "none"  # as the category field: categories off, the draw unstratified
 # Spec-Bench reports MT-bench's eight subcategories together, as "multi-turn conversation", and its tasks in this order.
 MT_BENCH = "mt_bench"
 MT_BENCH_SUBCATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
@@ -44,13 +47,20 @@ def load_prompts(
     return [row.turns[0] for row in load_rows(dataset, field, split, num_prompts, seed)]
 
 
+def _note_on_stderr(line: str) -> None:
+    print(f"note: {line}", file=sys.stderr)
+
+
 def load_rows(dataset: str = BUILTIN, field: str = "prompt", split: str = "train", num_prompts: int | None = 8,
-              seed: int = 0, category_field: str | None = None) -> list[PromptRow]:
+              seed: int = 0, category_field: str | None = None,
+              note: Callable[[str], None] = _note_on_stderr) -> list[PromptRow]:
     """`num_prompts` rows (all when None), drawn by a seeded shuffle, stratified by category when the rows have one.
 
     `dataset` is "builtin" (32 prompts shipped with skipsearch: chat, explanation,
     summarization of a given passage, code), a local .json / .jsonl file, or a Hub name. `category_field`: the field
-    naming each row's category, which every row must then have (None: "category" where the rows have it).
+    naming each row's category, which every row must then have; "none" (NO_CATEGORIES): no categories; None:
+    "category" where the rows have it, left out (`note` says why) where a row has no text in it or it has more
+    categories than `num_prompts`, which could not all be represented.
     """
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
@@ -59,7 +69,14 @@ def load_rows(dataset: str = BUILTIN, field: str = "prompt", split: str = "train
         records = _json_records(path, dataset)
     else:
         records = _hub_records(dataset, split)
-    rows = _rows(records, dataset, field, category_field)
+    rows, unusable = _rows(records, dataset, field, category_field)
+    kinds = len(categories_of(rows))
+    if category_field is None and not unusable and num_prompts is not None and kinds > num_prompts:
+        unusable = f"its {kinds} categories are more than the {num_prompts} prompts asked for"
+    if unusable:  # only where no flag named the field: a field the user named is refused instead
+        note(f"dataset {dataset!r} is drawn without categories: {unusable} (--category-field {CATEGORY_FIELD} to "
+             f"require them; --category-field {NO_CATEGORIES} to leave them out without this note)")
+        rows = [replace(row, category=None) for row in rows]
     if not rows:
         raise ValueError(f"dataset {dataset!r} has no non-empty text in field {field!r}")
     if num_prompts is not None and num_prompts > len(rows):
@@ -92,7 +109,8 @@ def draw(rows: list[PromptRow], num_prompts: int | None, seed: int) -> list[Prom
     groups = shuffled_by_category(rows, seed)
     if num_prompts is not None and num_prompts < len(groups):
         raise ValueError(f"--num-prompts {num_prompts} cannot represent the dataset's {len(groups)} categories "
-                         f"({', '.join(map(str, groups))}): give at least {len(groups)}")
+                         f"({', '.join(map(str, groups))}): give at least {len(groups)}, or --category-field "
+                         f"{NO_CATEGORIES} to draw without them")
     interleaved = [group[i] for i in range(max(map(len, groups.values()))) for group in groups.values()
                    if i < len(group)]
     return interleaved[:num_prompts]
@@ -131,7 +149,15 @@ def _hub_records(dataset: str, split: str) -> list[tuple[str, dict]]:
                   f"no such local file, not in the datasets cache, and the Hub cannot be asked ({unreachable})"
                   if unreachable else first_line(error))
         raise load_error(error, f"cannot read dataset {dataset!r}: {reason}") from None
-    return [(f"row {number}", record) for number, record in enumerate(rows.to_list(), start=1)]
+    # A ClassLabel column (a category, say) holds each label's index; its names are what the rows mean (-1: none).
+    labels = {column: feature.names for column, feature in (rows.features or {}).items()
+              if isinstance(feature, datasets.ClassLabel)}
+    records = rows.to_list()
+    for record in records:
+        for column, names in labels.items():
+            if isinstance(record.get(column), int):
+                record[column] = names[record[column]] if 0 <= record[column] < len(names) else None
+    return [(f"row {number}", record) for number, record in enumerate(records, start=1)]
 
 
 @contextlib.contextmanager
@@ -150,26 +176,35 @@ def _hub_offline(offline: bool) -> Iterator[None]:
         datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
 
 
-def _rows(records: list[tuple[str, dict]], name: str, field: str, category_field: str | None) -> list[PromptRow]:
-    """The rows whose `field` holds non-empty text or a list of turns; a record whose field holds anything else (or
-    a list with an empty or non-text turn, or no category where one is read) is refused, naming its line or index.
+def _rows(records: list[tuple[str, dict]], name: str, field: str,
+          category_field: str | None) -> tuple[list[PromptRow], str | None]:
+    """The rows whose `field` holds non-empty text or a list of turns, and why the categories cannot be used (None:
+    they can, or none are read). A record whose field holds anything else (or a list with an empty or non-text turn,
+    or no category in the field named) is refused, naming its line or index; a row without text in the `category`
+    field read unnamed leaves the categories out, since no flag asked for them.
 
     Local files are read here rather than by `datasets.load_dataset("json")`, which would leave an Arrow cache under
     HF_HOME even for a file it rejects, and logs a second line beside its error.
     """
-    for wanted in (field, category_field):
+    named = category_field not in (None, NO_CATEGORIES)
+    for wanted in (field, category_field if named else None):
         if wanted is not None and not any(wanted in record for _, record in records):
             fields = sorted({key for _, record in records for key in record})
             raise ValueError(f"dataset {name!r} has no field {wanted!r}: its fields are {', '.join(fields)}")
-    if category_field is None and any(CATEGORY_FIELD in record for _, record in records):
-        category_field = CATEGORY_FIELD
-    rows = []
+    read = category_field if named else CATEGORY_FIELD if category_field is None and any(
+        CATEGORY_FIELD in record for _, record in records) else None
+    rows, unusable = [], None
     for where, record in records:
         turns = _turns(record.get(field), f"dataset {name!r}, {where}: {field!r}")
-        if turns:
-            category = _category(record, category_field, f"dataset {name!r}, {where}") if category_field else None
-            rows.append(PromptRow(turns, category, where))
-    return _as_spec_bench(rows)
+        if not turns:
+            continue
+        category, fault = _category(record, read) if read else (None, None)
+        if fault and named:
+            raise ValueError(f"dataset {name!r}, {where}: {fault} (a category is read from each row, as "
+                             f"--category-field asks; --category-field {NO_CATEGORIES} reads none)")
+        unusable = unusable or (f"{where} has {fault}" if fault else None)
+        rows.append(PromptRow(turns, category, where))
+    return _as_spec_bench(rows), unusable
 
 
 def _as_spec_bench(rows: list[PromptRow]) -> list[PromptRow]:
@@ -192,32 +227,52 @@ def _turns(value: object, where: str) -> tuple[str, ...]:
     if value is None or isinstance(value, str):
         return (value,) if value is not None and value.strip() else ()
     if not isinstance(value, list):
-        raise ValueError(f"{where} is {_kind(value)} ({json.dumps(value)[:40]}), not text or a list of turns")
+        raise ValueError(f"{where} is {_kind(value)} ({_shown(value)}), not text or a list of turns")
     if not value:
         raise ValueError(f"{where} is an empty list: a conversation needs at least one turn")
     for number, turn in enumerate(value, start=1):
         if not isinstance(turn, str):
-            raise ValueError(f"{where}: turn {number} is {_kind(turn)} ({json.dumps(turn)[:40]}), not text")
+            raise ValueError(f"{where}: turn {number} is {_kind(turn)} ({_shown(turn)}), not text")
         if not turn.strip():
             raise ValueError(f"{where}: turn {number} is empty")
     return tuple(value)
 
 
-def _category(record: dict, field: str, where: str) -> str:
-    """The row's category, as its field names it."""
-    value = record.get(field)
-    if not isinstance(value, str) or not value.strip():
-        found = "no" if value is None else f"{_kind(value)} in its"
-        raise ValueError(f"{where}: {found} {field!r} field (a category is read from each row; name another field "
-                         "with --category-field)")
-    return value
+def _shown(value: object) -> str:
+    """A value as a message quotes it: JSON, and what JSON cannot hold (a Hub dataset's datetime, bytes, an image's
+    dict of bytes) by its repr, so that the message is raised rather than json's TypeError; cut to a readable length."""
+    try:
+        text = json.dumps(value, default=repr)
+    except (TypeError, ValueError, RecursionError):  # keys JSON cannot hold (a tuple), a value holding itself
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _category(record: dict, field: str) -> tuple[str | None, str | None]:
+    """The row's category, as its field names it, or None and what the row has instead ("no 'category' field")."""
+    if field not in record:
+        return None, f"no {field!r} field"
+    value = record[field]
+    if isinstance(value, str) and value.strip():
+        return value, None
+    found = ("a null" if value is None else "an empty" if isinstance(value, str) else
+             f"{_kind(value)} ({_shown(value)}) in its")
+    return None, f"{found} {field!r} field"
 
 
 def _json_records(path: Path, name: str) -> list[tuple[str, dict]]:
-    """(where, record) pairs: "line N" in JSON Lines, "record N" in a JSON document."""
+    """(where, record) pairs: "line N" in JSON Lines, "record N" in a JSON document, which a .jsonl file may hold too
+    (a pretty-printed list of objects: its first line alone, "[", is no JSON, the whole file is)."""
     if path.suffix == ".json":
         return _json_file_records(path, name)
-    return _json_lines_records(path, name)
+    try:
+        return _json_lines_records(path, name)
+    except ValueError as lines:
+        try:
+            document = read_json(path, "dataset")
+        except ValueError:
+            raise lines from None
+    return _document_records(document, name)
 
 
 def _json_file_records(path: Path, name: str) -> list[tuple[str, dict]]:
@@ -235,7 +290,10 @@ def _json_file_records(path: Path, name: str) -> list[tuple[str, dict]]:
 
 
 def _first_line_is_an_object(path: Path) -> bool:
-    text = path.read_text(encoding="utf-8-sig")
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (UnicodeDecodeError, OSError):  # both reads said so already: their error, which names the file, is raised
+        return False
     first = next((line for line in text.split("\n") if line.strip()), "")
     try:
         return isinstance(json.loads(first), dict)
