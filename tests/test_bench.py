@@ -47,6 +47,38 @@ def test_bench_rows_json_and_chart(tmp_path):
     assert png_path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_chart_that_fails_to_draw_leaves_the_earlier_outputs_whole(tmp_path, monkeypatch):
+    """Every chart is rendered before any file is written, bench.json last: a new bench.json beside the earlier run's
+    charts would pass them for this run's."""
+    import matplotlib.pyplot as plt
+    import pytest
+
+    from skipsearch.report import bench
+    from skipsearch.report.bench import BenchRow
+
+    rows = [BenchRow("hf greedy", 10.0, 1.0, True), BenchRow("skipsearch plain", 11.0, 1.1, True)]
+    earlier = {name: f"an earlier run's {name}".encode() for name in ("bench.json", "bench.png", "extra.png")}
+    for name, content in earlier.items():
+        (tmp_path / name).write_bytes(content)
+
+    def broken(*args):
+        raise RuntimeError("the chart failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(bench, "fit_labels", broken)  # bench.png's own drawing
+        with pytest.raises(RuntimeError, match="the chart failed"):
+            write_outputs(rows, tmp_path, {"model": "m"})
+    extra, real = plt.figure(), bench.render_png
+    with monkeypatch.context() as patch:  # a chart drawn beside it (bench_categories.png's) fails to render
+        patch.setattr(bench, "render_png", lambda fig: broken() if fig is extra else real(fig))
+        with pytest.raises(RuntimeError, match="the chart failed"):
+            write_outputs(rows, tmp_path, {"model": "m"}, figures={"extra.png": extra})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == earlier  # untouched, and no temp file left
+    assert not plt.fignum_exists(extra.number)  # closed all the same
+    write_outputs(rows, tmp_path, {"model": "m"}, figures={"extra.png": plt.figure()})
+    assert all((tmp_path / name).read_bytes() != content for name, content in earlier.items())
+
+
 def test_the_table_gives_the_plain_loop_figure_its_interval_in_its_own_column():
     """As the HF greedy figure and the per-category table do: a column of its own, aligned under its header."""
     from skipsearch.report.bench import BenchRow

@@ -258,7 +258,7 @@ def test_a_skip_map_of_a_set_that_skips_no_sublayer_says_so():
 
 def test_bench_bars_carry_their_numbers(tmp_path, monkeypatch):
     figures = []
-    monkeypatch.setattr(bench, "save_figure", lambda fig, path: figures.append(fig))
+    monkeypatch.setattr(bench, "render_png", lambda fig: figures.append(fig) or b"png")
     rows = [BenchRow("hf greedy", 20.0, 1.0, True), BenchRow("skipsearch attn=[3]", 25.0, 1.25, True)]
     bench.write_outputs(rows, tmp_path, {"model": "m", "device": "cpu", "num_prompts": 2, "max_new_tokens": 8})
     [fig] = figures
@@ -302,7 +302,7 @@ def test_bench_bars_draw_no_whisker_for_an_unbounded_interval(tmp_path, monkeypa
     """One paired run bounds nothing (low 0, no high): a whisker down to 0 and none up read as a measured interval.
     The bar has no whisker, and its text says why."""
     figures = []
-    monkeypatch.setattr(bench, "save_figure", lambda fig, path: figures.append(fig))
+    monkeypatch.setattr(bench, "render_png", lambda fig: figures.append(fig) or b"png")
     rows = [BenchRow("hf greedy", 20.0, 1.0, True, 1.0, 1.0), BenchRow("skipsearch", 25.0, 1.25, True, 1.1, 1.4),
             BenchRow("skipsearch attn=[3]", 24.0, 1.2, True, 0.0, None)]
     bench.write_outputs(rows, tmp_path, {"model": "m", "device": "cpu"})
@@ -316,15 +316,13 @@ def test_bench_bars_draw_no_whisker_for_an_unbounded_interval(tmp_path, monkeypa
     plt.close(figures[0])
 
 
-def test_category_bars_draw_no_whisker_for_an_unbounded_interval(tmp_path, monkeypatch):
+def test_category_bars_draw_no_whisker_for_an_unbounded_interval():
     from skipsearch.report import categories
 
-    drawn = []
-    monkeypatch.setattr(categories, "save_figure", lambda fig, path: drawn.append(fig))
     groups = [categories.CategoryRows(name, prompts, [BenchRow("hf greedy", 20.0, 1.0, True, 1.0, 1.0),
                                                       BenchRow("skipsearch", 22.0, 1.1, True, low, high)])
               for name, prompts, low, high in (("qa", 1, 0.0, None), ("coding", 4, 0.9, 1.3))]
-    categories.plot_categories(groups, tmp_path / "c.png", "per category")
+    drawn = [categories.category_figure(groups, "per category")]
     ax = drawn[0].axes[0]
     [bars] = [c for c in ax.containers if isinstance(c, matplotlib.container.BarContainer)]
     coding, qa = (round(bar.get_y() + bar.get_height() / 2, 6) for bar in bars)  # bottom up: the groups reversed
@@ -458,16 +456,14 @@ def test_a_history_of_plain_decoding_alone_says_so():
     plt.close(fig)
 
 
-def test_category_bars_stand_in_the_legends_order_beside_a_labelled_baseline(tmp_path, monkeypatch):
+def test_category_bars_stand_in_the_legends_order_beside_a_labelled_baseline():
     from skipsearch.report import categories
 
-    drawn = []
-    monkeypatch.setattr(categories, "save_figure", lambda fig, path: drawn.append(fig))
     methods = ["hf prompt lookup (10)", "skipsearch plain loop", "skipsearch attn=[3]"]
     groups = [categories.CategoryRows(name, 2, [BenchRow("hf greedy", 20.0, 1.0, True), *[
         BenchRow(method, 20.0 + k, 1.0 + 0.1 * k, True, 0.9, 1.3) for k, method in enumerate(methods)]])
         for name in ("qa", "coding")]
-    categories.plot_categories(groups, tmp_path / "c.png", "per category")
+    drawn = [categories.category_figure(groups, "per category")]
     ax = drawn[0].axes[0]
     legend = [text.get_text() for text in ax.get_legend().get_texts()]
     assert "HF greedy (1.0x)" in legend and [label for label in legend if label in methods] == methods

@@ -3,6 +3,7 @@ turns, categories kept, the stratified draw, the report per category, one study 
 the refusals."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -201,6 +202,122 @@ def test_bench_reports_per_category(capsys, tmp_path, tiny_model_dir):
     assert [line.split()[0] for line in table[2:8]] == [MT_BENCH, "translation", "summarization", "qa",
                                                        "math_reasoning", "overall"]
     assert (tmp_path / "out" / "bench_categories.png").stat().st_size > 0
+
+
+def test_bench_json_says_how_its_prompts_were_drawn_and_a_failed_chart_writes_nothing(tmp_path, tiny_model_dir,
+                                                                                     monkeypatch):
+    import skipsearch.api.bench as api
+    from skipsearch.report.bench import run_caption
+
+    path = spec_bench_file(tmp_path, rag_words=400)
+    titles, real_figure, real_measure = [], api.category_figure, api.measure_methods
+    monkeypatch.setattr(api, "category_figure",
+                        lambda groups, title: titles.append(title) or real_figure(groups, title))
+    # Compiling a step takes about 100 s on a CPU: the runs are eager here, and the settings say compiled.
+    monkeypatch.setattr(api, "measure_methods", lambda *a, **k: real_measure(*a, **{**k, "compile": False}))
+    settings = api.BenchSettings(model=str(tiny_model_dir), dataset=str(path), field="turns", num_prompts=12, seed=3,
+                                 max_new_tokens=3, repeats=1, prompt_lookup_tokens=0, no_progress=True,
+                                 output_dir=tmp_path / "out", too_long="skip", compile=True)
+    result = api.benchmark(settings, say=lambda line: None)
+    saved = json.loads(result.json_path.read_text())
+    written = saved["settings"]
+    # The category chart's title is bench.png's: one repeat said so, and which steps were timed.
+    assert titles == [f"Speedup per category: {run_caption(written)}"]
+    assert titles[0].endswith(", 10 prompts x 3 new tokens x 1 repeat, skipsearch compiled")
+    assert {key: written[key] for key in ("seed", "field", "split", "num_prompts_drawn", "raw", "category_field",
+                                          "too_long", "num_prompts")} == \
+        {"seed": 3, "field": "turns", "split": "train", "num_prompts_drawn": 12, "raw": False, "category_field": None,
+         "too_long": "skip", "num_prompts": 10}
+    assert [s["category"] for s in written["skipped_too_long"]] == ["rag", "rag"]
+    # The draw made again from bench.json alone, less the prompts it says were skipped: the prompts decoded.
+    drawn = load_rows(written["dataset"], written["field"], written["split"], written["num_prompts_drawn"],
+                      written["seed"], written["category_field"])
+    decoded = [r for r in drawn if {"where": r.where, "category": r.category} not in written["skipped_too_long"]]
+    assert len(decoded) == 10 and categories_of(decoded) == [e["category"] for e in saved["categories"]]
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    assert set(before) == {"bench.json", "bench.png", "bench_categories.png"}
+
+    def broken(groups, title):
+        raise RuntimeError("the chart failed")
+
+    monkeypatch.setattr(api, "category_figure", broken)
+    with pytest.raises(RuntimeError, match="the chart failed"):
+        api.benchmark(replace(settings, seed=4), say=lambda line: None)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before  # the earlier run's, whole
+
+
+def _known_runs():
+    """Runs of 4 prompts (categories a, b, a, b) x 3 repeats, 10 tokens each: HF greedy at 1 s a run, skipsearch's
+    plain loop about as fast, and a skip set about 2x faster on a's prompts and 1x on b's, drafting well on a's
+    (8 of 10 accepted) and badly on b's (2 of 10), its output differing from HF greedy's on prompt 1 (b's)."""
+    from collections import Counter
+
+    from skipsearch.decode.stats import DecodeStats
+    from skipsearch.report.bench import Measured, Runs
+
+    categories, jitter = ["a", "b", "a", "b"], [1.0, 1.1, 0.93, 1.04, 0.97, 1.08, 0.9, 1.02, 1.06, 0.95, 1.01, 0.92]
+    set_speed = {"a": 2.0, "b": 1.0}
+    hf = Runs([1.0] * 12, [10] * 12, [0.0] * 12, [[1], [2], [3], [4]], DecodeStats(), [None] * 4)
+
+    def ours(speed, prefill, accepted, outputs):
+        stats = [DecodeStats(drafted=10, accepted=accepted(c), verify_sizes=Counter({3: 5})) if accepted else None
+                 for c in categories]
+        total = DecodeStats()
+        for one in stats:
+            if one is not None:
+                total.add(one)
+        return Runs([jitter[k] / speed(categories[k % 4]) for k in range(12)], [10] * 12, [prefill] * 12, outputs,
+                    total, stats)
+
+    runs = {"hf greedy": hf, "skipsearch plain": ours(lambda c: 1.0, 0.1, None, hf.outputs),
+            "skipsearch attn=[1]": ours(set_speed.get, 0.1, lambda c: 8 if c == "a" else 2, [[1], [9], [3], [4]])}
+    return Measured([[5, 1], [5, 2], [5, 3], [5, 4]], runs, {"skipsearch attn=[1]": False}), categories
+
+
+def test_a_categorys_runs_are_its_prompts_alone_in_every_repeat():
+    measured, _ = _known_runs()
+    run = measured.runs["skipsearch attn=[1]"]
+    part = run.subset([1, 3], 4)
+    # (repeat, prompt) order, as every method's runs: the i-th runs of two methods stay a pair.
+    assert part.seconds == [run.seconds[k] for k in (1, 3, 5, 7, 9, 11)] and part.tokens == [10] * 6
+    assert part.outputs == [[9], [4]] and part.prompt_stats == [run.prompt_stats[1], run.prompt_stats[3]]
+    assert (part.stats.drafted, part.stats.accepted) == (20, 4)  # b's prompts' stats alone, summed
+    subset = measured.subset([0, 2])
+    assert subset.prompts == [[5, 1], [5, 3]] and subset.guarded == measured.guarded
+    assert subset.runs["hf greedy"].outputs == [[1], [3]]
+    assert subset.runs["skipsearch plain"].seconds == [measured.runs["skipsearch plain"].seconds[k]
+                                                      for k in (0, 2, 4, 6, 8, 10)]
+
+
+def test_each_categorys_figures_come_from_its_prompts_alone():
+    from skipsearch.report.categories import category_rows, format_category_table
+    from skipsearch.search.measure import ratio_interval
+
+    measured, categories = _known_runs()
+    groups = category_rows(None, measured, categories, ["b", "a", "c"])  # c has no prompt: no entry
+    assert [(g.category, g.num_prompts) for g in groups] == [("b", 2), ("a", 2)]
+    ours = measured.runs["skipsearch attn=[1]"]
+    plain = measured.runs["skipsearch plain"]
+    for group, speed, acceptance in ((groups[0], 1.0, 0.2), (groups[1], 2.0, 0.8)):
+        picks = [k for k in range(12) if categories[k % 4] == group.category]
+        row = next(r for r in group.rows if r.method == "skipsearch attn=[1]")
+        over_hf = ratio_interval([1.0 / ours.seconds[k] for k in picks])  # 10 tokens each side; HF at 1 s
+        assert (row.speedup, row.speedup_low, row.speedup_high) == pytest.approx(
+            (over_hf.estimate, over_hf.low, over_hf.high))
+        assert row.speedup == pytest.approx(speed, rel=0.05)  # the category's own ratio, not the overall ~1.4x
+        over_plain = ratio_interval([(plain.seconds[k] - 0.1) / (ours.seconds[k] - 0.1) for k in picks])
+        assert (row.speedup_over_plain_loop, row.speedup_over_plain_low, row.speedup_over_plain_high) == \
+            pytest.approx((over_plain.estimate, over_plain.low, over_plain.high))
+        assert row.acceptance_rate == pytest.approx(acceptance) and row.divergence_gaps is None
+        assert row.tokens_per_second == pytest.approx(60 / sum(ours.seconds[k] for k in picks))
+    b_row, a_row = (next(r for r in g.rows if r.method == "skipsearch attn=[1]") for g in groups)
+    assert (a_row.identical, a_row.identical_share) == (True, 1.0)  # prompt 1, b's, differs
+    assert (b_row.identical, b_row.identical_share) == (False, 0.5)
+    assert b_row.speedup_high < a_row.speedup_low  # the intervals are each category's: they do not even overlap
+    lines = {line.split()[0]: line.split() for line in format_category_table(groups).splitlines()
+             if "attn=[1]" in line}
+    # category, prompts, the method's two words, tok/s, then the speedup over HF greedy
+    assert lines["a"][5] == f"{a_row.speedup:.2f}x" and lines["b"][5] == f"{b_row.speedup:.2f}x"
 
 
 def test_bench_measures_a_config_of_several_sets(capsys, tmp_path, tiny_model_dir):

@@ -11,12 +11,12 @@ import torch
 from ..costs.profiler import contexts_for, device_name, profile_costs, study_compile_mode
 from ..decode.config import SkipConfig, load_skip_config
 from ..decode.cost_profile import CostProfile
-from ..io.data import BUILTIN, categories_of, load_rows
+from ..io.data import BUILTIN, PromptRow, categories_of, load_rows
 from ..io.files import check_output_file, check_output_folder, output_target
 from ..io.models import LoadedModel
 from ..report.bench import (BenchRow, Measured, bench_rows, bench_verdict, config_drafts, format_table,
-                            measure_methods, write_outputs)
-from ..report.categories import OVERALL, CategoryRows, category_rows, format_category_table, plot_categories
+                            measure_methods, run_caption, write_outputs)
+from ..report.categories import OVERALL, CategoryRows, category_figure, category_rows, format_category_table
 from ..report.projections import load_projections
 from ..search.settings import MIN_STUDY_NEW_TOKENS
 from .options import ModelOptions
@@ -103,13 +103,15 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
     rows = bench_rows(loaded.model, measured, config, profile, projections)
     groups = _by_category(loaded, measured, prompts, rows, config, categories_of(rows_in))
     verdict = bench_verdict(rows, config, s.max_new_tokens)
-    written = _written_settings(s, loaded, len(encoded))
+    written = _written_settings(s, loaded, prompts, rows_in)
+    # Drawn before anything is written: write_outputs renders every chart first and writes bench.json last.
+    figures = {CATEGORIES_PNG: category_figure(groups, f"Speedup per category: {run_caption(written)}")} \
+        if groups else None
     json_path, png_path = write_outputs(rows, output_dir, written, verdict,
-                                        [g.to_json() for g in groups[:-1]] if groups else None)
-    categories_png = plot_categories(groups, output_dir / CATEGORIES_PNG, _title(written)) if groups else None
-    if categories_png is None:
+                                        [g.to_json() for g in groups[:-1]] if groups else None, figures)
+    if not groups:
         _drop_stale(output_dir / CATEGORIES_PNG)
-    return Benchmark(rows, verdict, json_path, png_path, groups, categories_png)
+    return Benchmark(rows, verdict, json_path, png_path, groups, output_dir / CATEGORIES_PNG if groups else None)
 
 
 def _drop_stale(path: Path) -> None:
@@ -126,12 +128,6 @@ def _by_category(loaded: LoadedModel, measured: Measured, prompts: EncodedPrompt
         return None
     groups = category_rows(loaded.model, measured, prompts.categories, order, config)
     return [*groups, CategoryRows(OVERALL, len(prompts.ids), rows)]
-
-
-def _title(settings: dict) -> str:
-    return (f"Speedup per category: {settings['model']} on {settings['device_name'] or settings['device']}, "
-            f"{settings['num_prompts']} prompts x {settings['max_new_tokens']} new tokens x {settings['repeats']} "
-            "repeats")
 
 
 def check_config_flags(s: BenchSettings) -> None:
@@ -180,10 +176,15 @@ def profiled_mode(compile: bool, device: torch.device) -> str | None:
     return study_compile_mode(device) if compile else None
 
 
-def _written_settings(s: BenchSettings, loaded: LoadedModel, num_prompts: int) -> dict:
-    """The settings bench.json records beside its rows."""
+def _written_settings(s: BenchSettings, loaded: LoadedModel, prompts: EncodedPrompts, rows: list[PromptRow]) -> dict:
+    """The settings bench.json records beside its rows: with the flags that choose the prompts (the seeded draw of
+    `num_prompts_drawn`, stratified by category) and the drawn prompts skipped as too long, so that the draw can be
+    made again; `num_prompts` counts the prompts decoded."""
+    skipped = [{"where": row.where, "category": row.category} for i, row in enumerate(rows) if i not in prompts.kept]
     return {"model": loaded.name_or_path, "device": str(loaded.device), "dtype": loaded.dtype_name,
-            "dataset": s.dataset, "num_prompts": num_prompts, "max_new_tokens": s.max_new_tokens,
+            "dataset": s.dataset, "num_prompts": len(prompts.ids), "max_new_tokens": s.max_new_tokens,
             "repeats": s.repeats, "config": str(s.config) if s.config else None,
             "device_name": device_name(loaded.device), "torch_threads": torch.get_num_threads(),
-            "project_with": [str(p) for p in s.project_with or ()], "compile": s.compile}
+            "project_with": [str(p) for p in s.project_with or ()], "compile": s.compile,
+            "seed": s.seed, "field": s.field, "split": s.split, "num_prompts_drawn": s.num_prompts, "raw": s.raw,
+            "category_field": s.category_field, "too_long": s.too_long, "skipped_too_long": skipped}

@@ -31,10 +31,10 @@ from ..decode.policy import DraftPolicy
 from ..decode.skipset import SkipSet
 from ..decode.stats import DecodeStats
 from ..decode.steps import synchronize
-from ..io.files import write_atomic
+from ..io.files import write_atomic, write_output
 from ..search.measure import ratio_interval
 from ..search.settings import MIN_STUDY_NEW_TOKENS
-from .plots import save_figure
+from .plots import render_png
 
 Decoder = Callable[[list[int]], tuple[list[int], DecodeStats | None]]
 BASELINE = "hf greedy"  # every speedup's baseline: plain autoregressive decoding, as Spec-Bench's
@@ -390,12 +390,37 @@ def fit_labels(ax: plt.Axes, labels: list[plt.Annotation]) -> None:
 
 
 def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: str | None = None,
-                  categories: list[dict] | None = None) -> tuple[Path, Path]:
-    """bench.json (with `categories`, one entry per category) and bench.png."""
-    folder.mkdir(parents=True, exist_ok=True)
+                  categories: list[dict] | None = None,
+                  figures: dict[str, plt.Figure] | None = None) -> tuple[Path, Path]:
+    """bench.json (with `categories`, one entry per category), bench.png and `figures` (by file name; closed). Every
+    chart is rendered before any file is written, and bench.json last: a chart that fails to draw leaves the earlier
+    run's outputs whole, where a new bench.json beside its old charts would pass them for this run's."""
     json_path, png_path = folder / "bench.json", folder / "bench.png"
+    try:
+        charts = {png_path: render_png(bench_figure(rows, settings)),
+                  **{folder / name: render_png(fig) for name, fig in (figures or {}).items()}}
+    finally:
+        for fig in (figures or {}).values():
+            plt.close(fig)
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, png in charts.items():
+        write_output(path, lambda tmp, png=png: tmp.write_bytes(png))
     write_atomic(json_path, json.dumps({"settings": settings, "rows": [asdict(r) for r in rows], "verdict": verdict,
                                         **({"categories": categories} if categories else {})}, indent=2) + "\n")
+    return json_path, png_path
+
+
+def run_caption(settings: dict) -> str:
+    """What a chart's title says of the run (bench.png's and bench_categories.png's alike): the model, the device,
+    the prompts, tokens and repeats, and whether skipsearch's steps were compiled, which its timings depend on."""
+    where, repeats = settings.get("device_name") or settings.get("device", ""), settings.get("repeats", "?")
+    return (f"{settings.get('model', '')} on {where}, {settings.get('num_prompts', '?')} prompts x "
+            f"{settings.get('max_new_tokens', '?')} new tokens x {repeats} repeat{'' if repeats == 1 else 's'}"
+            f"{', skipsearch compiled' if settings.get('compile') else ''}")
+
+
+def bench_figure(rows: list[BenchRow], settings: dict) -> plt.Figure:
+    """bench.png's chart: each method's speedup over HF greedy, its interval as whiskers."""
     ordered = rows[::-1]
     fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 0.25 * sum(len(r.method) // 28 for r in rows) + 1.5),
                            constrained_layout=True)
@@ -413,12 +438,6 @@ def write_outputs(rows: list[BenchRow], folder: Path, settings: dict, verdict: s
     ax.set_xlabel("speedup over HF greedy (x; geometric mean of paired runs, bars: 95% interval)")
     ax.set_ylabel("decoding method")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # beside the bars, never over one
-    where, repeats = settings.get("device_name") or settings.get("device", ""), settings.get("repeats", "?")
-    ax.set_title(f"Decoding speed: {settings.get('model', '')} on {where}, "
-                 f"{settings.get('num_prompts', '?')} prompts x {settings.get('max_new_tokens', '?')} new tokens"
-                 f" x {repeats} repeat{'' if repeats == 1 else 's'}"
-                 f"{', skipsearch compiled' if settings.get('compile') else ''}",
-                 fontsize=9)
+    ax.set_title(f"Decoding speed: {run_caption(settings)}", fontsize=9)
     fit_labels(ax, numbers)
-    save_figure(fig, png_path)
-    return json_path, png_path
+    return fig

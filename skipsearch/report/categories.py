@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import textwrap
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -15,7 +14,6 @@ import torch
 from ..decode.config import SkipConfig
 from .bench import (BASELINE, BenchRow, Measured, bench_rows, fit_labels, fmt, label_bars, span, times,
                     unbounded, whiskers)
-from .plots import save_figure
 
 OVERALL = "overall"
 
@@ -58,8 +56,9 @@ def format_category_table(groups: list[CategoryRows]) -> str:
     return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header, *lines])
 
 
-def plot_categories(groups: list[CategoryRows], path: Path, title: str) -> Path:
-    """Speedup over HF greedy per category (a bar per category for each method, its 95% interval as whiskers)."""
+def category_figure(groups: list[CategoryRows], title: str) -> plt.Figure:
+    """Speedup over HF greedy per category (a bar per category for each method, its 95% interval as whiskers), drawn
+    and not yet written: `write_outputs` writes it with bench's other outputs."""
     methods = [r.method for r in groups[0].rows if r.method != BASELINE]
     labels = [f"{g.category} ({g.num_prompts})" for g in groups][::-1]
     height = 0.8 / len(methods)
@@ -81,5 +80,4 @@ def plot_categories(groups: list[CategoryRows], path: Path, title: str) -> Path:
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_title(title, fontsize=9)
     fit_labels(ax, numbers)
-    save_figure(fig, path)
-    return path
+    return fig

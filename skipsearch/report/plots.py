@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import io
 import math
 import textwrap
 import warnings
@@ -25,10 +26,19 @@ from .export import dataset_choices, decide
 
 def save_figure(fig: plt.Figure, path: Path) -> None:
     """Write `fig` as PNG (atomically, or through to a stream: files.py's `write_output`) and close it."""
+    png = render_png(fig)
+    write_output(path, lambda tmp: tmp.write_bytes(png))
+
+
+def render_png(fig: plt.Figure) -> bytes:
+    """`fig` as PNG bytes, closed: rendered in memory, so that a command writing several files can render every
+    figure before it writes any, and a figure that fails leaves the earlier outputs whole."""
+    buffer = io.BytesIO()
     try:
-        write_output(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
+        fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     finally:
         plt.close(fig)
+    return buffer.getvalue()
 
 
 def _highlight(study: optuna.Study, scored: bool = False) -> tuple[ConfirmedCandidate | None, str]:
