@@ -202,6 +202,24 @@ def test_every_command_has_help(capsys):
         assert "--" in capsys.readouterr().out
 
 
+def test_bench_measures_a_config_on_prompts_its_study_did_not_see(capsys, tmp_path, tiny_model_dir):
+    """By default bench drew the prompts optimize had calibrated on (the same dataset, seed and draw): an in-sample
+    figure. The config names its study's prompts by digest, and bench leaves them out unless asked to keep them."""
+    from skipsearch.io.data import load_rows, prompt_digest
+
+    code, _, _ = run(capsys, *optimize_args(tiny_model_dir, tmp_path, "--no-plots", n_trials=2))
+    seen = json.loads((tmp_path / "cli" / "best.json").read_text())["search"]["seen_prompts"]
+    assert code == 0 and {prompt_digest(row.turns) for row in load_rows(num_prompts=2, seed=0)} <= set(seen)
+    bench = ["bench", "--model", tiny_model_dir, "--config", tmp_path / "cli" / "best.json", "--num-prompts", 2,
+             "--max-new-tokens", 3, "--repeats", 1, "--prompt-lookup-tokens", 0, "--no-progress", "--output-dir",
+             tmp_path / "bench"]
+    code, _, err = run(capsys, *bench)
+    assert code == 0 and f"note: {len(seen)} prompts of dataset 'builtin' left out" in err
+    code, _, err = run(capsys, *bench, "--include-study-prompts")
+    assert code == 0 and "left out" not in err
+    assert json.loads((tmp_path / "bench" / "bench.json").read_text())["settings"]["include_study_prompts"]
+
+
 def test_profile_then_bench_with_a_config(capsys, tmp_path, tiny_model_dir, virtual_profiles):
     from transformers import AutoModelForCausalLM
 

@@ -14,6 +14,25 @@ def test_builtin_prompts_are_selected_deterministically_by_seed():
     assert set(load_prompts(num_prompts=5, seed=3)) <= set(everything)
 
 
+def test_rows_a_study_saw_are_left_out_before_the_draw(tmp_path):
+    """bench measures a config on prompts its study neither decoded nor ranked a head on: those rows are left out
+    before the seeded draw, said in a note, and counted where too few remain."""
+    from skipsearch.io.data import prompt_digest
+
+    every = load_rows(num_prompts=None, seed=0)
+    studied = load_rows(num_prompts=4, seed=0)
+    seen = {prompt_digest(row.turns) for row in studied}
+    assert len(seen) == 4 and prompt_digest(("a", "b")) != prompt_digest(("a\x1eb",))
+    notes = []
+    held_out = load_rows(num_prompts=4, seed=0, study_prompts=seen, note=notes.append)
+    assert len(held_out) == 4 and not {prompt_digest(row.turns) for row in held_out} & seen
+    assert notes == [f"4 prompts of dataset 'builtin' left out: the config's study decoded them or ranked its draft "
+                     "head on them, so a figure on them would be in-sample (--include-study-prompts keeps them)"]
+    with pytest.raises(ValueError, match=f"asked for {len(every)} prompts, but dataset 'builtin' has {len(every) - 4} "
+                                         "besides the 4 its config's study saw$"):
+        load_rows(num_prompts=len(every), seed=0, study_prompts=seen, note=notes.append)
+
+
 def test_local_jsonl_and_json_with_a_field(tmp_path):
     (tmp_path / "p.jsonl").write_text("\n".join(json.dumps({"text": f"prompt {i}"}) for i in range(4)))
     assert sorted(load_prompts(str(tmp_path / "p.jsonl"), field="text", num_prompts=4)) == [

@@ -57,10 +57,11 @@ def test_the_ranking_prompts_are_the_datasets_others_never_calibration_prompts(t
     settings = OptimizeSettings(dataset=[str(tmp_path / "d.jsonl")], num_prompts=2, head_prompts=3)
     calibration = load_rows(str(tmp_path / "d.jsonl"), num_prompts=2, seed=0)
     said = []
-    ranked = _ranking_prompts(settings, [str(tmp_path / "d.jsonl")], calibration, default_model, said.append)
+    ranked, rows = _ranking_prompts(settings, [str(tmp_path / "d.jsonl")], calibration, default_model, said.append)
     encoded = {tuple(encode_prompt(default_model.tokenizer, t)): t for t in texts}
     names = [encoded[tuple(ids)] for ids in ranked]
     assert len(names) == 3 and not set(names) & {row.turns[0] for row in calibration} and not said
+    assert [row.turns[0] for row in rows] == names  # the rows a config names as its study's (bench holds them out)
     every = load_rows(str(tmp_path / "d.jsonl"), num_prompts=None, seed=0)
-    assert _ranking_prompts(settings, [str(tmp_path / "d.jsonl")], every, default_model, said.append) == []
+    assert _ranking_prompts(settings, [str(tmp_path / "d.jsonl")], every, default_model, said.append) == ([], [])
     assert "ranked on the calibration prompts" in said[0]

@@ -32,6 +32,7 @@ class BenchSettings(ModelOptions):
     """`python -m skipsearch bench`'s flags, by name, with its defaults."""
 
     config: Path | None = None
+    include_study_prompts: bool = False  # else the prompts the config's study saw are left out of the draw
     early_exit_layer: int | None = None
     prompt_lookup_tokens: int = 10
     repeats: int = 3
@@ -78,7 +79,9 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
     if s.too_long not in TOO_LONG:
         raise ValueError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {s.too_long!r}")
     check_config_flags(s)
-    rows_in = load_rows(s.dataset, s.field, s.split, s.num_prompts, s.seed, s.category_field)
+    seen = () if s.config is None or s.include_study_prompts else load_skip_config(s.config).search.seen_prompts
+    rows_in = load_rows(s.dataset, s.field, s.split, s.num_prompts, s.seed, s.category_field,
+                        study_prompts=set(seen or ()))
     output_dir = s.output_dir or s.studies_dir / "bench"
     flag, inside = ("--output-dir", None) if s.output_dir else ("--studies-dir", s.studies_dir)
     check_output_folder(output_dir, flag, inside=inside)
@@ -187,4 +190,5 @@ def _written_settings(s: BenchSettings, loaded: LoadedModel, prompts: EncodedPro
             "device_name": device_name(loaded.device), "torch_threads": torch.get_num_threads(),
             "project_with": [str(p) for p in s.project_with or ()], "compile": s.compile,
             "seed": s.seed, "field": s.field, "split": s.split, "num_prompts_drawn": s.num_prompts, "raw": s.raw,
-            "category_field": s.category_field, "too_long": s.too_long, "skipped_too_long": skipped}
+            "category_field": s.category_field, "too_long": s.too_long, "skipped_too_long": skipped,
+            "include_study_prompts": s.include_study_prompts}

@@ -15,7 +15,7 @@ from ..decode.cost_profile import CostProfile
 from ..decode.policy import DraftPolicy
 from ..decode.skipset import SkipSet
 from ..io import models
-from ..io.data import BUILTIN, CATEGORY_FIELD, NO_CATEGORIES, PromptRow, draw_per_category, load_rows
+from ..io.data import BUILTIN, CATEGORY_FIELD, NO_CATEGORIES, PromptRow, draw_per_category, load_rows, prompt_digest
 from ..io.files import check_output_folder
 from ..report.export import (categories_confirmed, category_config, dataset_verdicts, decided_config, export_trial,
                               exported_text, verdict)
@@ -104,6 +104,7 @@ class _Prepared:
     profile: CostProfile | None
     projections: list[tuple[str, CostProfile]]
     ranking_prompts: list[list[int]]  # what a trimmed head's ranking is made from (none: the calibration prompts)
+    seen_prompts: list[str]  # the digests of the rows of both, which bench holds out
 
 
 def optimize(settings: OptimizeSettings, say: Callable[[str], None] = print) -> Optimization:
@@ -130,7 +131,7 @@ def _optimize(s: OptimizeSettings, run: _Prepared, say: Callable[[str], None]) -
     study = run_study(model, run.model_info, run.loaded.dtype_name, run.prompts, studied, run.space, run.policy,
                       model.generation_config.eos_token_id, profile=run.profile, stop=stop,
                       prompt_datasets=run.prompt_datasets, special_token_ids=special_token_ids(run.loaded),
-                      ranking_prompts=run.ranking_prompts)
+                      ranking_prompts=run.ranking_prompts, seen_prompts=run.seen_prompts)
     config = export_trial(study, s.folder / "best.json")
     result = Optimization(study, config, f"exported {s.folder / 'best.json'}: {exported_text(config)}")
     say(f"study {s.study_name} in {redact_url(s.storage_url(must_exist=False))}: {study_summary(study, s.n_trials)}")
@@ -230,16 +231,19 @@ def _prepare(s: OptimizeSettings, say: Callable[[str], None]) -> _Prepared:
     if prompt_datasets is not None:  # each prompt kept, with its dataset
         prompt_datasets = [prompt_datasets[i] for i in encoded.kept]
     projections = load_projections(s.project_with or (), loaded.model)
-    ranking = _ranking_prompts(s, datasets, rows, loaded, say) if space.head_rows else []
+    ranking, ranked_on = _ranking_prompts(s, datasets, rows, loaded, say) if space.head_rows else ([], [])
+    seen = sorted({prompt_digest(row.turns) for row in [*rows, *ranked_on]})
     return _Prepared(loaded, model_info, space, policy, encoded.ids, encoded.categories, datasets, prompt_datasets,
-                     first_trials, profile, projections, ranking)
+                     first_trials, profile, projections, ranking, seen)
 
 
 def _ranking_prompts(s: OptimizeSettings, datasets: list[str], calibration: list[PromptRow],
-                     loaded: models.LoadedModel, say: Callable[[str], None]) -> list[list[int]]:
-    """The prompts a trimmed head's ranking is made from: up to --head-prompts rows of the datasets, in their seeded
-    order, that are not calibration prompts, so that the trials measure a head's acceptance on prompts its ranking
-    never saw (ranked on the calibration prompts themselves, every head holds their greedy tokens: acceptance 1)."""
+                     loaded: models.LoadedModel, say: Callable[[str], None]
+                     ) -> tuple[list[list[int]], list[PromptRow]]:
+    """The prompts a trimmed head's ranking is made from, and their rows: up to --head-prompts rows of the datasets,
+    in their seeded order, that are not calibration prompts, so that the trials measure a head's acceptance on prompts
+    its ranking never saw (ranked on the calibration prompts themselves, every head holds their greedy tokens:
+    acceptance 1)."""
     chosen = {row.turns for row in calibration}
     # The calibration prompts' draw said already when categories are left out.
     every = [load_rows(d, s.field, s.split, None, s.seed, s.category_field, note=lambda line: None)
@@ -249,8 +253,8 @@ def _ranking_prompts(s: OptimizeSettings, datasets: list[str], calibration: list
     if not others:
         say("the draft heads' vocabulary is ranked on the calibration prompts (the dataset has no others): the "
             "trials' acceptance of a trimmed head is measured on the prompts that ranked it, and flatters it")
-        return []
-    return encode_rows(loaded, others, s.raw, s.max_new_tokens, 0, "skip", lambda line: None).ids
+        return [], []
+    return encode_rows(loaded, others, s.raw, s.max_new_tokens, 0, "skip", lambda line: None).ids, others
 
 
 DEFAULT_HEAD_ROWS = (4096, 8192, 16384, 32768)

@@ -26,7 +26,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def add_bench_flags(bench: argparse.ArgumentParser) -> None:
-    bench.add_argument("--config", type=Path, default=None, help="skip config JSON to benchmark")
+    bench.add_argument("--config", type=Path, default=None,
+                       help="skip config JSON to benchmark, on prompts its study neither decoded nor ranked a head on "
+                            "(a config exported since they are named in it)")
+    bench.add_argument("--include-study-prompts", action="store_true",
+                       help="draw from every prompt, the --config study's own too (its figure then is in-sample)")
     add_number_flags(bench, [
         ("--early-exit-layer", positive_int, None, "also run HF assistant_early_exit at this layer (LayerSkip-style)"),
         ("--prompt-lookup-tokens", non_negative_int, 10,

@@ -105,6 +105,7 @@ class ConfigSearch:
     confirm_repeats: int | None = None
     created_at: str | None = None  # when the config was exported, ISO 8601 in UTC
     categories: list[str] | None = None
+    seen_prompts: list[str] | None = None  # digests of the prompts its studies decoded or ranked a head on (bench)
     category_studies: dict[str, str | None] | None = None
 
     def to_json(self) -> dict[str, Any]:

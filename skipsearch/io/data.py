@@ -8,11 +8,12 @@ A prompt field may hold text or a list of user turns (a conversation, as Spec-Be
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import random
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -51,16 +52,23 @@ def _note_on_stderr(line: str) -> None:
     print(f"note: {line}", file=sys.stderr)
 
 
+def prompt_digest(turns: Sequence[str]) -> str:
+    """A prompt's fingerprint: a skip config names the prompts its study decoded or ranked its head on by these (not
+    their text, which may be private), so that `bench` can measure it on others."""
+    return hashlib.sha256(json.dumps(list(turns)).encode()).hexdigest()[:16]  # JSON: turns cannot run together
+
+
 def load_rows(dataset: str = BUILTIN, field: str = "prompt", split: str = "train", num_prompts: int | None = 8,
               seed: int = 0, category_field: str | None = None,
-              note: Callable[[str], None] = _note_on_stderr) -> list[PromptRow]:
+              note: Callable[[str], None] = _note_on_stderr, study_prompts: Collection[str] = ()) -> list[PromptRow]:
     """`num_prompts` rows (all when None), drawn by a seeded shuffle, stratified by category when the rows have one.
 
     `dataset` is "builtin" (32 prompts shipped with skipsearch: chat, explanation,
     summarization of a given passage, code), a local .json / .jsonl file, or a Hub name. `category_field`: the field
     naming each row's category, which every row must then have; "none" (NO_CATEGORIES): no categories; None:
     "category" where the rows have it, left out (`note` says why) where a row has no text in it or it has more
-    categories than `num_prompts`, which could not all be represented.
+    categories than `num_prompts`, which could not all be represented. `study_prompts`: digests (`prompt_digest`) of
+    rows to leave out before the draw, as a config's study saw them (`note` says how many).
     """
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
@@ -70,6 +78,9 @@ def load_rows(dataset: str = BUILTIN, field: str = "prompt", split: str = "train
     else:
         records = _hub_records(dataset, split)
     rows, unusable = _rows(records, dataset, field, category_field)
+    empty = len(records) - len(rows)
+    rows = _held_out(rows, study_prompts, dataset, note)
+    held_out = len(records) - empty - len(rows)
     kinds = len(categories_of(rows))
     if category_field is None and not unusable and num_prompts is not None and kinds > num_prompts:
         unusable = f"its {kinds} categories are more than the {num_prompts} prompts asked for"
@@ -77,14 +88,24 @@ def load_rows(dataset: str = BUILTIN, field: str = "prompt", split: str = "train
         note(f"dataset {dataset!r} is drawn without categories: {unusable} (--category-field {CATEGORY_FIELD} to "
              f"require them; --category-field {NO_CATEGORIES} to leave them out without this note)")
         rows = [replace(row, category=None) for row in rows]
-    if not rows:
+    if not rows and not held_out:
         raise ValueError(f"dataset {dataset!r} has no non-empty text in field {field!r}")
-    if num_prompts is not None and num_prompts > len(rows):
-        left_out = len(records) - len(rows)
-        raise ValueError(f"asked for {num_prompts} prompts, but dataset {dataset!r} has {len(rows)}"
-                         + (f" ({left_out} of its {len(records)} rows have no text in field {field!r})"
-                            if left_out else ""))
+    if num_prompts is not None and num_prompts > len(rows) or not rows:
+        raise ValueError(f"asked for {num_prompts or 'any'} prompts, but dataset {dataset!r} has {len(rows)}"
+                         + (f" besides the {held_out} its config's study saw" if held_out else "")
+                         + (f" ({empty} of its {len(records)} rows have no text in field {field!r})" if empty else ""))
     return draw(rows, num_prompts, seed)
+
+
+def _held_out(rows: list[PromptRow], study_prompts: Collection[str], dataset: str,
+              note: Callable[[str], None]) -> list[PromptRow]:
+    """The rows whose digest is not among `study_prompts`, with a note of how many were left out."""
+    kept = [row for row in rows if prompt_digest(row.turns) not in study_prompts]
+    if len(kept) < len(rows):
+        note(f"{len(rows) - len(kept)} prompts of dataset {dataset!r} left out: the config's study decoded them or "
+             "ranked its draft head on them, so a figure on them would be in-sample (--include-study-prompts keeps "
+             "them)")
+    return kept
 
 
 def categories_of(rows: list[PromptRow]) -> list[str]:

@@ -245,7 +245,9 @@ def category_config(configs: dict[str, SkipConfig], study_name: str) -> SkipConf
             won.setdefault(config.skip, []).append((category, config))
     first = next(iter(configs.values()))
     counts = [config.search.num_prompts for config in configs.values()]
+    seen = sorted({digest for config in configs.values() for digest in config.search.seen_prompts or ()})
     search = replace(first.search, study_name=study_name, trial_number=None, categories=list(configs),
+                     seen_prompts=seen or None,
                      num_prompts=None if None in counts else sum(counts),
                      category_studies={c: config.search.study_name for c, config in configs.items()},
                      created_at=datetime.now(timezone.utc).isoformat())
@@ -268,6 +270,7 @@ def _search_settings(study: optuna.Study, label: StudyLabel, trial_number: int |
         study_name=study.study_name, trial_number=trial_number, sampler=label.sampler, dataset=label.dataset,
         num_prompts=label.num_prompts, max_new_tokens=label.max_new_tokens, device=label.device,
         device_name=label.device_name, dtype=label.dtype, predicted_for=label.predicted_for,
+        seen_prompts=label.seen_prompts,
         confirm_repeats=None if confirmation is None else confirmation.repeats,
         created_at=datetime.now(timezone.utc).isoformat(),
     )

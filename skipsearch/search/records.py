@@ -213,6 +213,7 @@ class StudyLabel:
     space: SearchSpace | None = None
     cost_profile: CostProfile | None = None  # a modeled study's: a resumed study scores with the same costs
     compile: bool | None = None  # whether its trials ran compiled (regional) steps; None: an older release's study
+    seen_prompts: list[str] | None = None  # digests of the prompts it decoded or ranked a head on (io/data.py)
 
     @property
     def predicted_for(self) -> str | None:
@@ -263,7 +264,7 @@ class StudyLabel:
 # A label's fields that are plain JSON values, each checked against its type when a study is opened (a damaged one
 # is refused there, not in a later traceback).
 _LABEL_SCALARS = ("objective", "sampler", "dataset", "num_prompts", "max_new_tokens", "seed", "device", "device_name",
-                  "dtype", "compile")
+                  "dtype", "compile", "seen_prompts")
 
 
 @dataclass(frozen=True)

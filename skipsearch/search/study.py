@@ -256,12 +256,14 @@ def run_study(
     prompt_datasets: list[str] | None = None,
     special_token_ids: Sequence[int] = (),
     ranking_prompts: Sequence[Sequence[int]] = (),
+    seen_prompts: Sequence[str] = (),
 ) -> optuna.Study:
     """Run (or resume) the study until it has evaluated `settings.n_trials` distinct skip sets (or until
     timeout, a stop signal or an exhausted space), then confirm its best candidates (see `confirm_candidates`).
     `prompt_datasets`: the dataset of each prompt, in a study of several (`settings.dataset` their list).
     `special_token_ids`: what a trimmed head always holds (the tokenizer's special tokens, EOS first);
-    `ranking_prompts`: what the vocabulary is ranked on for trimmed heads (none: the calibration prompts).
+    `ranking_prompts`: what the vocabulary is ranked on for trimmed heads (none: the calibration prompts);
+    `seen_prompts`: the digests of both sets' rows, which the label keeps so that `bench` can hold them out.
 
     Ctrl-C or SIGTERM finishes the running trial or confirmation, then returns; a second one abandons it (worker.py's
     `stop_on_signals`). Either way the study keeps what finished for the export. Pass `stop` to learn whether a
@@ -273,7 +275,7 @@ def run_study(
         model=model_info, objective=settings.objective, sampler=settings.sampler, dataset=settings.dataset,
         num_prompts=settings.num_prompts, max_new_tokens=settings.max_new_tokens, seed=settings.seed,
         device=str(model.device), device_name=device_name(model.device), dtype=dtype, draft=policy, space=space,
-        compile=compiled)
+        compile=compiled, seen_prompts=list(seen_prompts) or None)
     existing = read_label(study)
     if existing is None:
         # Labelled at once, before any slow work: a worker started beside this one checks its settings against it.
