@@ -208,16 +208,39 @@ def test_bench_measures_a_config_on_prompts_its_study_did_not_see(capsys, tmp_pa
     from skipsearch.io.data import load_rows, prompt_digest
 
     code, _, _ = run(capsys, *optimize_args(tiny_model_dir, tmp_path, "--no-plots", n_trials=2))
-    seen = json.loads((tmp_path / "cli" / "best.json").read_text())["search"]["seen_prompts"]
-    assert code == 0 and {prompt_digest(row.turns) for row in load_rows(num_prompts=2, seed=0)} <= set(seen)
+    config = json.loads((tmp_path / "cli" / "best.json").read_text())
+    # Its 2 calibration prompts, and the 16 its heads were ranked on: the next ones of the seeded order.
+    calibration = load_rows(num_prompts=2, seed=0)
+    ranked_on = [row for row in load_rows(num_prompts=None, seed=0) if row not in calibration][:16]
+    assert code == 0 and config["search"]["seen_prompts"] == sorted(
+        prompt_digest(row.turns) for row in calibration + ranked_on)
     bench = ["bench", "--model", tiny_model_dir, "--config", tmp_path / "cli" / "best.json", "--num-prompts", 2,
              "--max-new-tokens", 3, "--repeats", 1, "--prompt-lookup-tokens", 0, "--no-progress", "--output-dir",
              tmp_path / "bench"]
+    settings = lambda: json.loads((tmp_path / "bench" / "bench.json").read_text())["settings"]  # noqa: E731
     code, _, err = run(capsys, *bench)
-    assert code == 0 and f"note: {len(seen)} prompts of dataset 'builtin' left out" in err
+    assert code == 0 and "note: 18 prompts of dataset 'builtin' left out" in err and settings()["study_prompts"] == \
+        "left out"
     code, _, err = run(capsys, *bench, "--include-study-prompts")
-    assert code == 0 and "left out" not in err
-    assert json.loads((tmp_path / "bench" / "bench.json").read_text())["settings"]["include_study_prompts"]
+    assert code == 0 and "left out" not in err and settings()["study_prompts"] == "kept (--include-study-prompts)"
+    # A study an older release made names no prompts in its label; resumed, it names the same prompts, and so does its
+    # export.
+    import optuna
+
+    from skipsearch.search.records import STUDY_ATTR
+
+    study = optuna.load_study(study_name="cli", storage=f"sqlite:///{tmp_path}/cli.db")
+    study.set_user_attr(STUDY_ATTR, {k: v for k, v in study.user_attrs[STUDY_ATTR].items() if k != "seen_prompts"})
+    code, _, _ = run(capsys, *optimize_args(tiny_model_dir, tmp_path, "--no-plots", n_trials=3))
+    resumed = json.loads((tmp_path / "cli" / "best.json").read_text())["search"]["seen_prompts"]
+    assert code == 0 and resumed == config["search"]["seen_prompts"]
+    # A config exported before configs named their prompts: nothing to leave out, and bench says so.
+    del config["search"]["seen_prompts"]
+    (tmp_path / "old.json").write_text(json.dumps(config))
+    bench[bench.index(tmp_path / "cli" / "best.json")] = tmp_path / "old.json"
+    code, _, err = run(capsys, *bench)
+    assert code == 0 and "does not name its study's prompts" in err and settings()["study_prompts"].startswith(
+        "unknown")
 
 
 def test_profile_then_bench_with_a_config(capsys, tmp_path, tiny_model_dir, virtual_profiles):
@@ -249,6 +272,7 @@ def test_profile_then_bench_with_a_config(capsys, tmp_path, tiny_model_dir, virt
     "argv, message",
     [
         (["bench", "--early-exit-layer", "9"], r"must be in 1\.\.3"),
+        (["bench", "--include-study-prompts"], "--include-study-prompts keeps a --config's study prompts"),
         (["bench", "--cost-profile", "/nonexistent.json", "--config", "/nonexistent/c.json"], "does not exist"),
         (["optimize", "--cost-profile", "/nonexistent.json"], "for --objective modeled"),
     ],

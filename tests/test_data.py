@@ -29,7 +29,7 @@ def test_rows_a_study_saw_are_left_out_before_the_draw(tmp_path):
     assert notes == [f"4 prompts of dataset 'builtin' left out: the config's study decoded them or ranked its draft "
                      "head on them, so a figure on them would be in-sample (--include-study-prompts keeps them)"]
     with pytest.raises(ValueError, match=f"asked for {len(every)} prompts, but dataset 'builtin' has {len(every) - 4} "
-                                         "besides the 4 its config's study saw$"):
+                                         r"besides the 4 its config's study saw \(--include-study-prompts keeps"):
         load_rows(num_prompts=len(every), seed=0, study_prompts=seen, note=notes.append)
 
 

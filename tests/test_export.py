@@ -66,6 +66,15 @@ def test_an_interval_that_straddles_one_is_not_a_win_and_the_verdict_says_why(tm
     assert not pays and "includes 1.0" in text
 
 
+@pytest.mark.parametrize("estimate", [1.3, 0.8])
+def test_a_confirmation_that_recorded_no_low_bound_is_no_win_and_no_crash(tmp_path, estimate):
+    """`Ratio.low` None is "not recorded" (a damaged or foreign record): the decision compared and formatted it."""
+    study = fake_study(tmp_path, [1.0, 1.3], confirmed=[candidate(1, estimate, None, 1.5, [1])])
+    pays, text = verdict(study)
+    assert not pays and f"{estimate:.2f}x as fast as plain decoding (no interval recorded, measured, 8 paired" in text
+    assert export_trial(study, tmp_path / "best.json").skip == SkipSet()
+
+
 def test_a_confirmed_skip_set_is_exported_with_its_interval(tmp_path):
     study = fake_study(tmp_path, [1.0, 1.3, 1.2], confirmed=[candidate(1, 1.25, 1.10, 1.42, [1]),
                                                             candidate(2, 1.02, 0.97, 1.08, [2])])

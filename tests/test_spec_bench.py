@@ -367,6 +367,20 @@ def test_the_combined_config_counts_every_categorys_prompts():
     assert category_config({"a": config([1], 4), "b": config([2], None)}, "s").search.num_prompts is None
 
 
+def test_the_combined_config_names_every_categorys_study_prompts():
+    """bench leaves out every prompt a category's study saw: the combined config names them all, once each."""
+    info = ModelInfo("tiny", "LlamaForCausalLM", 4, 32)
+
+    def config(attn, seen):
+        return SkipConfig(info, SkipSet.of(attn), metrics=ConfigMetrics(speedup=1.2, verdict="won"),
+                          search=ConfigSearch(study_name="s", seen_prompts=seen))
+
+    combined = category_config({"a": config([1], ["d2", "d1"]), "b": config([2], ["d1", "d3"]), "c": config([], None)},
+                               "s")
+    assert combined.search.seen_prompts == ["d1", "d2", "d3"]
+    assert category_config({"a": config([1], None)}, "s").search.seen_prompts is None
+
+
 def test_plain_decoding_exported_for_every_category_rests_on_their_confirmations():
     """As a study's plain export does where its confirmation found no set faster (`confirmed` true)."""
     info = ModelInfo("tiny", "LlamaForCausalLM", 4, 32)

@@ -11,7 +11,7 @@ import torch
 from ..costs.profiler import contexts_for, device_name, profile_costs, study_compile_mode
 from ..decode.config import SkipConfig, load_skip_config
 from ..decode.cost_profile import CostProfile
-from ..io.data import BUILTIN, PromptRow, categories_of, load_rows
+from ..io.data import BUILTIN, PromptRow, categories_of, load_rows, note_on_stderr
 from ..io.files import check_output_file, check_output_folder, output_target
 from ..io.models import LoadedModel
 from ..report.bench import (BenchRow, Measured, bench_rows, bench_verdict, config_drafts, format_table,
@@ -78,10 +78,9 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
     s = settings
     if s.too_long not in TOO_LONG:
         raise ValueError(f"--too-long must be one of {', '.join(TOO_LONG)}, got {s.too_long!r}")
-    check_config_flags(s)
-    seen = () if s.config is None or s.include_study_prompts else load_skip_config(s.config).search.seen_prompts
+    config_file = check_config_flags(s)
     rows_in = load_rows(s.dataset, s.field, s.split, s.num_prompts, s.seed, s.category_field,
-                        study_prompts=set(seen or ()))
+                        study_prompts=_study_prompts(s, config_file))
     output_dir = s.output_dir or s.studies_dir / "bench"
     flag, inside = ("--output-dir", None) if s.output_dir else ("--studies-dir", s.studies_dir)
     check_output_folder(output_dir, flag, inside=inside)
@@ -106,7 +105,7 @@ def benchmark(settings: BenchSettings, say: Callable[[str], None] = print) -> Be
     rows = bench_rows(loaded.model, measured, config, profile, projections)
     groups = _by_category(loaded, measured, prompts, rows, config, categories_of(rows_in))
     verdict = bench_verdict(rows, config, s.max_new_tokens)
-    written = _written_settings(s, loaded, prompts, rows_in)
+    written = _written_settings(s, loaded, prompts, rows_in, config_file)
     # Drawn before anything is written: write_outputs renders every chart first and writes bench.json last.
     figures = {CATEGORIES_PNG: category_figure(groups, f"Speedup per category: {run_caption(written)}")} \
         if groups else None
@@ -133,10 +132,12 @@ def _by_category(loaded: LoadedModel, measured: Measured, prompts: EncodedPrompt
     return [*groups, CategoryRows(OVERALL, len(prompts.ids), rows)]
 
 
-def check_config_flags(s: BenchSettings) -> None:
-    """A broken config file, and flags that mean nothing with the config (or without one), refused before the model
-    loads: a projection prices one skip set from its rounds, and a config that drafts needs room for a drafting round
-    to measure a draft."""
+def check_config_flags(s: BenchSettings) -> SkipConfig | None:
+    """The config file read (not yet checked against the model); a broken one, and flags that mean nothing with the
+    config (or without one), refused before the model loads: a projection prices one skip set from its rounds, and a
+    config that drafts needs room for a drafting round to measure a draft."""
+    if s.include_study_prompts and not s.config:
+        raise ValueError("--include-study-prompts keeps a --config's study prompts in the draw: give the --config")
     config = load_skip_config(s.config) if s.config else None
     drafts = config is not None and config_drafts(config)
     if s.project_with and not drafts:
@@ -148,6 +149,28 @@ def check_config_flags(s: BenchSettings) -> None:
         raise ValueError(f"--max-new-tokens {s.max_new_tokens} leaves no room for a draft (the prefill gives the first "
                          "token, a round needs one for a draft and one for the full model's): benching a config that "
                          f"drafts needs --max-new-tokens >= {MIN_STUDY_NEW_TOKENS}")
+    return config
+
+
+def _study_prompts(s: BenchSettings, config: SkipConfig | None) -> frozenset[str]:
+    """The digests of the prompts the config's study saw, which the draw leaves out; none with
+    --include-study-prompts, or where the config names none (exported before configs did: said, since the draw may
+    then hold them)."""
+    if config is None or s.include_study_prompts:
+        return frozenset()
+    if config.search.seen_prompts is None and config.search.study_name is not None:
+        note_on_stderr(f"{s.config} does not name its study's prompts (exported before configs did), so none can be "
+                       "left out: the prompts drawn may include those its study calibrated on")
+    return frozenset(config.search.seen_prompts or ())
+
+
+def _study_prompts_said(s: BenchSettings, config: SkipConfig | None) -> str | None:
+    """What bench.json says of the config's study prompts in the draw."""
+    if config is None:
+        return None
+    if s.include_study_prompts:
+        return "kept (--include-study-prompts)"
+    return "left out" if config.search.seen_prompts is not None else "unknown: the config names none"
 
 
 def draft_room(settings: BenchSettings, config: SkipConfig | None) -> int:
@@ -179,7 +202,8 @@ def profiled_mode(compile: bool, device: torch.device) -> str | None:
     return study_compile_mode(device) if compile else None
 
 
-def _written_settings(s: BenchSettings, loaded: LoadedModel, prompts: EncodedPrompts, rows: list[PromptRow]) -> dict:
+def _written_settings(s: BenchSettings, loaded: LoadedModel, prompts: EncodedPrompts, rows: list[PromptRow],
+                      config: SkipConfig | None) -> dict:
     """The settings bench.json records beside its rows: with the flags that choose the prompts (the seeded draw of
     `num_prompts_drawn`, stratified by category) and the drawn prompts skipped as too long, so that the draw can be
     made again; `num_prompts` counts the prompts decoded."""
@@ -191,4 +215,4 @@ def _written_settings(s: BenchSettings, loaded: LoadedModel, prompts: EncodedPro
             "project_with": [str(p) for p in s.project_with or ()], "compile": s.compile,
             "seed": s.seed, "field": s.field, "split": s.split, "num_prompts_drawn": s.num_prompts, "raw": s.raw,
             "category_field": s.category_field, "too_long": s.too_long, "skipped_too_long": skipped,
-            "include_study_prompts": s.include_study_prompts}
+            "study_prompts": _study_prompts_said(s, config)}

@@ -328,7 +328,8 @@ def _projections(study: optuna.Study, run: _Prepared, max_new_tokens: int, top: 
     model, label = run.loaded.model, study_label(study)
     objective = label.objective
     # A modeled study times nothing: its figure is the cost model's for its profile's device, and says so.
-    here = "measured here" if label.predicted_for is None else f"predicted for {label.predicted_for}"
+    here = ("measured here" if objective != "modeled" else f"predicted for {label.predicted_for}"
+            if label.predicted_for else "predicted")
     measured = []
     for trial in ranked(study)[:top]:
         stats = decode_stats(model, run.prompts, trial.skip, run.policy, max_new_tokens,

@@ -28,7 +28,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_bench_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--config", type=Path, default=None,
                        help="skip config JSON to benchmark, on prompts its study neither decoded nor ranked a head on "
-                            "(a config exported since they are named in it)")
+                            "(configs exported by this release name them; of an older one, a note says none can be "
+                            "left out)")
     bench.add_argument("--include-study-prompts", action="store_true",
                        help="draw from every prompt, the --config study's own too (its figure then is in-sample)")
     add_number_flags(bench, [

@@ -48,7 +48,7 @@ def load_prompts(
     return [row.turns[0] for row in load_rows(dataset, field, split, num_prompts, seed)]
 
 
-def _note_on_stderr(line: str) -> None:
+def note_on_stderr(line: str) -> None:
     print(f"note: {line}", file=sys.stderr)
 
 
@@ -60,7 +60,7 @@ def prompt_digest(turns: Sequence[str]) -> str:
 
 def load_rows(dataset: str = BUILTIN, field: str = "prompt", split: str = "train", num_prompts: int | None = 8,
               seed: int = 0, category_field: str | None = None,
-              note: Callable[[str], None] = _note_on_stderr, study_prompts: Collection[str] = ()) -> list[PromptRow]:
+              note: Callable[[str], None] = note_on_stderr, study_prompts: Collection[str] = ()) -> list[PromptRow]:
     """`num_prompts` rows (all when None), drawn by a seeded shuffle, stratified by category when the rows have one.
 
     `dataset` is "builtin" (32 prompts shipped with skipsearch: chat, explanation,
@@ -91,8 +91,10 @@ def load_rows(dataset: str = BUILTIN, field: str = "prompt", split: str = "train
     if not rows and not held_out:
         raise ValueError(f"dataset {dataset!r} has no non-empty text in field {field!r}")
     if num_prompts is not None and num_prompts > len(rows) or not rows:
-        raise ValueError(f"asked for {num_prompts or 'any'} prompts, but dataset {dataset!r} has {len(rows)}"
-                         + (f" besides the {held_out} its config's study saw" if held_out else "")
+        raise ValueError(f"asked for {num_prompts or 'prompts'}{' prompts' if num_prompts else ''}, but dataset "
+                         f"{dataset!r} has {len(rows)}"
+                         + (f" besides the {held_out} its config's study saw (--include-study-prompts keeps those, "
+                            "for an in-sample figure; or give another --dataset)" if held_out else "")
                          + (f" ({empty} of its {len(records)} rows have no text in field {field!r})" if empty else ""))
     return draw(rows, num_prompts, seed)
 
@@ -140,7 +142,7 @@ def draw(rows: list[PromptRow], num_prompts: int | None, seed: int) -> list[Prom
 def draw_per_category(rows: list[PromptRow], per_category: int, seed: int) -> dict[str, list[PromptRow]]:
     """`per_category` rows of each category (the front of its shuffle, as `draw` takes them)."""
     groups = shuffled_by_category(rows, seed)
-    if None in groups:
+    if None in groups:  # rows read without categories: optimize --per-category names the field, so that it is refused
         raise ValueError("the dataset's rows have no category: name the field with --category-field")
     short = next((c for c, group in groups.items() if len(group) < per_category), None)
     if short is not None:
@@ -211,7 +213,9 @@ def _rows(records: list[tuple[str, dict]], name: str, field: str,
     for wanted in (field, category_field if named else None):
         if wanted is not None and not any(wanted in record for _, record in records):
             fields = sorted({key for _, record in records for key in record})
-            raise ValueError(f"dataset {name!r} has no field {wanted!r}: its fields are {', '.join(fields)}")
+            raise ValueError(f"dataset {name!r} has no field {wanted!r}: its fields are {', '.join(fields)}"
+                             + (" (--category-field NAME names the one that holds categories)"
+                                if wanted == category_field else ""))
     read = category_field if named else CATEGORY_FIELD if category_field is None and any(
         CATEGORY_FIELD in record for _, record in records) else None
     rows, unusable = [], None

@@ -52,12 +52,15 @@ class Decision:
 
 def _figure(figures: Figures, label: StudyLabel) -> str:
     speedup = quoted_speedup(figures, label.objective)
-    if label.predicted_for is not None:
-        basis = f"predicted for {label.predicted_for} by the cost model from acceptance over {figures.prompts} prompts"
+    if label.objective == "modeled":
+        device = f" for {label.predicted_for}" if label.predicted_for else ""
+        basis = f"predicted{device} by the cost model from acceptance over {figures.prompts} prompts"
     elif figures.paired_runs < 2:
         return f"{speedup.estimate:.2f}x as fast as plain decoding (measured, one paired run: no interval)"
     else:
         basis = f"measured, {figures.paired_runs} paired runs"
+    if speedup.low is None:  # a damaged record: no interval to quote
+        return f"{speedup.estimate:.2f}x as fast as plain decoding (no interval recorded, {basis})"
     high = "unbounded" if speedup.high is None else format(speedup.high, ".2f")
     return f"{speedup.estimate:.2f}x as fast as plain decoding (95% interval {speedup.low:.2f}-{high}, {basis})"
 
@@ -101,7 +104,8 @@ def _decide_by(confirmation: Confirmation, study: optuna.Study, dataset: str | N
         return Decision(chosen, best, (
             f"skip set of trial {chosen.trial} ({chosen.skip}) decodes {_figure(chosen.figures, label)}; "
             f"acceptance {chosen.figures.acceptance_rate:.2f}, {chosen.skipped} sublayers skipped"))
-    where = " and device" if label.predicted_for is None else f", as predicted for {label.predicted_for}"
+    where = (" and device" if objective != "modeled" else f", as predicted for {label.predicted_for}"
+             if label.predicted_for else ", as the cost model predicts")
     text = (f"no skip set was confirmed faster than plain decoding on this model{where}: the best, trial "
             f"{best.trial} ({best.skip}), decodes {_figure(best.figures, label)}")
     if speedup(best).estimate > 1.0 and objective != "modeled" and best.figures.paired_runs < 2:

@@ -55,7 +55,7 @@ def _highlight(study: optuna.Study, scored: bool = False) -> tuple[ConfirmedCand
         figure = f"{speedup.estimate:.2f}x ({speedup.low:.2f}-{speedup.high:.2f})"
     else:
         figure = f"{speedup.estimate:.2f}x (one paired run: no interval)"
-    fast = " as fast as plain decoding" + (", predicted" if study_label(study).predicted_for else "")
+    fast = " as fast as plain decoding" + (", predicted" if study_label(study).objective == "modeled" else "")
     if scored and study_label(study).objective == "speed_x_acceptance":
         # A star at the score labelled with the speedup alone reads as a speedup that the axis does not show.
         acceptance = 1.0 if shown.figures.acceptance_rate is None else shown.figures.acceptance_rate  # as scored
@@ -122,8 +122,9 @@ def skip_map(study: optuna.Study, top_fraction: float = 0.2) -> plt.Figure:
 
 def _where(label: StudyLabel) -> str:
     """Where the speedups a study plots hold: the device it decoded on, or a modeled study's cost profile's."""
-    predicted_for = label.predicted_for
-    return f"on {label.device_name or label.device or ''}" if predicted_for is None else f"predicted for {predicted_for}"
+    if label.objective != "modeled":
+        return f"on {label.device_name or label.device or ''}"
+    return f"predicted for {label.predicted_for}" if label.predicted_for else "predicted by a cost profile"
 
 
 def speedup_vs_skipped(study: optuna.Study) -> plt.Figure:

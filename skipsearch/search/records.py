@@ -218,11 +218,9 @@ class StudyLabel:
     @property
     def predicted_for(self) -> str | None:
         """The device a modeled study's speedups are predictions for (its cost profile's, seldom the one it decoded
-        on); None in a study that measures its speedups."""
-        if self.objective != "modeled":
-            return None
-        profile = self.cost_profile
-        return (profile.provenance.get("device_name") or profile.device) if profile is not None else "a cost profile"
+        on); None in a study that measures its speedups, or a modeled one whose profile is not stored yet."""
+        profile = self.cost_profile if self.objective == "modeled" else None
+        return None if profile is None else profile.provenance.get("device_name") or profile.device
 
     @property
     def datasets(self) -> tuple[str, ...]:

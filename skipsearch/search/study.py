@@ -286,6 +286,8 @@ def run_study(
         label = replace(label, cost_profile=profile)
     if existing is not None:
         check_resumable(settings.study_name, existing, label)
+        if existing.seen_prompts is None and label.seen_prompts:  # an older release's study: the same prompts, named
+            records.write_label(study, replace(existing, seen_prompts=label.seen_prompts))
     if label.cost_profile is not None and (existing is None or existing.cost_profile is None):
         records.write_label(study, label)  # now with the cost profile
     evaluator = Evaluator(model=model, prompts=prompts, max_new_tokens=settings.max_new_tokens, policy=policy,
