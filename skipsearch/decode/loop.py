@@ -92,11 +92,10 @@ def generate(
     (`drafting_skip`); several sets: the prefill chooses one or plain decoding (choice.py). `cost_profile` prices
     rounds (and pads verifications to the cheapest width) until the rounds' own times take over (controller.py).
     `memory`: what the controller learned in earlier calls (plain speed, back-offs), updated in place; None: nothing.
-    `timed=False`: no clock read, the same rounds on any machine (`_Run.timed`). `generator` seeds sampling (on the
-    model's device; the same tokens each call untimed, with no `memory`). `compile` runs the draft and verify forwards
-    compiled (`compile_backend`, `compile_mode`: engine.py's modes; CUDA graphs on CUDA), kept on the model, one call
-    at a time (`Engine.exclusive`); the regional mode on CUDA compiles the prefill too. `hooks`: logits processing,
-    stopping and streaming, in the caller's hands."""
+    `timed=False`: no clock read, the same rounds on any machine (`_Run.timed`). `generator` seeds sampling, on the
+    model's device (the same tokens each call untimed, with no `memory`). `compile`: compiled draft and verify steps
+    (`compile_backend`, `compile_mode`: engine.py's modes; CUDA graphs on CUDA, where regional compiles the prefill
+    too), kept on the model, one call at a time. `hooks`: logits processing, stopping, streaming, the caller's."""
     prompt = check_prompt(model, input_ids)  # before any work: each a TypeError or ValueError saying what is wrong
     check_generate_args(model, prompt.shape[1], skip, max_new_tokens, policy, sampling, cost_profile)
     candidates = drafting_sets(skip, policy)
