@@ -63,6 +63,7 @@ def test_generate_reads_a_config(capsys, tmp_path, tiny_model_dir):
         (["--config", "x.json", "--skip-mlp", "1"], "either --config or --skip-attn"),
         (["--skip-attn", "1", "--max-draft-tokens", "0"], "drafts nothing, so the skip set would never be used"),
         (["--temperature", "0.7", "--top-k", "5"], r"error: --temperature, --top-k shape sampling: add --do-sample"),
+        (["--seed", "3"], r"error: --seed shapes sampling: add --do-sample"),
         (["--do-sample", "--memory", "m.json"], "--do-sample plans its rounds without them .* give one or the other"),
     ],
 )

@@ -230,7 +230,7 @@ def test_a_hub_class_label_category_is_read_as_its_name(monkeypatch):
 
 def test_a_non_utf8_json_file_is_refused_naming_it(tmp_path):
     (tmp_path / "latin.json").write_bytes(b'[{"prompt": "caf\xe9"}]')
-    with pytest.raises(ValueError, match=r"dataset '.*latin.json' is not UTF-8 text \(byte 16\)$"):
+    with pytest.raises(ValueError, match=r"dataset '.*latin.json' is not UTF-8 text \(at byte 16\): save it as UTF-8$"):
         load_prompts(str(tmp_path / "latin.json"))
 
 

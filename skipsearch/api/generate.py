@@ -37,7 +37,7 @@ class GenerateSettings(ModelOptions, DraftOptions):
     temperature: float | None = None  # None: 1.0 when sampling
     top_k: int | None = None
     top_p: float | None = None
-    seed: int = 0
+    seed: int | None = None  # None: 0 when sampling
     compile: bool = False
     memory: Path | None = None  # what the guard learned in earlier runs: read where the file exists, written after
 
@@ -78,7 +78,7 @@ def generate_text(settings: GenerateSettings) -> Generation:
     policy = s.policy(base_policy)
     prompt_ids = models.encode_prompt(loaded.tokenizer, s.prompt, raw=s.raw)
     check_room(loaded.model, len(prompt_ids), s.max_new_tokens, skip, policy, flag="--max-new-tokens")
-    generator = torch.Generator(loaded.device).manual_seed(s.seed) if s.do_sample else None
+    generator = torch.Generator(loaded.device).manual_seed(s.seed or 0) if s.do_sample else None
     output = generate(
         loaded.model, prompt_ids, skip=skip, max_new_tokens=s.max_new_tokens, policy=policy,
         sampling=sampling, eos_token_id=loaded.model.generation_config.eos_token_id, generator=generator,
@@ -97,10 +97,11 @@ def generate_text(settings: GenerateSettings) -> Generation:
 
 def _check_sampling(s: GenerateSettings) -> None:
     """Sampling's flags without --do-sample would be ignored, and --memory would be too with it: say so."""
-    given = [flag for flag, value in (("--temperature", s.temperature), ("--top-k", s.top_k), ("--top-p", s.top_p))
-             if value is not None]
+    given = [flag for flag, value in (("--temperature", s.temperature), ("--top-k", s.top_k), ("--top-p", s.top_p),
+                                      ("--seed", s.seed)) if value is not None]
     if given and not s.do_sample:
-        raise ValueError(f"{', '.join(given)} shape sampling: add --do-sample (without it decoding is greedy)")
+        raise ValueError(f"{', '.join(given)} {'shapes' if len(given) == 1 else 'shape'} sampling: add --do-sample "
+                         "(without it decoding is greedy)")
     if s.do_sample and s.memory is not None:
         raise ValueError("--memory keeps what this machine's timings taught the guard, and --do-sample plans its "
                          "rounds without them so that --seed gives the same text every run: give one or the other")

@@ -76,9 +76,10 @@ def add_generate_flags(gen: argparse.ArgumentParser) -> None:
                      help="sampling temperature, with --do-sample (default: 1.0)")
     gen.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
     gen.add_argument("--top-p", type=nucleus_mass, default=None, help="nucleus sampling mass")
-    gen.add_argument("--seed", type=seed_value, default=0,
-                     help="sampling seed: with --do-sample, the same seed gives the same text every run (its rounds "
-                          "are then planned without the clock, so the guard never falls back to plain decoding)")
+    gen.add_argument("--seed", type=seed_value, default=None,
+                     help="sampling seed, with --do-sample (default: 0): the same seed gives the same text every run "
+                          "(its rounds are then planned without the clock, so the guard never falls back to plain "
+                          "decoding)")
     gen.add_argument("--json", action="store_true", help="print text, token ids and statistics as JSON")
     gen.add_argument("--memory", type=Path, default=None, metavar="FILE",
                      help="what the guard learned in earlier runs (plain speed, when each skip set drafts again), "

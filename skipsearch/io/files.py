@@ -199,7 +199,7 @@ def read_json(path: str | Path, what: str, lines: bool = False) -> Any:
     except FileNotFoundError:
         raise ValueError(f"{what} {name} does not exist") from None
     except UnicodeDecodeError as error:
-        raise ValueError(f"{what} {name} is not UTF-8 text (byte {error.start})") from None
+        raise ValueError(f"{what} {name} is not UTF-8 text (at byte {error.start}): save it as UTF-8") from None
     except OSError as error:
         if error.errno is not None and error.errno not in _NO_FILE_ERRNOS:
             raise
